@@ -1,0 +1,333 @@
+"""Tensor codecs and sender-side error feedback.
+
+| codec      | params                  | payload                                    | lossy |
+|------------|-------------------------|--------------------------------------------|-------|
+| `none`     | -                       | the raw bytes, in the tensor's own dtype   | no    |
+| `fp16`     | -                       | float16 values (clamped to ±65504)         | yes   |
+| `int8`     | `block_size`            | fp32 absmax per block, then int8 values    | yes   |
+| `topk`     | `ratio`                 | int32 indices, then fp32 values            | yes   |
+| `powersgd` | `rank`, `rows`, `cols`  | fp32 P (rows×rank), then fp32 Q (cols×rank) | yes   |
+
+`encode` runs on our own tensors (misuse raises `LocalProtocolError`); `decode_tensor` runs on
+what a peer sent and checks every size against the header before allocating
+(`RemoteProtocolError`). Lossy codecs pair with `ErrorFeedback`: what a step lost is added to
+the next step's input, so the running sum of decoded tensors tracks the running sum of inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from .errors import LocalProtocolError, RemoteProtocolError
+from .tensors import DEFAULT_MAX_NUMEL, DTYPES, FLOAT_DTYPES, EncodedTensor, dtype_name, tensor_bytes, tensor_from_bytes
+
+FP16_MAX = 65504.0
+
+
+class Codec:
+    """Base class. Subclasses set `name`, `lossy`, and implement `_encode` / `_decode`."""
+
+    name: ClassVar[str]
+    lossy: ClassVar[bool]
+    codecs: ClassVar[dict[str, type[Codec]]] = {}
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        Codec.codecs[cls.name] = cls
+
+    def encode(self, x: torch.Tensor, state: dict[str, Any] | None = None) -> EncodedTensor:
+        """Encode a local tensor. `state` (per tensor, owned by the caller) lets a codec warm-start."""
+        if not isinstance(x, torch.Tensor):
+            raise LocalProtocolError(f"expected a torch.Tensor, got {type(x).__name__}")
+        name = dtype_name(x.dtype)
+        if self.lossy and name not in FLOAT_DTYPES:
+            raise LocalProtocolError(f"codec {self.name} needs a floating-point tensor, got {name}")
+        return self._encode(x.detach().cpu().contiguous(), name, state)
+
+    def _encode(self, x: torch.Tensor, dtype: str, state: dict[str, Any] | None) -> EncodedTensor:
+        raise NotImplementedError
+
+    @classmethod
+    def _decode(cls, enc: EncodedTensor, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+def _expect_size(enc: EncodedTensor, expected: int) -> None:
+    if enc.nbytes != expected:
+        raise RemoteProtocolError(
+            f"{enc.codec} payload is {enc.nbytes} bytes, expected {expected} for shape {enc.shape}", "payload"
+        )
+
+
+def _int_param(enc: EncodedTensor, name: str, lo: int, hi: int) -> int:
+    v = enc.params.get(name)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise RemoteProtocolError(f"{enc.codec} needs an int in [{lo}, {hi}], got {v!r}", f"params.{name}")
+    return v
+
+
+# Element-wise work runs over slices of this many elements, so that each pass of a multi-pass
+# codec stays in cache instead of streaming the whole tensor through memory once per pass.
+_SLICE = 1 << 18
+
+
+class NoneCodec(Codec):
+    """Exact: the tensor's own bytes, in its own dtype (fp32, bf16, fp16, ints, bool)."""
+
+    name, lossy = "none", False
+
+    def _encode(self, x, dtype, state):
+        return EncodedTensor(dtype, tuple(x.shape), self.name, tensor_bytes(x))
+
+    @classmethod
+    def _decode(cls, enc, dtype):
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        _expect_size(enc, enc.numel * itemsize)
+        return tensor_from_bytes(enc.payload, dtype, enc.numel)
+
+
+class Fp16Codec(Codec):
+    """Half precision, values clamped to the fp16 range so nothing finite becomes inf."""
+
+    name, lossy = "fp16", True
+
+    def _encode(self, x, dtype, state):
+        half = x.reshape(-1).to(torch.float16)
+        half.clamp_(-FP16_MAX, FP16_MAX)  # inf -> ±max; NaN stays NaN for the receiver to see
+        return EncodedTensor(dtype, tuple(x.shape), self.name, tensor_bytes(half))
+
+    @classmethod
+    def _decode(cls, enc, dtype):
+        _expect_size(enc, enc.numel * 2)
+        return tensor_from_bytes(enc.payload, torch.float16, enc.numel).to(dtype)
+
+
+class Int8Codec(Codec):
+    """Blockwise absmax int8: per block of `block_size` values, one fp32 absmax and int8 codes
+    q = round(x / absmax * 127). Max abs error per block: absmax / 254 (rounding) ≤ absmax / 127."""
+
+    name, lossy = "int8", True
+    MIN_BLOCK, MAX_BLOCK = 16, 1 << 20
+
+    def __init__(self, block_size: int = 1024):
+        if not self.MIN_BLOCK <= block_size <= self.MAX_BLOCK:
+            raise LocalProtocolError(f"int8 block_size must be in [{self.MIN_BLOCK}, {self.MAX_BLOCK}]")
+        self.block_size = block_size
+
+    def _encode(self, x, dtype, state):
+        flat = x.reshape(-1)
+        n, bs = flat.numel(), self.block_size
+        nblocks = math.ceil(n / bs)
+        out = torch.empty(nblocks * 4 + n, dtype=torch.uint8)
+        absmax_out = out[: nblocks * 4].view(torch.float32)
+        codes_out = out[nblocks * 4 :].view(torch.int8)
+        step = max(1, _SLICE // bs) * bs  # whole blocks per slice
+        for start in range(0, n, step):
+            chunk = flat[start : start + step].to(torch.float32)
+            m = chunk.numel()
+            b0, nb = start // bs, math.ceil(m / bs)
+            if m % bs:
+                chunk = torch.nn.functional.pad(chunk, (0, nb * bs - m))
+            blocks = chunk.view(nb, bs)
+            absmax = torch.amax(blocks.abs(), dim=1, out=absmax_out[b0 : b0 + nb])
+            inv = torch.where(absmax > 0, 127.0 / absmax, 0.0)
+            blocks = blocks.mul(inv.unsqueeze(1)).round_().clamp_(-127, 127)
+            codes_out[start : start + m].copy_(blocks.view(-1)[:m])
+        return EncodedTensor(dtype, tuple(x.shape), self.name, tensor_bytes(out), {"block_size": bs})
+
+    @classmethod
+    def _decode(cls, enc, dtype):
+        bs = _int_param(enc, "block_size", cls.MIN_BLOCK, cls.MAX_BLOCK)
+        n = enc.numel
+        nblocks = math.ceil(n / bs)
+        _expect_size(enc, nblocks * 4 + n)
+        raw = tensor_from_bytes(enc.payload, torch.uint8, enc.nbytes)
+        scale = raw[: nblocks * 4].view(torch.float32) / 127.0
+        codes = raw[nblocks * 4 :].view(torch.int8)
+        out = torch.empty(n, dtype=torch.float32)
+        step = max(1, _SLICE // bs) * bs
+        for start in range(0, n, step):
+            m = min(step, n - start)
+            b0, nb = start // bs, math.ceil(m / bs)
+            full = (m // bs) * bs
+            dst = out[start : start + full].view(-1, bs)
+            torch.mul(codes[start : start + full].view(-1, bs), scale[b0 : b0 + full // bs].unsqueeze(1), out=dst)
+            if full < m:  # the last, partial block
+                out[start + full : start + m] = codes[start + full : start + m].to(torch.float32) * scale[b0 + nb - 1]
+        return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _concat(*tensors: torch.Tensor) -> memoryview:
+    """The bytes of several tensors, one after another, in one buffer."""
+    return tensor_bytes(torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]))
+
+
+def _topk_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted indices of the k largest magnitudes. On large tensors a threshold estimated from a
+    strided sample first narrows the candidates (a full torch.topk over 64M values takes seconds);
+    the answer is still exact, because when the candidates fall short it falls back to full topk."""
+    n = mag.numel()
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if n > (1 << 20) and k < n // 8:
+        sample = mag[:: n // (1 << 16)]
+        q = max(0.0, 1.0 - 2.0 * k / n)  # aim for about 2k candidates
+        threshold = torch.quantile(sample, q).item()
+        cand = torch.nonzero(mag >= threshold).view(-1)
+        if cand.numel() >= k:
+            idx = cand[torch.topk(mag[cand], k, sorted=False).indices]
+            return torch.sort(idx).values
+    return torch.sort(torch.topk(mag, k, sorted=False).indices).values
+
+
+class TopKCodec(Codec):
+    """Sparse: the `ratio`·n largest-magnitude values (at least one) and their int32 indices."""
+
+    name, lossy = "topk", True
+
+    def __init__(self, ratio: float = 0.01):
+        if not 0 < ratio <= 1:
+            raise LocalProtocolError("topk ratio must be in (0, 1]")
+        self.ratio = ratio
+
+    def _encode(self, x, dtype, state):
+        flat = x.reshape(-1).to(torch.float32)
+        n = flat.numel()
+        if n >= 2**31:
+            raise LocalProtocolError("topk supports tensors under 2^31 elements")
+        k = min(n, max(1, math.ceil(self.ratio * n))) if n else 0
+        idx = _topk_indices(flat.abs(), k)
+        payload = _concat(idx.to(torch.int32), flat[idx])
+        return EncodedTensor(dtype, tuple(x.shape), self.name, payload, {"k": k})
+
+    @classmethod
+    def _decode(cls, enc, dtype):
+        n = enc.numel
+        k = _int_param(enc, "k", 0, n)
+        _expect_size(enc, k * 8)
+        view = memoryview(enc.payload)
+        idx = tensor_from_bytes(view[: k * 4], torch.int32, k).to(torch.int64)
+        vals = tensor_from_bytes(view[k * 4 :], torch.float32, k)
+        if k and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise RemoteProtocolError(f"topk index out of range [0, {n})", "payload")
+        out = torch.zeros(n, dtype=torch.float32)
+        out[idx] = vals
+        return out.to(dtype)
+
+
+def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """How powersgd sees a tensor: (dim 0, the rest), or a near-square padding of a vector."""
+    n = math.prod(shape)
+    if len(shape) >= 2 and shape[0] > 1 and n // shape[0] > 1:
+        return shape[0], n // shape[0]
+    rows = max(1, math.isqrt(max(n, 1)))
+    return rows, max(1, math.ceil(n / rows))
+
+
+class PowerSGDCodec(Codec):
+    """Low rank: M ≈ P Qᵀ with P (rows×rank) orthonormal, from one power iteration.
+    Pass a per-tensor `state` dict to warm-start Q from the previous step, as PowerSGD does."""
+
+    name, lossy = "powersgd", True
+    MAX_RANK = 1024
+
+    def __init__(self, rank: int = 4, seed: int = 0):
+        if not 1 <= rank <= self.MAX_RANK:
+            raise LocalProtocolError(f"powersgd rank must be in [1, {self.MAX_RANK}]")
+        self.rank, self.seed = rank, seed
+
+    def _encode(self, x, dtype, state):
+        rows, cols = _matrix_shape(tuple(x.shape))
+        flat = x.reshape(-1).to(torch.float32)
+        if flat.numel() < rows * cols:
+            flat = torch.nn.functional.pad(flat, (0, rows * cols - flat.numel()))
+        m = flat.view(rows, cols)
+        r = min(self.rank, rows, cols)
+        q = state.get("q") if state is not None else None
+        if q is None or q.shape != (cols, r):
+            gen = torch.Generator().manual_seed(self.seed)
+            q = torch.randn(cols, r, generator=gen)
+        p = m @ q
+        p, _ = torch.linalg.qr(p)  # orthonormal columns
+        q = m.T @ p
+        if state is not None:
+            state["q"] = q
+        payload = _concat(p, q)
+        return EncodedTensor(dtype, tuple(x.shape), self.name, payload, {"rank": r, "rows": rows, "cols": cols})
+
+    @classmethod
+    def _decode(cls, enc, dtype):
+        n = enc.numel
+        rows, cols = _matrix_shape(enc.shape)
+        r = _int_param(enc, "rank", 1, min(cls.MAX_RANK, rows, cols))
+        if enc.params.get("rows") != rows or enc.params.get("cols") != cols:
+            raise RemoteProtocolError(f"expected rows={rows}, cols={cols} for shape {enc.shape}", "params")
+        _expect_size(enc, (rows + cols) * r * 4)
+        view = memoryview(enc.payload)
+        p = tensor_from_bytes(view[: rows * r * 4], torch.float32, rows * r).view(rows, r)
+        q = tensor_from_bytes(view[rows * r * 4 :], torch.float32, cols * r).view(cols, r)
+        return (p @ q.T).reshape(-1)[:n].to(dtype)
+
+
+def make_codec(name: str, **params: Any) -> Codec:
+    """Build a codec by name, e.g. `make_codec("int8", block_size=1024)`."""
+    cls = Codec.codecs.get(name)
+    if cls is None:
+        raise LocalProtocolError(f"unknown codec {name!r}; known: {', '.join(Codec.codecs)}")
+    try:
+        return cls(**params)
+    except TypeError as e:
+        raise LocalProtocolError(f"bad parameters for codec {name}: {e}") from None
+
+
+def decode_tensor(enc: EncodedTensor, max_numel: int = DEFAULT_MAX_NUMEL) -> torch.Tensor:
+    """Decode what a peer sent, validating header, params and payload size first."""
+    enc.check_header(max_numel)
+    cls = Codec.codecs.get(enc.codec)
+    if cls is None:
+        raise RemoteProtocolError(f"unknown codec {enc.codec!r}", "codec")
+    dtype = DTYPES[enc.dtype]
+    if cls.lossy and enc.dtype not in FLOAT_DTYPES:
+        raise RemoteProtocolError(f"codec {enc.codec} cannot carry dtype {enc.dtype}", "dtype")
+    return cls._decode(enc, dtype).reshape(enc.shape)
+
+
+class ErrorFeedback:
+    """Sender-side error feedback for one codec over named tensors.
+
+    encode(key, x): send C(x + e), keep e ← (x + e) − D(C(x + e)). Summed over steps, what was
+    decoded equals what was input minus the final residual, so nothing is lost, only delayed.
+    """
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.states: dict[str, dict[str, Any]] = {}
+
+    def encode(self, key: str, x: torch.Tensor) -> EncodedTensor:
+        if not self.codec.lossy:
+            return self.codec.encode(x)
+        corrected = x.detach().to(torch.float32)
+        residual = self.residuals.get(key)
+        if residual is not None:
+            if residual.shape != corrected.shape:
+                raise LocalProtocolError(f"tensor {key!r} changed shape from {tuple(residual.shape)} to {tuple(x.shape)}")
+            corrected = corrected + residual
+        enc = self.codec.encode(corrected.to(x.dtype) if x.dtype != torch.float32 else corrected, self.states.setdefault(key, {}))
+        self.residuals[key] = corrected - decode_tensor(enc, max_numel=max(corrected.numel(), 1)).to(torch.float32)
+        return enc
+
+    def reset(self, key: str | None = None) -> None:
+        """Forget residuals (e.g. after a failed round whose inputs are kept locally)."""
+        if key is None:
+            self.residuals.clear()
+            self.states.clear()
+        else:
+            self.residuals.pop(key, None)
+            self.states.pop(key, None)

@@ -1,0 +1,369 @@
+"""Wire messages: frozen dataclasses that validate themselves, and the registry of type codes.
+
+Every message validates its fields on construction (a bad value from our own code raises
+`LocalProtocolError`) and on decode (a bad value from a peer raises `RemoteProtocolError`
+naming the field). Unknown fields in a decoded message are ignored, so later versions can add
+optional fields; unknown type codes are refused.
+
+Field types understood by the validator: int, float, str, bytes, bool, `X | None`,
+`tuple[X, ...]`, `dict[str, X]` and unions of scalars. `bool` is never accepted for `int`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from .errors import LocalProtocolError, RemoteProtocolError
+
+Scalar = int | float | str | bool
+Params = dict[str, Scalar]
+
+# the registry: type code -> message class
+REGISTRY: dict[int, type[Message]] = {}
+
+
+class _Invalid(Exception):
+    """Raised by validators; turned into the right error family by the caller."""
+
+    def __init__(self, field: str, problem: str):
+        self.field, self.problem = field, problem
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp)
+
+
+def _check(value: Any, tp: Any, path: str) -> Any:
+    """Check `value` against annotation `tp`; return it, coerced (list -> tuple, int -> float)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check(value, option, path)
+            except _Invalid:
+                continue
+        names = " or ".join("None" if o is type(None) else _type_name(o) for o in options)
+        raise _Invalid(path, f"expected {names}, got {type(value).__name__}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise _Invalid(path, f"expected a list, got {type(value).__name__}")
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        return tuple(_check(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _Invalid(path, f"expected a map, got {type(value).__name__}")
+        key_tp, val_tp = typing.get_args(tp)
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, key_tp):
+                raise _Invalid(path, f"map key {k!r} is not {_type_name(key_tp)}")
+            out[k] = _check(v, val_tp, f"{path}.{k}")
+        return out
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _Invalid(path, f"expected bool, got {type(value).__name__}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Invalid(path, f"expected int, got {type(value).__name__}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Invalid(path, f"expected float, got {type(value).__name__}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _Invalid(path, f"expected str, got {type(value).__name__}")
+        return value
+    if tp is bytes:
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise _Invalid(path, f"expected bytes, got {type(value).__name__}")
+        return bytes(value) if not isinstance(value, bytes) else value
+    raise TypeError(f"unsupported field annotation {tp!r} at {path}")  # our bug, at import time
+
+
+def _require(cond: bool, field: str, problem: str) -> None:
+    if not cond:
+        raise _Invalid(field, problem)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """Base of all wire messages. `request_id` travels in the frame envelope."""
+
+    TYPE: ClassVar[int] = -1
+    request_id: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            self._coerce_and_check()
+        except _Invalid as e:
+            raise LocalProtocolError(f"{type(self).__name__}.{e.field}: {e.problem}") from None
+
+    def _coerce_and_check(self) -> None:
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            value = _check(getattr(self, f.name), hints[f.name], f.name)
+            object.__setattr__(self, f.name, value)
+        _require(0 <= self.request_id < 2**63, "request_id", "must be in [0, 2^63)")
+        self.validate()
+
+    def validate(self) -> None:
+        """Semantic checks beyond types; subclasses override and call `_require`."""
+
+    def fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "request_id"}
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any], request_id: int) -> Message:
+        """Build from decoded wire fields; unknown fields ignored; raises RemoteProtocolError."""
+        known = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "request_id":
+                continue
+            if f.name in fields:
+                known[f.name] = fields[f.name]
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise RemoteProtocolError("required field is missing", f"{cls.__name__}.{f.name}")
+        try:
+            return cls(request_id=request_id, **known)
+        except LocalProtocolError as e:
+            raise RemoteProtocolError(str(e)) from None
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def message(code: int):
+    """Class decorator: make a frozen kw-only dataclass and register it under `code`."""
+
+    def wrap(cls):
+        cls = dataclass(frozen=True, kw_only=True)(cls)
+        if code in REGISTRY:
+            raise TypeError(f"type code {code} used by {REGISTRY[code].__name__} and {cls.__name__}")
+        cls.TYPE = code
+        REGISTRY[code] = cls
+        _hints(cls)  # fail at import time on an unsupported annotation
+        for f in dataclasses.fields(cls):
+            _check_annotation(_hints(cls)[f.name], f"{cls.__name__}.{f.name}")
+        return cls
+
+    return wrap
+
+
+def _check_annotation(tp: Any, where: str) -> None:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType, tuple, dict):
+        for arg in typing.get_args(tp):
+            if arg is not Ellipsis and arg is not type(None):
+                _check_annotation(arg, where)
+    elif tp not in (int, float, str, bytes, bool, Any):
+        raise TypeError(f"unsupported field annotation {tp!r} in {where}")
+
+
+def _finite(x: float | None) -> bool:
+    return x is None or math.isfinite(x)
+
+
+MAX_ID_LEN = 256
+
+
+# ---------------------------------------------------------------------------------------------
+# Session
+
+
+@message(1)
+class Hello(Message):
+    """First message on a connection, both ways: who I am and what I want to do."""
+
+    peer_id: str
+    swarm_id: str
+    software: str = ""
+    roles: tuple[str, ...] = ()
+    token: bytes | None = None  # a signed join token, for private swarms
+
+    def validate(self) -> None:
+        _require(0 < len(self.peer_id) <= MAX_ID_LEN, "peer_id", "must be 1..256 characters")
+        _require(len(self.swarm_id) <= MAX_ID_LEN, "swarm_id", "must be at most 256 characters")
+
+
+ERROR_CODES = ("bad_request", "unauthorized", "overloaded", "not_found", "timeout", "internal", "unsupported")
+
+
+@message(2)
+class Error(Message):
+    """A refusal or failure; `request_id` is the request it answers."""
+
+    code: str
+    message: str = ""
+
+    def validate(self) -> None:
+        _require(self.code in ERROR_CODES, "code", f"must be one of {', '.join(ERROR_CODES)}")
+
+
+@message(3)
+class Ping(Message):
+    nonce: int = 0
+    sent_at: float = 0.0  # sender's clock, seconds since the epoch
+
+
+@message(4)
+class Pong(Message):
+    nonce: int = 0
+    sent_at: float = 0.0  # echoed from the ping
+
+
+@message(5)
+class Ack(Message):
+    """A generic positive reply; `info` carries small optional details."""
+
+    info: Params = dataclasses.field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Membership
+
+
+@message(10)
+class Register(Message):
+    """A node asks the coordinator for membership and a role."""
+
+    peer_id: str
+    maddrs: tuple[str, ...] = ()
+    capabilities: Params = dataclasses.field(default_factory=dict)  # device, memory_gb, tflops, up/down mbps
+    token: bytes | None = None
+    wanted_role: str | None = None
+
+    def validate(self) -> None:
+        _require(0 < len(self.peer_id) <= MAX_ID_LEN, "peer_id", "must be 1..256 characters")
+        _require(len(self.maddrs) <= 64, "maddrs", "at most 64 addresses")
+
+
+@message(11)
+class Heartbeat(Message):
+    """Periodic liveness report; the reply is a RoleAssignment (the current one, or a new one)."""
+
+    peer_id: str
+    step: int = 0
+    loss: float | None = None
+    samples_per_second: float | None = None
+    state_hash: str | None = None
+
+    def validate(self) -> None:
+        _require(0 < len(self.peer_id) <= MAX_ID_LEN, "peer_id", "must be 1..256 characters")
+        _require(self.step >= 0, "step", "must be >= 0")
+        _require(_finite(self.loss), "loss", "must be finite")
+        _require(_finite(self.samples_per_second), "samples_per_second", "must be finite")
+
+
+@message(12)
+class Deregister(Message):
+    peer_id: str
+    reason: str = ""
+
+
+ROLES = ("replica", "stage", "expert", "trainer", "idle")
+
+
+@message(13)
+class RoleAssignment(Message):
+    """The coordinator's answer to Register / Heartbeat: what this peer should do, and why."""
+
+    peer_id: str
+    role: str
+    stage: int | None = None
+    expert: str | None = None
+    epoch: int = 0  # bumps whenever the plan changes
+    reason: str = ""
+
+    def validate(self) -> None:
+        _require(self.role in ROLES, "role", f"must be one of {', '.join(ROLES)}")
+        _require(self.stage is None or self.stage >= 0, "stage", "must be >= 0")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bulk data
+
+MAX_TENSOR_NDIM = 8
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+@message(20)
+class TensorPart(Message):
+    """One chunk of an encoded tensor. Every part repeats the small header so any part can be
+    checked on its own; `offset`/`total_size` locate `data` inside the codec payload."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    codec: str
+    params: Params = dataclasses.field(default_factory=dict)
+    index: int = 0
+    count: int = 1
+    offset: int = 0
+    total_size: int = 0
+    data: bytes = b""
+
+    def validate(self) -> None:
+        _require(len(self.key) <= MAX_ID_LEN, "key", "must be at most 256 characters")
+        _require(self.dtype in TENSOR_DTYPES, "dtype", f"unknown dtype {self.dtype!r}")
+        _require(len(self.shape) <= MAX_TENSOR_NDIM, "shape", f"at most {MAX_TENSOR_NDIM} dimensions")
+        _require(all(d >= 0 for d in self.shape), "shape", "dimensions must be >= 0")
+        _require(self.count >= 1, "count", "must be >= 1")
+        _require(0 <= self.index < self.count, "index", "must be in [0, count)")
+        _require(self.total_size >= 0, "total_size", "must be >= 0")
+        _require(0 <= self.offset <= self.total_size, "offset", "must be in [0, total_size]")
+        _require(self.offset + len(self.data) <= self.total_size, "data", "runs past total_size")
+
+
+@message(21)
+class StateRequest(Message):
+    """Ask for a byte range of a named state blob (a checkpoint file, a replica's state)."""
+
+    name: str
+    offset: int = 0
+    length: int = 0  # 0: to the end
+
+    def validate(self) -> None:
+        _require(len(self.name) <= 1024, "name", "must be at most 1024 characters")
+        _require(self.offset >= 0, "offset", "must be >= 0")
+        _require(self.length >= 0, "length", "must be >= 0")
+
+
+@message(22)
+class StateChunk(Message):
+    """A byte range of a named state blob; `sha256` is the hex digest of the whole blob."""
+
+    name: str
+    offset: int
+    total_size: int
+    sha256: str
+    data: bytes = b""
+
+    def validate(self) -> None:
+        _require(self.total_size >= 0, "total_size", "must be >= 0")
+        _require(0 <= self.offset <= self.total_size, "offset", "must be in [0, total_size]")
+        _require(self.offset + len(self.data) <= self.total_size, "data", "runs past total_size")
+        _require(
+            len(self.sha256) == 64 and all(c in "0123456789abcdef" for c in self.sha256),
+            "sha256",
+            "must be 64 lowercase hex digits",
+        )

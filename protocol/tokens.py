@@ -1,0 +1,109 @@
+"""Join tokens for private swarms.
+
+A token says: "the holder of peer id P (or any peer) may join swarm S in roles R until time T",
+signed by the swarm owner's Ed25519 key. Wire form: msgpack [swarm_id, peer_id, roles,
+expires_at, signature]; text form: URL-safe base64 of that, for flags and env vars.
+`verify_token` returns a `TokenCheck` whose `reason` says why a token is refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from dataclasses import dataclass
+
+import msgpack
+
+from .errors import LocalProtocolError, RemoteProtocolError
+from .signatures import SigningKey, verify
+
+DOMAIN = "swarmtrain/join-token/v1"
+ANY_PEER = "*"
+MAX_TOKEN_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class JoinToken:
+    swarm_id: str
+    peer_id: str  # a peer id, or "*" for any peer
+    roles: tuple[str, ...]  # empty: any role
+    expires_at: float  # seconds since the epoch
+    signature: bytes = b""
+
+    def signed_fields(self) -> tuple:
+        return (DOMAIN, self.swarm_id, self.peer_id, tuple(sorted(self.roles)), float(self.expires_at))
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb([self.swarm_id, self.peer_id, list(self.roles), float(self.expires_at), self.signature])
+
+    def to_text(self) -> str:
+        return base64.urlsafe_b64encode(self.to_bytes()).decode().rstrip("=")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> JoinToken:
+        if len(data) > MAX_TOKEN_SIZE:
+            raise RemoteProtocolError(f"token is {len(data)} bytes, over {MAX_TOKEN_SIZE}", "token")
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as e:
+            raise RemoteProtocolError(f"not a token ({type(e).__name__})", "token") from None
+        if not (isinstance(obj, list) and len(obj) == 5):
+            raise RemoteProtocolError("must be [swarm_id, peer_id, roles, expires_at, signature]", "token")
+        swarm_id, peer_id, roles, expires_at, sig = obj
+        if not (
+            isinstance(swarm_id, str)
+            and isinstance(peer_id, str)
+            and isinstance(roles, list)
+            and all(isinstance(r, str) for r in roles)
+            and isinstance(expires_at, (int, float))
+            and not isinstance(expires_at, bool)
+            and math.isfinite(expires_at)
+            and isinstance(sig, bytes)
+        ):
+            raise RemoteProtocolError("a field has the wrong type", "token")
+        return cls(swarm_id, peer_id, tuple(roles), float(expires_at), sig)
+
+    @classmethod
+    def from_text(cls, text: str) -> JoinToken:
+        text = text.strip()
+        try:
+            raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        except (binascii.Error, ValueError):
+            raise RemoteProtocolError("not URL-safe base64", "token") from None
+        return cls.from_bytes(raw)
+
+
+def issue_token(
+    owner: SigningKey, swarm_id: str, peer_id: str = ANY_PEER, roles: tuple[str, ...] = (), expires_at: float = math.inf
+) -> JoinToken:
+    if not swarm_id:
+        raise LocalProtocolError("swarm_id must not be empty")
+    unsigned = JoinToken(swarm_id, peer_id, tuple(roles), float(expires_at))
+    return JoinToken(swarm_id, peer_id, tuple(roles), float(expires_at), owner.sign(unsigned.signed_fields()))
+
+
+@dataclass(frozen=True)
+class TokenCheck:
+    ok: bool
+    reason: str  # "ok", or why the token is refused
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def verify_token(
+    token: JoinToken, owner_public_key: bytes, swarm_id: str, peer_id: str, now: float, role: str | None = None
+) -> TokenCheck:
+    """Check signature, swarm, peer, role and expiry; the first failure is the reason."""
+    if not verify(owner_public_key, token.signed_fields(), token.signature):
+        return TokenCheck(False, "forged: signature does not match the swarm owner's key")
+    if token.swarm_id != swarm_id:
+        return TokenCheck(False, f"other swarm: token is for {token.swarm_id!r}, this is {swarm_id!r}")
+    if token.peer_id not in (ANY_PEER, peer_id):
+        return TokenCheck(False, f"other peer: token is for {token.peer_id}, not {peer_id}")
+    if role is not None and token.roles and role not in token.roles:
+        return TokenCheck(False, f"role {role!r} not allowed (token allows {', '.join(token.roles)})")
+    if now >= token.expires_at:
+        return TokenCheck(False, f"expired {now - token.expires_at:.0f} s ago")
+    return TokenCheck(True, "ok")

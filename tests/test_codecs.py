@@ -1,0 +1,201 @@
+"""Codecs: round trips, error bounds, error feedback, chunking, refusal of bad payloads."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol import (
+    Decoder,
+    EncodedTensor,
+    ErrorFeedback,
+    LocalProtocolError,
+    RemoteProtocolError,
+    TensorAssembler,
+    decode_tensor,
+    encode,
+    make_codec,
+    split,
+)
+from protocol.tensors import DTYPES
+
+CODECS = [("none", {}), ("fp16", {}), ("int8", {"block_size": 64}), ("topk", {"ratio": 0.1}), ("powersgd", {"rank": 2})]
+SHAPES = [(), (1,), (7,), (1000,), (33, 17), (4, 5, 6), (0,), (3, 0)]
+
+
+@pytest.mark.parametrize("name,params", CODECS, ids=[c[0] for c in CODECS])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_round_trip_shape_and_dtype(name, params, shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    enc = make_codec(name, **params).encode(x)
+    y = decode_tensor(enc)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    if name == "none":
+        assert torch.equal(x, y)
+    if name == "fp16":
+        assert torch.allclose(x, y, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
+def test_none_codec_is_exact_for_every_dtype(dtype):
+    x = (torch.randn(5, 7) * 50).to(dtype)
+    y = decode_tensor(make_codec("none").encode(x))
+    assert y.dtype == dtype and torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name,params", CODECS[1:], ids=[c[0] for c in CODECS[1:]])
+def test_lossy_codecs_keep_float_dtypes(name, params, dtype):
+    x = torch.randn(64, 8).to(dtype)
+    assert decode_tensor(make_codec(name, **params).encode(x)).dtype == dtype
+
+
+def test_lossy_codec_refuses_integer_tensor():
+    with pytest.raises(LocalProtocolError, match="floating"):
+        make_codec("int8").encode(torch.arange(10))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 5000),
+    block=st.sampled_from([16, 64, 100, 1024]),
+    scale=st.floats(1e-6, 1e6),
+    seed=st.integers(0, 2**31),
+)
+def test_int8_error_bound_per_block(n, block, scale, seed):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+    y = decode_tensor(make_codec("int8", block_size=block).encode(x))
+    pad = (-n) % block
+    xb = torch.nn.functional.pad(x, (0, pad)).view(-1, block)
+    err = torch.nn.functional.pad((x - y).abs(), (0, pad)).view(-1, block)
+    absmax = xb.abs().amax(dim=1)
+    assert torch.all(err.amax(dim=1) <= absmax / 127 * (1 + 1e-5))
+
+
+def test_int8_zero_block_and_extremes():
+    x = torch.cat([torch.zeros(64), torch.full((64,), 3e38), torch.tensor([1e-30] * 64)])
+    y = decode_tensor(make_codec("int8", block_size=64).encode(x))
+    assert torch.equal(y[:64], torch.zeros(64))
+    assert torch.allclose(y[64:128], x[64:128], rtol=1e-6)
+    assert torch.allclose(y[128:], x[128:], rtol=1e-2)
+
+
+def test_fp16_clamps_instead_of_overflowing():
+    y = decode_tensor(make_codec("fp16").encode(torch.tensor([1e6, -1e6, 1.0])))
+    assert torch.isfinite(y).all() and y[0] == 65504 and y[1] == -65504
+
+
+def test_topk_keeps_exactly_the_largest():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    y = decode_tensor(make_codec("topk", ratio=0.02).encode(x))
+    kept = y != 0
+    assert kept.sum() == 100
+    assert x.abs()[kept].min() >= x.abs()[~kept].max()
+    assert torch.equal(y[kept], x[kept])
+
+
+def test_topk_large_tensor_uses_sampled_threshold_and_is_still_exact():
+    x = torch.randn(3 << 20, generator=torch.Generator().manual_seed(2))
+    y = decode_tensor(make_codec("topk", ratio=0.001).encode(x))
+    k = math.ceil(0.001 * x.numel())
+    expected = torch.zeros_like(x)
+    idx = torch.topk(x.abs(), k).indices
+    expected[idx] = x[idx]
+    assert torch.equal(y, expected)
+
+
+def test_powersgd_exact_on_low_rank_matrix():
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(40, 3, generator=g), torch.randn(3, 30, generator=g)
+    x = a @ b
+    codec = make_codec("powersgd", rank=3)
+    state = {}
+    codec.encode(x, state)
+    y = decode_tensor(codec.encode(x, state))  # warm-started second step
+    assert torch.allclose(x, y, atol=1e-3, rtol=1e-3)
+    enc = codec.encode(x)
+    assert enc.nbytes == (40 + 30) * 3 * 4 < x.numel() * 4
+
+
+@pytest.mark.parametrize("name,params", CODECS[1:], ids=[c[0] for c in CODECS[1:]])
+def test_error_feedback_running_sum_tracks_inputs(name, params):
+    """sum(decoded) = sum(inputs) - final residual: the gap stays bounded by about one step's
+    input, while without error feedback it grows with every step (the bias is lost each time)."""
+    g = torch.Generator().manual_seed(4)
+    ef = ErrorFeedback(make_codec(name, **params))
+    codec = make_codec(name, **params)
+    sum_in, sum_out, sum_plain = (torch.zeros(48, 32) for _ in range(3))
+    gaps = {}
+    for step in range(1, 121):
+        x = torch.randn(48, 32, generator=g) + 0.5  # a consistent bias, as real gradients have
+        sum_in += x
+        sum_out += decode_tensor(ef.encode("w", x))
+        sum_plain += decode_tensor(codec.encode(x))
+        gaps[step] = (sum_in - sum_out).norm().item()
+    assert torch.allclose(sum_in - sum_out, ef.residuals["w"], atol=1e-3)
+    one_input = x.norm().item()
+    assert gaps[120] <= 5 * one_input
+    assert gaps[120] <= 1.5 * gaps[30] + 1e-3 * one_input  # bounded, not growing
+    assert gaps[120] < 0.3 * (sum_in - sum_plain).norm().item()  # and far below no feedback
+
+
+def test_error_feedback_refuses_shape_change():
+    ef = ErrorFeedback(make_codec("int8"))
+    ef.encode("a", torch.randn(10))
+    with pytest.raises(LocalProtocolError, match="shape"):
+        ef.encode("a", torch.randn(11))
+
+
+@pytest.mark.parametrize("name,params", CODECS, ids=[c[0] for c in CODECS])
+def test_chunked_through_frames(name, params):
+    x = torch.randn(300, 70)
+    enc = make_codec(name, **params).encode(x)
+    parts = split(enc, "layer.0", chunk_size=1000, request_id=3)
+    assert len(parts) == max(1, math.ceil(enc.nbytes / 1000))
+    stream = b"".join(encode(p) for p in parts)
+    dec, asm, out = Decoder(), TensorAssembler(), None
+    for i in range(0, len(stream), 4096):
+        for msg in dec.feed(stream[i : i + 4096]):
+            out = asm.add(msg)
+    assert out is not None
+    assert torch.equal(decode_tensor(out), decode_tensor(enc))
+
+
+def test_assembler_refuses_bad_sequences():
+    enc = make_codec("none").encode(torch.randn(100))
+    parts = split(enc, "k", chunk_size=100)
+    with pytest.raises(RemoteProtocolError, match="index"):
+        TensorAssembler().add(parts[1])
+    asm = TensorAssembler()
+    asm.add(parts[0])
+    with pytest.raises(RemoteProtocolError, match="expected 1"):
+        asm.add(parts[2])
+    with pytest.raises(RemoteProtocolError, match="total_size"):
+        TensorAssembler(max_total_size=399).add(parts[0])
+    asm = TensorAssembler()
+    asm.add(parts[0])
+    other = split(make_codec("none").encode(torch.randn(10, 10)), "k", chunk_size=100)[1]
+    with pytest.raises(RemoteProtocolError, match="shape"):
+        asm.add(other)
+
+
+@pytest.mark.parametrize(
+    "enc, match",
+    [
+        (EncodedTensor("float32", (10,), "none", bytes(39)), "payload"),
+        (EncodedTensor("float32", (10,), "zstd", bytes(40)), "unknown codec"),
+        (EncodedTensor("int64", (10,), "int8", bytes(50), {"block_size": 64}), "cannot carry"),
+        (EncodedTensor("float32", (10,), "int8", bytes(14), {"block_size": 3}), "block_size"),
+        (EncodedTensor("float32", (10,), "int8", bytes(13), {"block_size": 64}), "payload"),
+        (EncodedTensor("float32", (10,), "topk", bytes(16), {"k": 11}), "params.k"),
+        (EncodedTensor("float32", (10,), "topk", b"\xff\x00\x00\x00" + bytes(4), {"k": 1}), "out of range"),
+        (EncodedTensor("float32", (4, 4), "powersgd", bytes(64), {"rank": 2, "rows": 4, "cols": 5}), "rows"),
+        (EncodedTensor("float32", (1 << 20, 1 << 20), "topk", b"", {"k": 0}), "exceed"),
+        (EncodedTensor("float32", (-1,), "none", b""), "shape"),
+    ],
+)
+def test_decode_refuses_inconsistent_payloads(enc, match):
+    with pytest.raises(RemoteProtocolError, match=match):
+        decode_tensor(enc)

@@ -1,0 +1,144 @@
+"""Framing and messages: round trips, byte-at-a-time feeding, refusal of bad frames."""
+
+import dataclasses
+import tracemalloc
+
+import msgpack
+import pytest
+
+from protocol import REGISTRY, Decoder, LocalProtocolError, RemoteProtocolError, encode
+from protocol import messages as m
+from protocol.framing import PROTOCOL_VERSION
+
+SAMPLES = [
+    m.Hello(peer_id="QmPeer", swarm_id="swarm-1", software="swarmtrain/0.1", roles=("replica",), token=b"\x01\x02"),
+    m.Error(code="bad_request", message="shape mismatch", request_id=9),
+    m.Ping(nonce=42, sent_at=1.5),
+    m.Pong(nonce=42, sent_at=1.5),
+    m.Ack(info={"accepted": True, "step": 3, "loss": 1.25, "note": "ok"}),
+    m.Register(peer_id="p", maddrs=("/ip4/127.0.0.1/tcp/1",), capabilities={"device": "cpu", "tflops": 0.1}),
+    m.Heartbeat(peer_id="p", step=10, loss=2.5, samples_per_second=100.0, state_hash="abcd"),
+    m.Deregister(peer_id="p", reason="SIGTERM"),
+    m.RoleAssignment(peer_id="p", role="stage", stage=1, epoch=3, reason="balance"),
+    m.TensorPart(key="k", dtype="float32", shape=(2, 3), codec="none", index=0, count=1, total_size=24, data=bytes(24)),
+    m.StateRequest(name="ckpt/000010/model.safetensors", offset=5, length=100),
+    m.StateChunk(name="x", offset=0, total_size=3, sha256="0" * 64, data=b"abc", request_id=2**40),
+]
+
+
+def test_every_registered_message_has_a_sample():
+    assert {type(s) for s in SAMPLES} == set(REGISTRY.values())
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda s: type(s).__name__)
+def test_round_trip(msg):
+    (out,) = Decoder().feed(encode(msg))
+    assert out == msg
+    assert out.request_id == msg.request_id
+
+
+def test_byte_at_a_time_and_merged():
+    stream = b"".join(encode(s) for s in SAMPLES)
+    dec = Decoder()
+    got = []
+    for i in range(len(stream)):
+        got += dec.feed(stream[i : i + 1])
+    assert got == SAMPLES
+    assert dec.buffered == 0
+    # all at once, and in odd-sized pieces
+    assert Decoder().feed(stream) == SAMPLES
+    dec, got = Decoder(), []
+    for i in range(0, len(stream), 7):
+        got += dec.feed(stream[i : i + 7])
+    assert got == SAMPLES
+
+
+def _frame(body_obj) -> bytes:
+    body = msgpack.packb(body_obj, use_bin_type=True)
+    return len(body).to_bytes(4, "big") + body
+
+
+def test_unknown_fields_are_ignored():
+    frame = _frame([PROTOCOL_VERSION, m.Ping.TYPE, 5, {"nonce": 1, "sent_at": 0.0, "future_field": [1, 2]}])
+    (msg,) = Decoder().feed(frame)
+    assert msg == m.Ping(nonce=1, sent_at=0.0, request_id=5)
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ([PROTOCOL_VERSION, 999, 0, {}], "type"),
+        ([PROTOCOL_VERSION + 1, m.Ping.TYPE, 0, {}], "version"),
+        ([PROTOCOL_VERSION, m.Ping.TYPE, -1, {}], "request_id"),
+        ([PROTOCOL_VERSION, m.Ping.TYPE, 0, []], "fields"),
+        ([PROTOCOL_VERSION, m.Ping.TYPE, 0], "frame"),
+        ({"v": 1}, "frame"),
+        ([PROTOCOL_VERSION, m.Ping.TYPE, 0, {"nonce": "seven"}], "nonce"),
+        ([PROTOCOL_VERSION, m.Ping.TYPE, 0, {"nonce": True}], "nonce"),
+        ([PROTOCOL_VERSION, m.Hello.TYPE, 0, {"swarm_id": "s"}], "peer_id"),
+        ([PROTOCOL_VERSION, m.Error.TYPE, 0, {"code": "whatever"}], "code"),
+        ([PROTOCOL_VERSION, m.Heartbeat.TYPE, 0, {"peer_id": "p", "loss": float("nan")}], "loss"),
+        ([PROTOCOL_VERSION, m.StateChunk.TYPE, 0, {"name": "x", "offset": 2, "total_size": 3, "sha256": "0" * 64, "data": b"ab"}], "data"),
+        ([PROTOCOL_VERSION, m.TensorPart.TYPE, 0, {"key": "k", "dtype": "complex64", "shape": [1], "codec": "none"}], "dtype"),
+    ],
+)
+def test_bad_frames_name_the_problem(body, field):
+    with pytest.raises(RemoteProtocolError) as info:
+        Decoder().feed(_frame(body))
+    assert field in str(info.value)
+
+
+def test_not_msgpack_and_ext_types_refused():
+    with pytest.raises(RemoteProtocolError, match="msgpack"):
+        Decoder().feed(b"\x00\x00\x00\x01\xc1")  # 0xc1 is never used in msgpack
+    ext = msgpack.packb([PROTOCOL_VERSION, m.Ping.TYPE, 0, {"nonce": msgpack.ExtType(5, b"x")}])
+    with pytest.raises(RemoteProtocolError, match="extension"):
+        Decoder().feed(len(ext).to_bytes(4, "big") + ext)
+    trailing = msgpack.packb([PROTOCOL_VERSION, m.Ping.TYPE, 0, {}]) + b"\x00"
+    with pytest.raises(RemoteProtocolError):
+        Decoder().feed(len(trailing).to_bytes(4, "big") + trailing)
+
+
+def test_oversized_length_prefix_refused_before_allocating():
+    dec = Decoder(max_frame_size=1 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(RemoteProtocolError, match="exceeds") as info:
+            dec.feed((2**32 - 1).to_bytes(4, "big"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert info.value.field == "length"
+    assert peak < 64 * 1024  # nothing near the announced 4 GiB (or even the 1 MiB limit) was allocated
+    # the decoder is poisoned: the stream cannot be re-synchronised
+    with pytest.raises(RemoteProtocolError):
+        dec.feed(encode(m.Ping()))
+
+
+def test_prefix_over_limit_refused_even_when_split():
+    dec = Decoder(max_frame_size=100)
+    assert dec.feed(b"\x00\x00") == []
+    with pytest.raises(RemoteProtocolError, match="exceeds"):
+        dec.feed(b"\x00\x65")  # 101
+
+
+def test_empty_frame_refused():
+    with pytest.raises(RemoteProtocolError, match="empty"):
+        Decoder().feed(b"\x00\x00\x00\x00")
+
+
+def test_local_misuse_is_a_local_error():
+    with pytest.raises(LocalProtocolError, match="peer_id"):
+        m.Hello(peer_id="", swarm_id="s")
+    with pytest.raises(LocalProtocolError, match="nonce"):
+        m.Ping(nonce="x")
+    with pytest.raises(LocalProtocolError, match="over"):
+        encode(m.StateChunk(name="x", offset=0, total_size=200, sha256="0" * 64, data=bytes(200)), max_frame_size=100)
+    with pytest.raises(LocalProtocolError):
+        encode("not a message")
+
+
+def test_messages_are_frozen():
+    msg = m.Ping(nonce=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        msg.nonce = 2

@@ -1,0 +1,65 @@
+"""Property tests: whatever bytes arrive, only RemoteProtocolError escapes the decoder."""
+
+import msgpack
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocol import Decoder, RemoteProtocolError, encode
+from protocol import messages as m
+from protocol.framing import PROTOCOL_VERSION
+from tests.test_framing import SAMPLES
+
+FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _feed_all(data: bytes, chunk: int) -> None:
+    dec = Decoder(max_frame_size=1 << 16)
+    try:
+        for i in range(0, len(data), chunk):
+            for msg in dec.feed(data[i : i + chunk]):
+                assert isinstance(msg, m.Message)
+    except RemoteProtocolError:
+        pass
+
+
+@FAST
+@given(st.binary(max_size=2048), st.integers(1, 64))
+def test_random_bytes(data, chunk):
+    _feed_all(data, chunk)
+
+
+@FAST
+@given(st.sampled_from(SAMPLES), st.data())
+def test_mutated_frames(msg, data):
+    frame = bytearray(encode(msg))
+    for _ in range(data.draw(st.integers(1, 8))):
+        op = data.draw(st.sampled_from(["flip", "insert", "delete", "truncate"]))
+        pos = data.draw(st.integers(0, max(0, len(frame) - 1)))
+        if op == "flip" and frame:
+            frame[pos] ^= 1 << data.draw(st.integers(0, 7))
+        elif op == "insert":
+            frame[pos:pos] = data.draw(st.binary(min_size=1, max_size=8))
+        elif op == "delete" and frame:
+            del frame[pos]
+        elif op == "truncate":
+            del frame[pos:]
+    _feed_all(bytes(frame), data.draw(st.integers(1, 32)))
+
+
+_json_like = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20) | st.binary(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@FAST
+@given(st.sampled_from(sorted(m.REGISTRY)), st.dictionaries(st.text(max_size=12), _json_like, max_size=6), _json_like)
+def test_well_framed_nonsense_fields(code, fields, request_id):
+    # plausible field names with arbitrary values: validation must refuse cleanly, never crash
+    names = [f for f in m.REGISTRY[code].__dataclass_fields__ if f != "request_id"]
+    for i, name in enumerate(names):
+        if i < len(fields):
+            fields[name] = list(fields.values())[i]
+    body = msgpack.packb([PROTOCOL_VERSION, code, request_id, fields], use_bin_type=True)
+    _feed_all(len(body).to_bytes(4, "big") + body, 1 << 16)
