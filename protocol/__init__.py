@@ -8,6 +8,7 @@ Files:
     codecs.py      none / fp16 / int8 / topk / powersgd codecs, decode_tensor, ErrorFeedback
     signatures.py  Ed25519 keys (0600 PEM files), sign/verify over a canonical tuple encoding
     tokens.py      signed join tokens for private swarms, verification with a reason
+    records.py     signed DHT records: where the coordinator is, who is a member
 """
 
 from .codecs import Codec, ErrorFeedback, decode_tensor, make_codec
@@ -16,6 +17,9 @@ from .framing import DEFAULT_MAX_FRAME_SIZE, PROTOCOL_VERSION, Decoder, encode
 from .messages import (
     REGISTRY,
     Ack,
+    CheckpointManifest,
+    CheckpointOffer,
+    CheckpointQuery,
     Deregister,
     Error,
     Heartbeat,
@@ -23,6 +27,7 @@ from .messages import (
     Message,
     Ping,
     Pong,
+    Probe,
     Register,
     RoleAssignment,
     StateChunk,

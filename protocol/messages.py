@@ -367,3 +367,56 @@ class StateChunk(Message):
             "sha256",
             "must be 64 lowercase hex digits",
         )
+
+
+MAX_PROBE_BYTES = 8 << 20
+
+
+@message(6)
+class Probe(Message):
+    """Bandwidth probe: the receiver answers with a Probe carrying `want` bytes."""
+
+    data: bytes = b""
+    want: int = 0
+
+    def validate(self) -> None:
+        _require(0 <= self.want <= MAX_PROBE_BYTES, "want", f"must be in [0, {MAX_PROBE_BYTES}]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+MAX_MANIFEST_BYTES = 1 << 20
+
+
+@message(30)
+class CheckpointQuery(Message):
+    """Ask for a checkpoint's manifest: a given step, or the latest (`step` None)."""
+
+    step: int | None = None
+
+
+@message(31)
+class CheckpointManifest(Message):
+    """A checkpoint's manifest (JSON bytes: files with sha256 and size, step, model config)."""
+
+    step: int
+    manifest: bytes
+
+    def validate(self) -> None:
+        _require(self.step >= 0, "step", "must be >= 0")
+        _require(len(self.manifest) <= MAX_MANIFEST_BYTES, "manifest", f"at most {MAX_MANIFEST_BYTES} bytes")
+
+
+@message(32)
+class CheckpointOffer(Message):
+    """Start of an upload: the manifest, then StateChunk frames (name = file name) for every
+    file in it, in manifest order. The reply is an Ack once every hash has been checked."""
+
+    step: int
+    manifest: bytes
+
+    def validate(self) -> None:
+        _require(self.step >= 0, "step", "must be >= 0")
+        _require(len(self.manifest) <= MAX_MANIFEST_BYTES, "manifest", f"at most {MAX_MANIFEST_BYTES} bytes")

@@ -117,6 +117,37 @@ class SigningKey:
         return cls.load(path)
 
 
+_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+def _base58(data: bytes) -> str:
+    n = int.from_bytes(data, "big")
+    out = ""
+    while n:
+        n, r = divmod(n, 58)
+        out = _B58[r] + out
+    return "1" * (len(data) - len(data.lstrip(b"\0"))) + out
+
+
+def libp2p_public_key(public_key: bytes) -> bytes:
+    """libp2p's protobuf PublicKey{Type: Ed25519, Data: key}."""
+    return b"\x08\x01\x12\x20" + public_key
+
+
+def libp2p_private_key(key: SigningKey) -> bytes:
+    """libp2p's protobuf PrivateKey{Type: Ed25519, Data: seed || public key}: the p2pd identity file."""
+    return b"\x08\x01\x12\x40" + key.seed + key.public_key
+
+
+def peer_id_from_public_key(public_key: bytes) -> str:
+    """The libp2p peer id ("12D3KooW...") of an Ed25519 key: the identity multihash of its
+    protobuf encoding, in base58. Binds a signed record to the peer that transports it."""
+    if len(public_key) != PUBLIC_KEY_SIZE:
+        raise LocalProtocolError(f"an Ed25519 public key has {PUBLIC_KEY_SIZE} bytes, got {len(public_key)}")
+    encoded = libp2p_public_key(public_key)
+    return _base58(bytes([0x00, len(encoded)]) + encoded)
+
+
 def verify(public_key: bytes, fields: tuple, signature: bytes) -> bool:
     """True iff `signature` is `public_key`'s signature over canonical(fields)."""
     if len(public_key) != PUBLIC_KEY_SIZE or len(signature) != SIGNATURE_SIZE:

@@ -6,13 +6,22 @@ import psutil
 import pytest
 
 
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return ""
+
+
 @pytest.fixture(autouse=True)
 def no_orphan_processes():
     """Fail a test that leaves child processes running, and kill them so later tests are clean."""
     me = psutil.Process(os.getpid())
     before = {p.pid for p in me.children(recursive=True)}
     yield
-    leftover = [p for p in me.children(recursive=True) if p.pid not in before]
+    # torch_shm_manager is torch's own helper for sharing tensors between processes; torch
+    # starts it once per process and it lives as long as the process that uses it.
+    leftover = [p for p in me.children(recursive=True) if p.pid not in before and _name(p) != "torch_shm_manager"]
     if not leftover:
         return
     _, alive = psutil.wait_procs(leftover, timeout=5)  # processes being shut down get a moment

@@ -14,6 +14,7 @@ SAMPLES = [
     m.Hello(peer_id="QmPeer", swarm_id="swarm-1", software="swarmtrain/0.1", roles=("replica",), token=b"\x01\x02"),
     m.Error(code="bad_request", message="shape mismatch", request_id=9),
     m.Ping(nonce=42, sent_at=1.5),
+    m.Probe(data=b"x" * 100, want=10),
     m.Pong(nonce=42, sent_at=1.5),
     m.Ack(info={"accepted": True, "step": 3, "loss": 1.25, "note": "ok"}),
     m.Register(peer_id="p", maddrs=("/ip4/127.0.0.1/tcp/1",), capabilities={"device": "cpu", "tflops": 0.1}),
@@ -21,6 +22,9 @@ SAMPLES = [
     m.Deregister(peer_id="p", reason="SIGTERM"),
     m.RoleAssignment(peer_id="p", role="stage", stage=1, epoch=3, reason="balance"),
     m.TensorPart(key="k", dtype="float32", shape=(2, 3), codec="none", index=0, count=1, total_size=24, data=bytes(24)),
+    m.CheckpointQuery(step=None),
+    m.CheckpointManifest(step=3, manifest=b'{"step": 3}'),
+    m.CheckpointOffer(step=3, manifest=b'{"step": 3}'),
     m.StateRequest(name="ckpt/000010/model.safetensors", offset=5, length=100),
     m.StateChunk(name="x", offset=0, total_size=3, sha256="0" * 64, data=b"abc", request_id=2**40),
 ]

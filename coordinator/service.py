@@ -1,0 +1,351 @@
+"""The coordinator: membership registry, role planning, checkpoints, served over the same RPC
+transport as nodes, and its signed record in the DHT so nodes can find it.
+
+It is never in the data path: nodes keep training while it is down. All state is on disk
+(SQLite registry, checkpoint directories), so a SIGKILL and restart loses nothing; members get
+one heartbeat timeout of grace after a restart before any eviction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from protocol import (
+    Ack,
+    CheckpointManifest,
+    CheckpointOffer,
+    CheckpointQuery,
+    Deregister,
+    Heartbeat,
+    Hello,
+    JoinToken,
+    Register,
+    RemoteProtocolError,
+    RoleAssignment,
+    StateChunk,
+    StateRequest,
+    verify_token,
+)
+from protocol.records import CoordinatorRecord, coordinator_key
+
+from node.config import ConfigError
+from node.daemon import check_data_dir, load_identity
+from node.p2p import Host, HostConfig
+from node.transport import CallContext, RPCError, Transport
+
+from .checkpoints import CheckpointError, CheckpointStore
+from .config import CoordinatorConfig
+from .planner import PlannerConfig, evict, plan_roles
+from .registry import Registry, RegistryError
+
+log = logging.getLogger(__name__)
+
+CHUNK = 4 << 20  # bytes per StateChunk when serving checkpoint files
+CHECKPOINT_PREFIX = "checkpoint/"
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig):
+        self.config = config
+        self.registry: Registry | None = None
+        self.store: CheckpointStore | None = None
+        self.host: Host | None = None
+        self.transport: Transport | None = None
+        self.http = None
+        self.owner_key: bytes | None = None
+        self.evictions = 0
+        self.reasons: dict[str, str] = {}  # why each member has its role (for its log and ours)
+        self.started_at = time.time()
+        self._tasks: list[asyncio.Task] = []
+        self._plan_lock = asyncio.Lock()
+        try:
+            self.planner = PlannerConfig(
+                mode=config.mode, num_stages=config.num_stages, experts=tuple(config.experts), heartbeat_timeout_s=config.heartbeat_timeout_s
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def validate(self):
+        c = self.config
+        data = check_data_dir(c.data_dir)
+        key = load_identity(c.resolved_identity())
+        if c.owner_public_key:
+            try:
+                self.owner_key = bytes.fromhex(c.owner_public_key)
+            except ValueError:
+                self.owner_key = None
+            if self.owner_key is None or len(self.owner_key) != 32:
+                raise ConfigError("--owner-public-key must be 64 hex digits (an Ed25519 public key)")
+        if c.keep_checkpoints < 1:
+            raise ConfigError("--keep-checkpoints must be at least 1")
+        try:
+            self.registry = Registry(data / "registry.sqlite")
+        except RegistryError as e:
+            raise ConfigError(str(e)) from None
+        try:
+            self.store = CheckpointStore(data / "checkpoints", keep=c.keep_checkpoints, signing_key=key)
+        except (CheckpointError, OSError) as e:
+            raise ConfigError(f"checkpoint store: {e}") from None
+        return key
+
+    async def start(self) -> None:
+        key = self.validate()
+        c = self.config
+        now = time.time()
+        # grace after a restart: members get a full timeout to check in before eviction
+        for m in self.registry.members():
+            self.registry.heartbeat(m.peer_id, now)
+        self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs))
+        self.transport = Transport(self.host)
+        for msg_type, handler in [
+            (Hello, self.on_hello),
+            (Register, self.on_register),
+            (Heartbeat, self.on_heartbeat),
+            (Deregister, self.on_deregister),
+            (CheckpointQuery, self.on_checkpoint_query),
+            (StateRequest, self.on_state_request),
+            (CheckpointOffer, self.on_checkpoint_offer),
+        ]:
+            self.transport.on(msg_type, handler)
+        await self.transport.start()
+        if c.http:
+            from .http import start_http
+
+            self.http = await start_http(self, c.http)
+        maddrs = await self.host.visible_maddrs()
+        log.info("coordinator %s for swarm %r on %s; status at %s", self.host.peer_id, c.swarm_id, " ".join(maddrs), self.http_address or "-")
+        await self._replan()
+        self._tasks += [
+            asyncio.create_task(self._publish_record_loop(), name="coordinator-record"),
+            asyncio.create_task(self._evict_loop(), name="evict"),
+        ]
+
+    @property
+    def http_address(self) -> str:
+        return self.http.address if self.http else ""
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.http is not None:
+            await self.http.stop()
+        if self.transport is not None:
+            await self.transport.close()
+        if self.host is not None:
+            await self.host.shutdown()
+        if self.registry is not None:
+            self.registry.close()
+
+    # ---- background loops -----------------------------------------------------------------------
+
+    async def _publish_record_loop(self) -> None:
+        c = self.config
+        while True:
+            now = time.time()
+            rec = CoordinatorRecord(c.swarm_id, self.host.peer_id, tuple(await self.host.visible_maddrs()), self.http_address, now).sign(self.host.key)
+            try:
+                await self.host.dht_store(coordinator_key(c.swarm_id), rec.to_bytes(), now + 3 * c.record_interval_s)
+            except Exception as e:  # the DHT may have no peers yet; try again next round
+                log.debug("could not publish the coordinator record: %s", e)
+            await asyncio.sleep(c.record_interval_s)
+
+    async def _evict_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.config.heartbeat_timeout_s / 4))
+            evictions = evict(time.time(), self.registry.views(), self.planner)
+            for ev in evictions:
+                if self.registry.remove(ev.peer_id):
+                    self.evictions += 1
+                    self.reasons.pop(ev.peer_id, None)
+                    log.info("evicted %s: %s", ev.peer_id, ev.reason)
+            # every tick, not only on churn: throughputs arrive in heartbeats, and the planner
+            # moves at most one peer per call when it rebalances
+            await self._replan()
+
+    async def _replan(self) -> None:
+        async with self._plan_lock:
+            plan = plan_roles(self.registry.views(), self.planner)
+            if not plan.changes:
+                return
+            epoch = int(self.registry.get_meta("epoch", 0)) + 1
+            self.registry.set_assignments(
+                [(p, plan.assignments[p].role, plan.assignments[p].stage, plan.assignments[p].expert) for p in plan.changes],
+                epoch,
+                meta={"epoch": epoch},
+            )
+            for p in plan.changes:
+                a = plan.assignments[p]
+                self.reasons[p] = a.reason
+                log.info("assigned %s: %s%s (%s)", p, a.role, f" {a.stage}" if a.stage is not None else f" {a.expert}" if a.expert else "", a.reason)
+
+    def _assignment(self, peer_id: str) -> RoleAssignment:
+        m = self.registry.get(peer_id)
+        if m is None:
+            raise RPCError("not_found", "unknown peer: register first")
+        return RoleAssignment(
+            peer_id=peer_id,
+            role=m.role or "idle",
+            stage=m.stage,
+            expert=m.expert,
+            epoch=m.epoch,
+            reason=self.reasons.get(peer_id, "assigned before the coordinator restarted"),
+        )
+
+    # ---- membership handlers --------------------------------------------------------------------
+
+    @staticmethod
+    def _check_sender(ctx: CallContext, peer_id: str) -> None:
+        # the transport authenticated ctx.peer_id; a message may only speak for its sender
+        if peer_id != ctx.peer_id:
+            raise RPCError("unauthorized", f"peer {ctx.peer_id} cannot act for {peer_id}")
+
+    async def on_hello(self, ctx: CallContext) -> Hello:
+        return Hello(peer_id=self.host.peer_id, swarm_id=self.config.swarm_id, software="swarmtrain-coordinator/0.1")
+
+    async def on_register(self, ctx: CallContext) -> RoleAssignment:
+        req: Register = ctx.request
+        self._check_sender(ctx, req.peer_id)
+        if self.owner_key is not None:
+            if req.token is None:
+                raise RPCError("unauthorized", "this swarm is private: a join token is required")
+            try:
+                token = JoinToken.from_bytes(req.token)
+            except RemoteProtocolError as e:
+                raise RPCError("unauthorized", f"bad join token: {e}") from None
+            check = verify_token(token, self.owner_key, self.config.swarm_id, req.peer_id, time.time(), role=req.wanted_role)
+            if not check:
+                raise RPCError("unauthorized", f"join token refused: {check.reason}")
+        try:
+            self.registry.register(req.peer_id, req.maddrs, req.capabilities, time.time(), wanted_role=req.wanted_role)
+        except ValueError as e:
+            raise RemoteProtocolError(str(e), "capabilities") from None
+        log.info("registered %s (%s)", req.peer_id, ", ".join(f"{k}={v}" for k, v in sorted(req.capabilities.items())))
+        await self._replan()
+        return self._assignment(req.peer_id)
+
+    async def on_heartbeat(self, ctx: CallContext) -> RoleAssignment:
+        req: Heartbeat = ctx.request
+        self._check_sender(ctx, req.peer_id)
+        now = time.time()
+        member = self.registry.heartbeat(req.peer_id, now, req.step, req.loss, req.samples_per_second, req.state_hash)
+        if member is None:
+            raise RPCError("not_found", "unknown peer: register first")
+        if req.loss is not None:
+            self.registry.record_progress(req.step, req.loss, now, req.peer_id)
+        return self._assignment(req.peer_id)
+
+    async def on_deregister(self, ctx: CallContext) -> Ack:
+        req: Deregister = ctx.request
+        self._check_sender(ctx, req.peer_id)
+        removed = self.registry.remove(req.peer_id)
+        if removed:
+            self.reasons.pop(req.peer_id, None)
+            log.info("deregistered %s (%s)", req.peer_id, req.reason or "no reason given")
+            await self._replan()
+        return Ack(info={"removed": removed})
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    async def on_checkpoint_query(self, ctx: CallContext) -> CheckpointManifest:
+        step = ctx.request.step
+        if step is None:
+            info = self.store.latest()
+            if info is None:
+                raise RPCError("not_found", "no checkpoint yet")
+        else:
+            info = next((i for i in self.store.list() if i.step == step), None)
+            if info is None:
+                raise RPCError("not_found", f"no checkpoint for step {step}")
+        return CheckpointManifest(step=info.step, manifest=json.dumps(info.manifest, sort_keys=True).encode())
+
+    async def on_state_request(self, ctx: CallContext) -> AsyncIterator[StateChunk]:
+        req: StateRequest = ctx.request
+        if not req.name.startswith(CHECKPOINT_PREFIX):
+            raise RPCError("not_found", f"no state named {req.name!r} here")
+        try:
+            step_text, filename = req.name[len(CHECKPOINT_PREFIX) :].split("/", 1)
+            step = int(step_text)
+        except ValueError:
+            raise RemoteProtocolError("expected checkpoint/<step>/<file>", "name") from None
+        try:
+            files = {name: (size, sha) for name, size, sha in self.store.files(step)}
+        except CheckpointError as e:
+            raise RPCError("not_found", str(e)) from None
+        if filename not in files:
+            raise RPCError("not_found", f"checkpoint {step} has no file {filename!r}")
+        size, sha = files[filename]
+        end = size if req.length == 0 else min(size, req.offset + req.length)
+        if req.offset > size:
+            raise RemoteProtocolError(f"offset {req.offset} is past the end ({size})", "offset")
+        return self._chunks(step, filename, req.name, req.offset, end, size, sha)
+
+    async def _chunks(self, step, filename, name, start, end, size, sha) -> AsyncIterator[StateChunk]:
+        loop = asyncio.get_running_loop()
+        offset = start
+        while True:
+            n = min(CHUNK, end - offset)
+            data = await loop.run_in_executor(None, self.store.read_chunk, step, filename, offset, n) if n else b""
+            yield StateChunk(name=name, offset=offset, total_size=size, sha256=sha, data=data)
+            offset += n
+            if offset >= end:
+                return
+
+    async def on_checkpoint_offer(self, ctx: CallContext) -> Ack:
+        offer: CheckpointOffer = ctx.request
+        try:
+            manifest = json.loads(offer.manifest)
+            upload = self.store.begin_upload(offer.step, manifest)
+        except (ValueError, CheckpointError) as e:
+            raise RemoteProtocolError(f"manifest refused: {e}", "manifest") from None
+        try:
+            remaining = {name: meta["size"] for name, meta in manifest["files"].items()}
+            while any(remaining.values()):
+                chunk = await ctx.receive()
+                if not isinstance(chunk, StateChunk):
+                    raise RemoteProtocolError(f"expected StateChunk, got {type(chunk).__name__}", "upload")
+                if remaining.get(chunk.name, 0) < len(chunk.data) or not chunk.data:
+                    raise RemoteProtocolError(f"unexpected data for {chunk.name!r}", "upload")
+                upload.write(chunk.name, chunk.offset, chunk.data)
+                remaining[chunk.name] -= len(chunk.data)
+            info = await asyncio.get_running_loop().run_in_executor(None, upload.commit)
+        except CheckpointError as e:
+            upload.abort()
+            raise RemoteProtocolError(f"upload refused: {e}", "upload") from None
+        except BaseException:
+            upload.abort()
+            raise
+        log.info("stored checkpoint %d uploaded by %s", info.step, ctx.peer_id)
+        return Ack(info={"step": info.step})
+
+    # ---- status ---------------------------------------------------------------------------------
+
+    async def status(self) -> dict:
+        members = []
+        for m in self.registry.members():
+            d = dataclasses.asdict(m)
+            d["maddrs"] = list(m.maddrs)
+            members.append(d)
+        checkpoints = [
+            {"step": i.step, "created_at": i.manifest.get("created_at"), "state_hash": i.manifest.get("state_hash"), "files": i.manifest.get("files")}
+            for i in self.store.list()
+        ]
+        return {
+            "swarm_id": self.config.swarm_id,
+            "peer_id": self.host.peer_id if self.host else None,
+            "maddrs": await self.host.visible_maddrs() if self.host else [],
+            "now": time.time(),
+            "started_at": self.started_at,
+            "epoch": self.registry.get_meta("epoch", 0),
+            "members": members,
+            "checkpoints": checkpoints,
+            "progress": [p._asdict() for p in self.registry.progress(limit=500)],
+            "evictions": self.evictions,
+        }

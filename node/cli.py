@@ -1,0 +1,90 @@
+"""`swarmtrain-node` / `python -m node`: run a node daemon until SIGINT / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from .config import ConfigError, NodeConfig, load_config
+from .p2p import HostError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = NodeConfig()
+    p = _Parser(prog="swarmtrain-node", description="Join a swarmtrain swarm and train.")
+    p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below (flag > env > file)")
+    p.add_argument("--swarm-id", help=f"swarm to join (default {d.swarm_id})")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of running peers")
+    p.add_argument("--identity", metavar="FILE", help="Ed25519 key file; created if missing (default DATA_DIR/identity.pem)")
+    p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help=f"listen addresses (default {' '.join(d.host_maddrs)})")
+    p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial")
+    p.add_argument("--device", help=f"torch device (default {d.device})")
+    p.add_argument("--data-dir", metavar="DIR", help=f"working directory (default ./{d.data_dir})")
+    p.add_argument("--coordinator", metavar="MADDR", help="coordinator multiaddr; default: find it in the DHT")
+    p.add_argument("--token", help="join token for a private swarm")
+    p.add_argument("--wanted-role", help="ask for a role (replica, stage, expert, trainer)")
+    p.add_argument("--heartbeat-interval-s", type=float, help=f"seconds between heartbeats (default {d.heartbeat_interval_s})")
+    p.add_argument("--bandwidth-mbps", type=float, help="report this bandwidth instead of measuring it")
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
+
+
+async def serve(node_factory, stop_signals=(signal.SIGINT, signal.SIGTERM)) -> int:
+    """Start a daemon, run until a stop signal, stop it cleanly."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in stop_signals:
+        loop.add_signal_handler(sig, stop.set)
+    daemon = node_factory()
+    try:
+        await daemon.start()
+        await stop.wait()
+        logging.getLogger("swarmtrain").info("stopping")
+    finally:
+        await daemon.stop()
+    return 0
+
+
+def run_daemon(node_factory, fatal_errors=()) -> int:
+    import uvloop
+
+    try:
+        return uvloop.run(serve(node_factory))
+    except (ConfigError, HostError, *fatal_errors) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    cli = {k: v for k, v in vars(args).items() if k != "config"}
+    try:
+        config = load_config(cli, args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level)
+    from .daemon import Node
+
+    return run_daemon(lambda: Node(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The node's side of membership: find the coordinator, register, heartbeat, and publish a
+signed membership record in the DHT. The swarm does not depend on the coordinator being up:
+when it is unreachable the node keeps its role and retries with backoff, and its DHT record
+keeps announcing it; when the coordinator comes back the node registers again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protocol import Deregister, Heartbeat, Probe, Register, RemoteProtocolError, RoleAssignment
+from protocol.records import CoordinatorRecord, MemberRecord, coordinator_key, members_key
+
+from .config import NodeConfig
+from .p2p import Host, PeerUnreachable
+from .transport import CallTimeout, RemoteError, Transport
+
+log = logging.getLogger(__name__)
+
+PROBE_BYTES = 2 << 20
+COORDINATOR_TROUBLE = (PeerUnreachable, CallTimeout, ConnectionError, RemoteError, RemoteProtocolError)
+
+
+class CoordinatorNotFound(Exception):
+    pass
+
+
+def split_peer_maddr(maddr: str) -> tuple[str, str]:
+    """'/ip4/../p2p/<id>' -> (transport part, peer id)."""
+    head, sep, peer_id = maddr.rpartition("/p2p/")
+    if not sep or not peer_id or "/" in peer_id:
+        raise ValueError(f"{maddr} lacks a /p2p/<peer id> suffix")
+    return head, peer_id
+
+
+@dataclass
+class Progress:
+    """What the role runner reports in heartbeats; updated in place by the runner."""
+
+    step: int = 0
+    loss: float | None = None
+    samples_per_second: float | None = None
+    state_hash: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Membership:
+    def __init__(self, host: Host, transport: Transport, config: NodeConfig, capabilities: dict, token: bytes | None = None):
+        self.host, self.transport, self.config = host, transport, config
+        self.capabilities = dict(capabilities)
+        self.token = token
+        self.progress = Progress()
+        self.coordinator: str | None = None  # peer id
+        self.assignment: RoleAssignment | None = None
+        self.registered = asyncio.Event()
+        self.on_assignment: Callable[[RoleAssignment], None] | None = None
+        self._trouble_logged = False
+
+    # ---- finding the coordinator ------------------------------------------------------------
+
+    async def find_coordinator(self) -> str:
+        if self.config.coordinator:
+            addr, peer_id = split_peer_maddr(self.config.coordinator)
+            await self.host.connect(peer_id, [addr])
+            return peer_id
+        raw = await self.host.dht_get(coordinator_key(self.config.swarm_id))
+        if raw is None:
+            raise CoordinatorNotFound(f"no coordinator record for swarm {self.config.swarm_id!r} in the DHT")
+        rec = CoordinatorRecord.from_bytes(raw, self.config.swarm_id)
+        await self.host.connect(rec.peer_id, list(rec.maddrs))
+        return rec.peer_id
+
+    async def measure_bandwidth(self, peer_id: str) -> None:
+        if self.config.bandwidth_mbps > 0:
+            self.capabilities.update(up_mbps=self.config.bandwidth_mbps, down_mbps=self.config.bandwidth_mbps)
+            return
+        t0 = time.perf_counter()
+        await self.transport.call(peer_id, Probe(data=bytes(PROBE_BYTES)), timeout=self.config.rpc_timeout_s)
+        up = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        await self.transport.call(peer_id, Probe(want=PROBE_BYTES), timeout=self.config.rpc_timeout_s)
+        down = time.perf_counter() - t0
+        self.capabilities.update(up_mbps=round(PROBE_BYTES * 8 / up / 1e6, 1), down_mbps=round(PROBE_BYTES * 8 / down / 1e6, 1))
+
+    # ---- register / heartbeat -----------------------------------------------------------------
+
+    async def register(self) -> RoleAssignment:
+        peer_id = await self.find_coordinator()
+        if "up_mbps" not in self.capabilities:
+            await self.measure_bandwidth(peer_id)
+        reply = await self.transport.call(
+            peer_id,
+            Register(
+                peer_id=self.host.peer_id,
+                maddrs=tuple(await self.host.visible_maddrs()),
+                capabilities=self.capabilities,
+                token=self.token,
+                wanted_role=self.config.wanted_role or None,
+            ),
+            timeout=self.config.rpc_timeout_s,
+        )
+        self.coordinator = peer_id
+        return self._accept(reply)
+
+    async def heartbeat(self) -> RoleAssignment:
+        assert self.coordinator is not None
+        p = self.progress
+        reply = await self.transport.call(
+            self.coordinator,
+            Heartbeat(peer_id=self.host.peer_id, step=p.step, loss=p.loss, samples_per_second=p.samples_per_second, state_hash=p.state_hash),
+            timeout=self.config.rpc_timeout_s,
+        )
+        return self._accept(reply)
+
+    def _accept(self, reply) -> RoleAssignment:
+        if not isinstance(reply, RoleAssignment):
+            raise RemoteProtocolError(f"expected RoleAssignment, got {type(reply).__name__}", "reply")
+        changed = self.assignment is None or (reply.role, reply.stage, reply.expert) != (
+            self.assignment.role, self.assignment.stage, self.assignment.expert
+        )
+        self.assignment = reply
+        if changed:
+            where = f" stage {reply.stage}" if reply.stage is not None else f" expert {reply.expert}" if reply.expert else ""
+            log.info("role: %s%s (%s)", reply.role, where, reply.reason)
+            if self.on_assignment:
+                self.on_assignment(reply)
+        return reply
+
+    async def run(self) -> None:
+        """Register, then heartbeat forever; on trouble keep the role and retry with backoff."""
+        backoff = 0.5
+        while True:
+            try:
+                if not self.registered.is_set():
+                    await self.register()
+                    self.registered.set()
+                    if self._trouble_logged:
+                        log.info("registered with the coordinator again")
+                    self._trouble_logged = False
+                else:
+                    await self.heartbeat()
+                backoff = 0.5
+                await asyncio.sleep(self.config.heartbeat_interval_s)
+            except (*COORDINATOR_TROUBLE, CoordinatorNotFound) as e:
+                if isinstance(e, RemoteError) and e.code == "unauthorized":
+                    log.error("the coordinator refused us: %s", e.message)
+                if not self._trouble_logged:
+                    log.warning("coordinator unreachable (%s); keeping role %s, retrying", e, self.assignment.role if self.assignment else None)
+                    self._trouble_logged = True
+                self.registered.clear()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.max_backoff_s)
+
+    async def publish_records(self) -> None:
+        """Announce ourselves in the DHT, so peers find us even while the coordinator is down."""
+        while True:
+            now = time.time()
+            rec = MemberRecord(
+                swarm_id=self.config.swarm_id,
+                peer_id=self.host.peer_id,
+                maddrs=tuple(await self.host.visible_maddrs()),
+                role=self.assignment.role if self.assignment else "idle",
+                step=self.progress.step,
+                issued_at=now,
+            ).sign(self.host.key)
+            try:
+                await self.host.dht_store(members_key(self.config.swarm_id), rec.to_bytes(), now + self.config.record_ttl_s, subkey=self.host.peer_id)
+            except Exception as e:  # the DHT may be briefly unreachable; the next round retries
+                log.debug("could not publish member record: %s", e)
+            await asyncio.sleep(self.config.record_ttl_s / 3)
+
+    async def deregister(self, timeout: float = 2.0) -> bool:
+        if self.coordinator is None:
+            return False
+        try:
+            await self.transport.call(self.coordinator, Deregister(peer_id=self.host.peer_id, reason="shutting down"), timeout=timeout)
+            return True
+        except COORDINATOR_TROUBLE as e:
+            log.warning("could not deregister: %s", e)
+            return False
+
+
+async def read_members(host: Host, swarm_id: str) -> dict[str, MemberRecord]:
+    """Valid member records currently in the DHT (forged or malformed ones are dropped)."""
+    raw = await host.dht_get(members_key(swarm_id))
+    out: dict[str, MemberRecord] = {}
+    if not isinstance(raw, dict):
+        return out
+    for subkey, value in raw.items():
+        try:
+            rec = MemberRecord.from_bytes(value, swarm_id)
+        except RemoteProtocolError as e:
+            log.debug("ignoring a member record: %s", e)
+            continue
+        if rec.peer_id == subkey:
+            out[rec.peer_id] = rec
+    return out

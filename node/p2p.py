@@ -1,0 +1,224 @@
+"""The only module that imports hivemind: a libp2p host (p2pd + hivemind DHT) behind a small API.
+
+One p2pd per process tree: hivemind's DHT runs in a child process that starts p2pd, and this
+process talks to the same daemon through `replicate_p2p`. The p2pd identity is derived from the
+node's Ed25519 key, so the libp2p peer id is also the key that signs the node's records.
+
+Process hygiene: a watchdog thread in the DHT child notices when its parent is gone (even after
+SIGKILL) and takes p2pd down with it, so a killed node leaves no orphan daemons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Sequence
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import hivemind
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, DispatchFailure
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.multiaddr import Multiaddr
+
+from protocol.signatures import SigningKey, libp2p_private_key, peer_id_from_public_key
+
+log = logging.getLogger(__name__)
+
+StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class HostError(Exception):
+    """The libp2p host could not start or reach the swarm; the message says why, in one line."""
+
+
+class PeerUnreachable(Exception):
+    """No stream could be opened to a peer."""
+
+
+def dht_time() -> float:
+    return get_dht_time()
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _kill_children_and_exit() -> None:
+    kids = _children_of(os.getpid())
+    for pid in kids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 2.0
+    while kids and time.monotonic() < deadline:
+        kids = [p for p in kids if os.path.exists(f"/proc/{p}") and _children_of(os.getpid()).count(p)]
+        time.sleep(0.05)
+    for pid in kids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os._exit(0)
+
+
+class _DHT(hivemind.DHT):
+    """hivemind.DHT whose process dies with its parent and takes p2pd along."""
+
+    def run(self) -> None:
+        # Our own process group: a Ctrl-C in the terminal reaches the node, which then stops the
+        # DHT and p2pd in order (deregistering first), instead of killing p2pd under its feet.
+        os.setpgid(0, 0)
+        parent = self._parent_pid
+
+        def watchdog():
+            while os.getppid() == parent:
+                time.sleep(0.2)
+            _kill_children_and_exit()
+
+        threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()
+        signal.signal(signal.SIGTERM, lambda *_: _kill_children_and_exit())
+        super().run()
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    initial_peers: tuple[str, ...] = ()  # multiaddrs of running peers ("/ip4/1.2.3.4/tcp/31337/p2p/12D3...")
+    host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # where p2pd listens; 0.0.0.0 for real deployments
+    announce_maddrs: tuple[str, ...] = ()  # addresses others should dial (public IP / port forwarding)
+    startup_timeout_s: float = 20.0  # p2pd + DHT start and bootstrap
+
+
+class Host:
+    """A running libp2p host: DHT access and binary streams to peers."""
+
+    def __init__(self, key: SigningKey, dht: hivemind.DHT, p2p: P2P, keyfile_dir: str):
+        self.key = key
+        self.dht = dht
+        self.p2p = p2p
+        self.peer_id = peer_id_from_public_key(key.public_key)
+        self._keyfile_dir = keyfile_dir
+        self._closed = False
+
+    @classmethod
+    async def start(cls, key: SigningKey, config: HostConfig) -> Host:
+        """Start p2pd and the DHT; join `initial_peers` (HostError if none answers)."""
+        for maddr in (*config.initial_peers, *config.host_maddrs, *config.announce_maddrs):
+            try:
+                Multiaddr(maddr)
+            except Exception:
+                raise HostError(f"not a multiaddr: {maddr!r}") from None
+        for maddr in config.initial_peers:
+            if "/p2p/" not in maddr:
+                raise HostError(f"initial peer {maddr} lacks its /p2p/<peer id> part")
+        keyfile_dir = tempfile.mkdtemp(prefix="swarmtrain-id-")
+        keyfile = os.path.join(keyfile_dir, "p2pd.key")
+        fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(libp2p_private_key(key))
+        dht = _DHT(
+            initial_peers=list(config.initial_peers) or None,
+            host_maddrs=list(config.host_maddrs),
+            announce_maddrs=list(config.announce_maddrs) or None,
+            identity_path=keyfile,
+            check_if_identity_free=False,
+            start=False,
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            dht.start()
+            await loop.run_in_executor(None, dht.wait_until_ready, config.startup_timeout_s)
+            p2p = await dht.replicate_p2p()
+        except BaseException as e:
+            _stop_dht(dht)
+            _remove_dir(keyfile_dir)
+            if isinstance(e, (asyncio.CancelledError, KeyboardInterrupt)):
+                raise
+            reason = str(e).split("\n")[0] or type(e).__name__
+            if "bootstrap" in reason or "initial_peers" in reason:
+                raise HostError(f"none of the initial peers answered: {', '.join(config.initial_peers)}") from None
+            raise HostError(f"libp2p host failed to start: {reason}") from None
+        return cls(key, dht, p2p, keyfile_dir)
+
+    async def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in await self.p2p.get_visible_maddrs()]
+
+    async def connect(self, peer_id: str, maddrs: Sequence[str]) -> None:
+        """Tell p2pd where a peer is (it may also find out through the libp2p DHT)."""
+        # p2pd wants transport addresses: hivemind's encoding of a /p2p/<id> suffix is refused
+        addrs = [Multiaddr(m.split("/p2p/")[0]) for m in maddrs]
+        try:
+            await self.p2p._client.connect(PeerID.from_base58(peer_id), addrs)
+        except (ControlFailure, DispatchFailure, OSError, ValueError) as e:
+            raise PeerUnreachable(f"cannot connect to {peer_id}: {e}") from None
+
+    async def add_stream_handler(self, name: str, handler: StreamHandler) -> None:
+        async def adapter(info, reader, writer):
+            await handler(info.peer_id.to_base58(), reader, writer)
+
+        await self.p2p.add_binary_stream_handler(name, adapter)
+
+    async def open_stream(self, peer_id: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+        except (ControlFailure, DispatchFailure, OSError, ValueError) as e:
+            raise PeerUnreachable(f"cannot open a stream to {peer_id}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        return reader, writer
+
+    async def dht_store(self, key: str, value: bytes, expiration: float, subkey: str | None = None) -> bool:
+        return bool(await self.dht.store(key, value, expiration, subkey=subkey, return_future=True))
+
+    async def dht_get(self, key: str) -> Any:
+        """The value (bytes) or {subkey: bytes} stored under key, None if absent or expired."""
+        found = await self.dht.get(key, latest=True, return_future=True)
+        if found is None:
+            return None
+        value = found.value
+        if isinstance(value, dict):
+            return {k: v.value for k, v in value.items()}
+        return value
+
+    async def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.p2p.shutdown()
+        except Exception as e:  # the replica's sockets may already be gone; shutting down anyway
+            log.debug("p2p replica shutdown: %s", e)
+        await asyncio.get_running_loop().run_in_executor(None, _stop_dht, self.dht)
+        _remove_dir(self._keyfile_dir)
+
+
+def _stop_dht(dht: hivemind.DHT) -> None:
+    if dht.is_alive():
+        dht.shutdown()
+    if dht.is_alive():
+        dht.terminate()
+        dht.join(3)
+
+
+def _remove_dir(path: str) -> None:
+    for name in os.listdir(path):
+        os.unlink(os.path.join(path, name))
+    os.rmdir(path)

@@ -1,0 +1,364 @@
+"""RPC over libp2p binary streams, framed by `protocol/`.
+
+One libp2p stream per call. The first frame on a stream is the request; what follows depends on
+the call's shape, which both sides know from the method used:
+
+- unary (`call`): one request, one reply, the server closes the stream;
+- server streaming (`stream`): one request, replies until the server closes the stream;
+- client streaming (`send`): a request followed by more frames the handler reads with
+  `ctx.receive()`, one reply.
+
+A reply of type `Error` ends any call and raises `RemoteError` at the caller. Every call has a
+deadline. Per peer, the server caps concurrent calls and bytes in flight. A peer whose frames
+are malformed gets an `Error(bad_request)` reply naming the problem, a lower score, and a ban
+after repeated offences; it is logged once, and everyone else keeps being served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from protocol import Decoder, Error, Message, Ping, Pong, Probe, RemoteProtocolError, encode
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE
+
+from .p2p import Host, PeerUnreachable
+
+log = logging.getLogger(__name__)
+
+RPC_PROTOCOL = "/swarmtrain/rpc/1"
+READ_SIZE = 1 << 20
+
+
+class RPCError(Exception):
+    """Raised by a handler to refuse a request with a specific error code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class RemoteError(Exception):
+    """The peer answered with an Error frame."""
+
+    def __init__(self, peer_id: str, code: str, message: str):
+        super().__init__(f"{peer_id[-8:]} refused: {code}: {message}")
+        self.peer_id, self.code, self.message = peer_id, code, message
+
+
+class CallTimeout(Exception):
+    """A call passed its deadline."""
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    call_timeout_s: float = 10.0  # default deadline of an outgoing call
+    handler_timeout_s: float = 120.0  # longest a handler may run before the caller is told "timeout"
+    request_read_timeout_s: float = 30.0  # a peer must deliver each frame of a request within this
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE  # bytes; larger frames are refused from their prefix
+    max_concurrent_per_peer: int = 32  # calls one peer may have open with us at once
+    max_bytes_in_flight_per_peer: int = 256 << 20  # request bytes one peer may have buffered with us
+    ban_score: float = -10.0  # a peer at or below this score is refused for `ban_s`
+    ban_s: float = 60.0  # first ban; doubles with each further ban
+
+
+@dataclass
+class _PeerState:
+    score: float = 0.0
+    active: int = 0
+    bytes_in_flight: int = 0
+    banned_until: float = 0.0
+    bans: int = 0
+    last_logged: float = -1e9
+
+
+class PeerScores:
+    """Scores peers by their behaviour; bans the repeat offenders with exponential backoff."""
+
+    def __init__(self, config: TransportConfig):
+        self.config = config
+        self.peers: dict[str, _PeerState] = defaultdict(_PeerState)
+
+    def penalize(self, peer_id: str, amount: float, now: float) -> None:
+        st = self.peers[peer_id]
+        st.score -= amount
+        if st.score <= self.config.ban_score:
+            st.banned_until = now + self.config.ban_s * (2**st.bans)
+            st.bans += 1
+            st.score = 0.0
+
+    def reward(self, peer_id: str, amount: float = 0.1) -> None:
+        st = self.peers[peer_id]
+        st.score = min(st.score + amount, 5.0)
+
+    def banned(self, peer_id: str, now: float) -> float:
+        """Seconds of ban left (0: not banned)."""
+        return max(0.0, self.peers[peer_id].banned_until - now)
+
+    def score(self, peer_id: str) -> float:
+        return self.peers[peer_id].score
+
+
+class CallContext:
+    """What a handler sees of the call: who, the first frame, and further frames on demand."""
+
+    def __init__(self, peer_id: str, request: Message, receive: Callable[[], Awaitable[Message]]):
+        self.peer_id = peer_id
+        self.request = request
+        self._receive = receive
+
+    async def receive(self) -> Message:
+        """The next frame the caller sent (client-streaming calls)."""
+        return await self._receive()
+
+
+Handler = Callable[[CallContext], Awaitable["Message | AsyncIterator[Message]"]]
+
+
+class _FrameReader:
+    """Reads whole messages off a stream through a `Decoder`."""
+
+    def __init__(self, reader: asyncio.StreamReader, max_frame_size: int, on_bytes: Callable[[int], None] | None = None):
+        self.reader = reader
+        self.decoder = Decoder(max_frame_size)
+        self.pending: list[Message] = []
+        self.on_bytes = on_bytes
+
+    async def next(self) -> Message | None:
+        """The next message, or None at a clean end of stream."""
+        while not self.pending:
+            data = await self.reader.read(READ_SIZE)
+            if not data:
+                if self.decoder.buffered:
+                    raise RemoteProtocolError(f"stream ended inside a frame ({self.decoder.buffered} bytes)", "frame")
+                return None
+            if self.on_bytes:
+                self.on_bytes(len(data))
+            self.pending.extend(self.decoder.feed(data))
+        return self.pending.pop(0)
+
+
+async def _write(writer: asyncio.StreamWriter, msg: Message, max_frame_size: int) -> None:
+    writer.write(encode(msg, max_frame_size))
+    await writer.drain()
+
+
+def _close(writer: asyncio.StreamWriter) -> None:
+    try:
+        writer.close()
+    except Exception:  # the other side may have gone already; nothing left to release
+        pass
+
+
+class Transport:
+    def __init__(self, host: Host, config: TransportConfig = TransportConfig()):
+        self.host = host
+        self.config = config
+        self.scores = PeerScores(config)
+        self.handlers: dict[type[Message], Handler] = {Ping: self._on_ping, Probe: self._on_probe}
+        self.stats: dict[str, int] = defaultdict(int)
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def peer_id(self) -> str:
+        return self.host.peer_id
+
+    def on(self, msg_type: type[Message], handler: Handler) -> None:
+        self.handlers[msg_type] = handler
+
+    async def start(self) -> None:
+        await self.host.add_stream_handler(RPC_PROTOCOL, self._serve)
+
+    async def _on_ping(self, ctx: CallContext) -> Message:
+        return Pong(nonce=ctx.request.nonce, sent_at=ctx.request.sent_at)
+
+    async def _on_probe(self, ctx: CallContext) -> Message:
+        return Probe(data=bytes(ctx.request.want))
+
+    # ---- server side ---------------------------------------------------------------------
+
+    async def _serve(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        st = self.scores.peers[peer_id]
+        counted = 0
+
+        def on_bytes(n: int) -> None:
+            nonlocal counted
+            counted += n
+            st.bytes_in_flight += n
+            if st.bytes_in_flight > self.config.max_bytes_in_flight_per_peer:
+                raise RPCError("overloaded", f"more than {self.config.max_bytes_in_flight_per_peer} bytes in flight")
+
+        st.active += 1
+        request_id = 0
+        try:
+            now = time.monotonic()
+            left = self.scores.banned(peer_id, now)
+            if left:
+                raise RPCError("unauthorized", f"banned for {left:.0f} more seconds after repeated bad frames")
+            if st.active > self.config.max_concurrent_per_peer:
+                raise RPCError("overloaded", f"more than {self.config.max_concurrent_per_peer} concurrent calls")
+            frames = _FrameReader(reader, self.config.max_frame_size, on_bytes)
+
+            async def receive() -> Message:
+                async with asyncio.timeout(self.config.request_read_timeout_s):
+                    msg = await frames.next()
+                if msg is None:
+                    raise RemoteProtocolError("stream ended before the request was complete", "frame")
+                return msg
+
+            request = await receive()
+            request_id = request.request_id
+            handler = self.handlers.get(type(request))
+            if handler is None:
+                raise RPCError("unsupported", f"no handler for {type(request).__name__} here")
+            self.stats["calls_served"] += 1
+            async with asyncio.timeout(self.config.handler_timeout_s):
+                result = await handler(CallContext(peer_id, request, receive))
+                if isinstance(result, Message):
+                    await _write(writer, _with_id(result, request_id), self.config.max_frame_size)
+                else:
+                    async for msg in result:
+                        await _write(writer, _with_id(msg, request_id), self.config.max_frame_size)
+            self.scores.reward(peer_id)
+        except RemoteProtocolError as e:
+            self.stats["bad_frames"] += 1
+            self.scores.penalize(peer_id, 2.0, time.monotonic())
+            self._log_peer(peer_id, st, f"refused bad input from {peer_id}: {e}")
+            await self._reply_error(writer, "bad_request", str(e), request_id)
+        except RPCError as e:
+            await self._reply_error(writer, e.code, e.message, request_id)
+        except TimeoutError:
+            await self._reply_error(writer, "timeout", "request or handler passed its deadline", request_id)
+        except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError):
+            pass  # the caller hung up; nothing to answer
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("handler failed on a request from %s", peer_id)
+            await self._reply_error(writer, "internal", "the handler failed; see the server's log", request_id)
+        finally:
+            st.active -= 1
+            st.bytes_in_flight -= counted
+            _close(writer)
+            if task is not None:
+                self._tasks.discard(task)
+
+    def _log_peer(self, peer_id: str, st: _PeerState, text: str) -> None:
+        now = time.monotonic()
+        if now - st.last_logged > 60:
+            st.last_logged = now
+            log.warning(text + " (further problems from this peer are logged at debug level for 60 s)")
+        else:
+            log.debug(text)
+
+    async def _reply_error(self, writer: asyncio.StreamWriter, code: str, message: str, request_id: int) -> None:
+        try:
+            await asyncio.wait_for(_write(writer, Error(code=code, message=message[:1000], request_id=request_id), self.config.max_frame_size), 5)
+        except Exception:  # best effort: the peer may be gone or not reading
+            pass
+
+    # ---- client side ---------------------------------------------------------------------
+
+    async def _open(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await self.host.open_stream(peer_id, RPC_PROTOCOL)
+
+    def _check_reply(self, peer_id: str, reply: Message | None) -> Message:
+        if reply is None:
+            raise ConnectionError(f"{peer_id} closed the stream without a reply")
+        if isinstance(reply, Error):
+            raise RemoteError(peer_id, reply.code, reply.message)
+        return reply
+
+    async def call(self, peer_id: str, request: Message, timeout: float | None = None) -> Message:
+        """One request, one reply. Raises RemoteError, CallTimeout, PeerUnreachable, ConnectionError,
+        or RemoteProtocolError (the peer's reply was malformed; the peer is scored down)."""
+        return await self.send(peer_id, request, (), timeout)
+
+    async def send(
+        self, peer_id: str, request: Message, more: Iterable[Message] | AsyncIterator[Message] = (), timeout: float | None = None
+    ) -> Message:
+        """A request followed by more frames (client streaming); one reply."""
+        timeout = self.config.call_timeout_s if timeout is None else timeout
+        writer = None
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await self._open(peer_id)
+                frames = _FrameReader(reader, self.config.max_frame_size)
+                await _write(writer, request, self.config.max_frame_size)
+                if hasattr(more, "__aiter__"):
+                    async for msg in more:  # type: ignore[union-attr]
+                        await _write(writer, msg, self.config.max_frame_size)
+                else:
+                    for msg in more:  # type: ignore[union-attr]
+                        await _write(writer, msg, self.config.max_frame_size)
+                reply = self._check_reply(peer_id, await frames.next())
+                self.stats["calls_made"] += 1
+                return reply
+        except TimeoutError:
+            raise CallTimeout(f"{type(request).__name__} to {peer_id} timed out after {timeout:.1f} s") from None
+        except RemoteProtocolError:
+            self.scores.penalize(peer_id, 2.0, time.monotonic())
+            raise
+        finally:
+            if writer is not None:
+                _close(writer)
+
+    async def stream(self, peer_id: str, request: Message, timeout: float | None = None) -> AsyncIterator[Message]:
+        """One request, replies until the server ends the stream. `timeout` bounds the whole call."""
+        timeout = self.config.call_timeout_s if timeout is None else timeout
+        writer = None
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await self._open(peer_id)
+                frames = _FrameReader(reader, self.config.max_frame_size)
+                await _write(writer, request, self.config.max_frame_size)
+                while True:
+                    msg = await frames.next()
+                    if msg is None:
+                        return
+                    yield self._check_reply(peer_id, msg)
+        except TimeoutError:
+            raise CallTimeout(f"{type(request).__name__} stream from {peer_id} timed out after {timeout:.1f} s") from None
+        except RemoteProtocolError:
+            self.scores.penalize(peer_id, 2.0, time.monotonic())
+            raise
+        finally:
+            if writer is not None:
+                _close(writer)
+
+    async def ping(self, peer_id: str, timeout: float = 5.0) -> float:
+        """Round-trip time in seconds."""
+        t0 = time.monotonic()
+        await self.call(peer_id, Ping(nonce=1, sent_at=time.time()), timeout)
+        return time.monotonic() - t0
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _with_id(msg: Message, request_id: int) -> Message:
+    return msg if msg.request_id == request_id else dataclasses.replace(msg, request_id=request_id)
+
+
+__all__ = [
+    "CallContext",
+    "CallTimeout",
+    "PeerScores",
+    "PeerUnreachable",
+    "RPCError",
+    "RemoteError",
+    "Transport",
+    "TransportConfig",
+    "RPC_PROTOCOL",
+]

@@ -1,0 +1,204 @@
+"""Harness for swarm tests: real processes on loopback, one small fault interface, no sleeps.
+
+Every process is started in its own session; `Swarm.close()` kills whatever is left of each
+session (node, its DHT child and p2pd) and fails the test if anything had to be killed that
+should have exited by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond, timeout: float, what: str, interval: float = 0.1):
+    """Poll `cond()` until it returns something truthy; fail with `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    last_exc = None
+    while time.monotonic() < deadline:
+        try:
+            value = cond()
+            if value:
+                return value
+        except Exception as e:  # the condition may not be checkable yet (server starting)
+            last_exc = e
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
+
+
+def session_pids(sid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != b"Z":
+                out.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+class Proc:
+    """One daemon process (and, through its session, everything it started)."""
+
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict | None = None):
+        self.name = name
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.popen = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env={**os.environ, **(env or {})}
+        )
+        self.sid = self.popen.pid  # start_new_session: the session id is the leader's pid
+
+    # -- the fault interface: kill, stall, resume --
+    def kill(self) -> None:
+        """SIGKILL the daemon itself (its children must notice and go on their own)."""
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
+
+    def terminate(self) -> None:
+        self.popen.send_signal(signal.SIGTERM)
+
+    def interrupt(self) -> None:
+        self.popen.send_signal(signal.SIGINT)
+
+    def stall(self) -> None:
+        """SIGSTOP the whole session: the process is alive but silent (a straggler)."""
+        os.killpg(self.sid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.sid, signal.SIGCONT)
+
+    # -- inspection --
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def leftovers(self) -> list[int]:
+        return session_pids(self.sid)
+
+    def cleanup(self) -> list[int]:
+        """Kill everything left in the session; return the pids that were still there."""
+        left = self.leftovers()
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+        return left
+
+
+class Swarm:
+    """Starts coordinators and nodes from their console scripts; cleans up after itself."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+
+    def _bin(self, name: str) -> str:
+        script = Path(sys.executable).parent / name
+        return str(script) if script.exists() else name
+
+    def start(self, name: str, script: str, *args: str, env: dict | None = None) -> Proc:
+        p = Proc(name, [self._bin(script), *args], self.tmp / f"{name}.log", env)
+        self.procs.append(p)
+        return p
+
+    def coordinator(self, name="coordinator", port: int | None = None, http_port: int | None = None, *extra: str) -> Coordinator:
+        port = port or free_port()
+        http_port = http_port or free_port()
+        args = ["--data-dir", str(self.tmp / name), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--http", f"127.0.0.1:{http_port}", *extra]
+        proc = self.start(name, "swarmtrain-coordinator", *args)
+        return Coordinator(proc, port, http_port, args)
+
+    def restart(self, coord: Coordinator, name: str) -> Coordinator:
+        """Start a coordinator again with the same data dir, ports and flags."""
+        return Coordinator(self.start(name, "swarmtrain-coordinator", *coord.args), coord.port, coord.http_port, coord.args)
+
+    def node(self, name: str, initial_peers: list[str], *extra: str) -> Proc:
+        return self.start(name, "swarmtrain-node", "--data-dir", str(self.tmp / name), "--initial-peers", *initial_peers, *extra)
+
+    def close(self) -> list[str]:
+        """Kill what is left; report processes that outlived a daemon that had exited."""
+        orphans = []
+        for p in self.procs:
+            exited = not p.alive()
+            left = p.cleanup()
+            if exited and left:
+                orphans.append(f"{p.name}: {len(left)} processes outlived it")
+        return orphans
+
+
+class Coordinator:
+    def __init__(self, proc: Proc, port: int, http_port: int, args: list[str]):
+        self.proc, self.port, self.http_port, self.args = proc, port, http_port, args
+
+    def status(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/status", timeout=5) as r:
+            return json.loads(r.read())
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def wait_ready(self, timeout: float = 60) -> dict:
+        def ready():
+            if not self.proc.alive():
+                raise AssertionError(f"coordinator exited:\n{self.proc.log()}")
+            try:
+                return self.status()
+            except (urllib.error.URLError, ConnectionError, OSError):
+                return None
+
+        return wait_for(ready, timeout, "the coordinator's /status")
+
+    def maddr(self) -> str:
+        return self.status()["maddrs"][0]
+
+    def members(self) -> dict[str, dict]:
+        return {m["peer_id"]: m for m in self.status()["members"]}
+
+
+def node_peer_id(proc: Proc, timeout: float = 60) -> str:
+    """The peer id a node logs when it starts."""
+
+    def find():
+        for line in proc.log().splitlines():
+            if "peer id " in line:
+                return line.split("peer id ", 1)[1].split(",")[0].strip()
+        if not proc.alive():
+            raise AssertionError(f"{proc.name} exited:\n{proc.log()}")
+        return None
+
+    return wait_for(find, timeout, f"{proc.name} to start")
