@@ -9,6 +9,7 @@ Files:
     signatures.py  Ed25519 keys (0600 PEM files), sign/verify over a canonical tuple encoding
     tokens.py      signed join tokens for private swarms, verification with a reason
     records.py     signed DHT records: where the coordinator is, who is a member
+    manifest.py    checkpoint manifests: validation, canonical signed tuple, JSON form, dir names
 """
 
 from .codecs import Codec, ErrorFeedback, decode_tensor, make_codec
@@ -17,6 +18,11 @@ from .framing import DEFAULT_MAX_FRAME_SIZE, PROTOCOL_VERSION, Decoder, encode
 from .messages import (
     REGISTRY,
     Ack,
+    AvgDecision,
+    AvgDecisionQuery,
+    AvgGroup,
+    AvgJoin,
+    AvgReport,
     CheckpointManifest,
     CheckpointOffer,
     CheckpointQuery,

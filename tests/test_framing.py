@@ -25,6 +25,13 @@ SAMPLES = [
     m.CheckpointQuery(step=None),
     m.CheckpointManifest(step=3, manifest=b'{"step": 3}'),
     m.CheckpointOffer(step=3, manifest=b'{"step": 3}'),
+    m.AvgJoin(round_key="outer-1", numel=100, weight=2.0, bandwidth=1e7, codec="int8"),
+    m.AvgGroup(status="group", group_id="g", members=("a", "b"), weights=(1.0, 2.0), bounds=(0, 50, 100), codec="int8",
+               codec_params={"block_size": 64}, gather_codec="int8", deadline_s=3.0),
+    m.AvgGroup(status="redirect", redirect="b"),
+    m.AvgReport(group_id="g", phase="scatter", received_from=("a",), blamed=("b",), reasons=("NaN",)),
+    m.AvgDecision(group_id="g", phase="gather", commit=True, survivors=("a",), owners=("a", "a")),
+    m.AvgDecisionQuery(group_id="g", phase="scatter"),
     m.StateRequest(name="ckpt/000010/model.safetensors", offset=5, length=100),
     m.StateChunk(name="x", offset=0, total_size=3, sha256="0" * 64, data=b"abc", request_id=2**40),
 ]

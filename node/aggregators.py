@@ -1,0 +1,69 @@
+"""How the owner of a slice combines the contributions it received. Pure functions of a
+(members × elements) matrix and per-member weights; deterministic, so every run over the same
+inputs gives the same bits.
+
+- `mean`: the weighted mean. Exact, trusts everyone.
+- `trimmed_mean`: per coordinate, drop the `trim` largest and smallest values, average the rest
+  (unweighted). Survives up to `trim` arbitrary senders.
+- `centered_clip`: CenteredClip (Karimireddy et al. 2021): start at the coordinate-wise median,
+  then repeatedly move towards the weighted mean of the contributions, each clipped to radius
+  `tau` around the current estimate. Bounded influence of any single sender.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def mean(parts: torch.Tensor, weights: torch.Tensor, **_) -> torch.Tensor:
+    w = weights.to(parts.dtype) / weights.sum()
+    out = torch.zeros(parts.shape[1], dtype=parts.dtype)
+    for i in range(parts.shape[0]):  # a fixed order: bitwise reproducible
+        out.add_(parts[i], alpha=float(w[i]))
+    return out
+
+
+def trimmed_mean(parts: torch.Tensor, weights: torch.Tensor, trim: int | None = None, **_) -> torch.Tensor:
+    n = parts.shape[0]
+    trim = max(0, (n - 1) // 4) if trim is None else trim
+    if n - 2 * trim < 1:
+        raise ValueError(f"cannot trim {trim} from each side of {n} contributions")
+    if trim == 0:
+        return parts.mean(dim=0)
+    ordered, _ = torch.sort(parts, dim=0)
+    return ordered[trim : n - trim].mean(dim=0)
+
+
+def centered_clip(parts: torch.Tensor, weights: torch.Tensor, tau: float = 1.0, iterations: int = 20, **_) -> torch.Tensor:
+    w = (weights / weights.sum()).to(parts.dtype)
+    v = parts.median(dim=0).values
+    for _ in range(iterations):
+        diff = parts - v
+        norms = diff.norm(dim=1)
+        scale = torch.clamp(tau / torch.clamp(norms, min=1e-12), max=1.0)
+        step = (w * scale).unsqueeze(1).mul(diff).sum(dim=0)
+        v = v + step
+        if float(step.norm()) <= 1e-7 * max(1.0, float(v.norm())):
+            break
+    return v
+
+
+AGGREGATORS = {"mean": mean, "trimmed_mean": trimmed_mean, "centered_clip": centered_clip}
+
+
+def get(name: str):
+    try:
+        return AGGREGATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown aggregator {name!r}; known: {', '.join(AGGREGATORS)}") from None
+
+
+def tolerance(name: str, n: int) -> int:
+    """How many arbitrary senders the aggregator tolerates in a group of n."""
+    if name == "trimmed_mean":
+        return max(0, (n - 1) // 4)
+    if name == "centered_clip":
+        return max(0, math.ceil(n / 2) - 1)
+    return 0

@@ -1,0 +1,833 @@
+"""Fault-tolerant compressed all-reduce among the peers that average the same key.
+
+One round, as each member sees it:
+
+1. **Matchmaking.** Publish a signed record under the round's DHT key, then join the group of
+   the smallest peer id that wants the same key (it leads; a leader that sees a smaller id
+   later hands its joiners over). The leader closes the group when `expected_peers` have
+   joined or its join window ends, and tells everyone the members, their order, the slice
+   bounds (sized by bandwidth), the codec, and phase deadlines derived from bandwidth. A peer
+   that arrives after the group closed is told so and waits for the next round.
+2. **Scatter.** The flat vector is cut into one slice per member. Every member sends each owner
+   its part, compressed with error feedback, streamed in chunks, all owners at once.
+3. **Decision.** Every member reports to the leader whose parts it received intact and whom it
+   blames (dead, late, NaN, wrong shape). The leader decides who survives; a failed member's
+   contribution is dropped everywhere and its slice is re-owned by a survivor (its part is
+   re-sent there). Fewer survivors than `min_group_size`: the round aborts.
+4. **Aggregate + gather.** Owners aggregate their slices over the survivors (mean, or a robust
+   aggregator) and send the result to every survivor; the owner keeps the decoded copy of what
+   it sent, so every member holds the same bits.
+5. **Commit.** Members report that they hold every slice; the leader commits only if all
+   survivors do, else aborts. Only on commit is the result applied.
+
+First error latches: any failure ends the round for a member as `AveragingFailed`; its inputs
+and its error-feedback state are left as they were before the round. A member that cannot
+reach the leader asks the other members for the leader's decision before giving up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol import (
+    Ack,
+    AvgDecision,
+    AvgDecisionQuery,
+    AvgGroup,
+    AvgJoin,
+    AvgReport,
+    Message,
+    RemoteProtocolError,
+    TensorAssembler,
+    TensorPart,
+    decode_tensor,
+    make_codec,
+    split,
+)
+from protocol.records import MemberRecord
+
+from . import aggregators
+from .faults import Faults
+from .p2p import Host, PeerUnreachable
+from .transport import CallContext, CallTimeout, RemoteError, RPCError, Transport
+
+log = logging.getLogger(__name__)
+
+# bytes per element each codec puts on the wire, to size deadlines before anything is sent
+_WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "int8": 1.01, "topk": 0.08, "powersgd": 0.05}
+_NET_ERRORS = (PeerUnreachable, CallTimeout, RemoteError, ConnectionError, RemoteProtocolError, OSError)
+
+
+@dataclass(frozen=True)
+class AveragerConfig:
+    swarm_id: str = "swarmtrain"  # records of other swarms are ignored
+    prefix: str = "avg"  # DHT namespace of round keys, e.g. "replicas"
+    codec: str = "none"  # scatter codec: none | fp16 | int8 | topk | powersgd
+    codec_params: dict = field(default_factory=dict)  # e.g. {"block_size": 1024}
+    gather_codec: str | None = None  # codec of averaged slices; None: same as `codec` (without topk/powersgd: fp16)
+    aggregator: str = "mean"  # mean | trimmed_mean | centered_clip
+    aggregator_params: dict = field(default_factory=dict)
+    join_timeout_s: float = 5.0  # how long a leader keeps its group open
+    min_group_size: int = 2  # fewer survivors than this: the round aborts
+    bandwidth: float = 0.0  # bytes/s this peer can move each way; 0: learn it from past rounds
+    default_bandwidth: float = 25e6  # bytes/s assumed before anything was measured
+    base_timeout_s: float = 3.0  # every phase deadline: base + slack × expected transfer time
+    timeout_slack: float = 4.0
+    chunk_bytes: int = 4 << 20  # payload bytes per TensorPart frame
+    max_abs: float = math.inf  # parts with larger values are refused (a poisoning / overflow guard)
+    slice_align: int = 1024  # slice bounds are multiples of this (int8 blocks stay whole)
+    decision_grace_s: float = 2.0  # extra wait for reports / decisions beyond a phase deadline
+
+    def __post_init__(self):
+        make_codec(self.codec, **self.codec_params)  # fail early on a bad codec
+        aggregators.get(self.aggregator)
+        if self.min_group_size < 1:
+            raise ValueError("min_group_size must be >= 1")
+
+    @property
+    def resolved_gather_codec(self) -> str:
+        if self.gather_codec:
+            return self.gather_codec
+        return self.codec if self.codec in ("none", "fp16", "int8") else "fp16"
+
+
+@dataclass
+class AverageReport:
+    key: str
+    ok: bool = False
+    reason: str = ""
+    group_id: str = ""
+    leader: str = ""
+    members: list[str] = field(default_factory=list)
+    survivors: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    bounds: tuple[int, ...] = ()  # slice bounds of the flat vector
+
+
+class AveragingFailed(Exception):
+    """The round failed for this member; its inputs are unchanged. `.report` says why."""
+
+    def __init__(self, report: AverageReport):
+        super().__init__(f"averaging {report.key} failed: {report.reason}")
+        self.report = report
+
+
+class _Fail(Exception):
+    """Internal: ends a round with a reason."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def slice_bounds(numel: int, bandwidths: Sequence[float], align: int) -> tuple[int, ...]:
+    """Cut [0, numel) into len(bandwidths) slices proportional to bandwidth, bounds aligned."""
+    total = sum(bandwidths)
+    bounds, acc = [0], 0.0
+    for bw in bandwidths[:-1]:
+        acc += bw
+        cut = int(round(numel * acc / total / align)) * align
+        bounds.append(min(max(cut, bounds[-1]), numel))
+    bounds.append(numel)
+    return tuple(bounds)
+
+
+def decide_survivors(members: Sequence[str], reports: dict[str, AvgReport]) -> tuple[list[str], dict[str, str]]:
+    """After scatter: who survives, and why the others failed. Members that did not report
+    failed; a sender blamed by an owner or missing at an owner failed, unless that owner blamed
+    at least half of the others (then the owner is the likely culprit)."""
+    failed: dict[str, str] = {}
+    for m in members:
+        if m not in reports:
+            failed[m] = "no report by the deadline (dead or stalled)"
+    for owner in members:
+        rep = reports.get(owner)
+        if rep is None:
+            continue
+        others = [m for m in members if m != owner]
+        missing = [m for m in others if m not in rep.received_from and m not in rep.blamed and m not in failed]
+        blamed = dict(zip(rep.blamed, rep.reasons))
+        if others and len(set(missing) | set(blamed)) * 2 >= len(others) and len(others) > 1 and not all(
+            m in failed for m in others
+        ):
+            failed.setdefault(owner, f"received from only {len(rep.received_from)} of {len(others)} members")
+            continue
+        for m, why in blamed.items():
+            failed.setdefault(m, f"{why} (reported by {owner[-8:]})")
+        for m in missing:
+            failed.setdefault(m, f"its part never reached {owner[-8:]}")
+    survivors = [m for m in members if m not in failed]
+    return survivors, failed
+
+
+def reassign(members: Sequence[str], survivors: Sequence[str]) -> tuple[str, ...]:
+    """Owner of each slice: its member if it survived, else survivors round-robin."""
+    owners, k = [], 0
+    for m in members:
+        if m in survivors:
+            owners.append(m)
+        else:
+            owners.append(survivors[k % len(survivors)])
+            k += 1
+    return tuple(owners)
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(torch.float32).cpu() for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, pos = [], 0
+    for t in like:
+        n = t.numel()
+        out.append(flat[pos : pos + n].view(t.shape).to(t.dtype))
+        pos += n
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-round state
+
+
+@dataclass
+class _Round:
+    group: AvgGroup
+    me: str
+    leader: str
+    started: float
+    report: AverageReport
+    received: dict[tuple[str, int], dict[str, torch.Tensor]] = field(default_factory=dict)  # (phase, slice) -> sender -> part
+    blamed: dict[str, str] = field(default_factory=dict)  # sender -> reason
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    reports: dict[str, dict[str, AvgReport]] = field(default_factory=lambda: {"scatter": {}, "gather": {}})
+    reported: dict[str, asyncio.Event] = field(default_factory=lambda: {"scatter": asyncio.Event(), "gather": asyncio.Event()})
+    decisions: dict[str, AvgDecision] = field(default_factory=dict)
+    decided: dict[str, asyncio.Event] = field(default_factory=lambda: {"scatter": asyncio.Event(), "gather": asyncio.Event()})
+    survivors: tuple[str, ...] = ()
+    owners: tuple[str, ...] = ()
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.group.members
+
+    def slice_len(self, j: int) -> int:
+        return self.group.bounds[j + 1] - self.group.bounds[j]
+
+
+@dataclass
+class _Matchmaking:
+    """What this peer is doing about one round key."""
+
+    key: str
+    numel: int
+    codec: str
+    mode: str = "candidate"  # candidate | leader | follower | closed
+    following: str = ""
+    pending: dict[str, tuple[AvgJoin, asyncio.Future]] = field(default_factory=dict)
+    group: AvgGroup | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Averager:
+    """One per node; serves any number of concurrent rounds (different keys)."""
+
+    def __init__(self, host: Host, transport: Transport, config: AveragerConfig = AveragerConfig(), faults: Faults = Faults()):
+        self.host, self.transport, self.config, self.faults = host, transport, config, faults
+        self.peer_id = host.peer_id
+        self.codec = make_codec(config.codec, **config.codec_params)
+        self._matchmaking: dict[str, _Matchmaking] = {}
+        self._closed_keys: dict[str, float] = {}  # round keys we finished recently -> when
+        self._rounds: dict[str, _Round] = {}
+        self._round_ready: dict[str, asyncio.Event] = {}
+        self._residuals: dict[str, torch.Tensor] = {}  # state_key -> error-feedback residual (flat)
+        self._codec_state: dict[tuple, dict] = {}
+        self._measured_bandwidth: float | None = None
+        self.on_phase = None  # optional callable(key, phase): progress for logs and tests
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        for msg_type, handler in [
+            (AvgJoin, self._on_join),
+            (TensorPart, self._on_part),
+            (AvgReport, self._on_report),
+            (AvgDecisionQuery, self._on_decision_query),
+        ]:
+            self.transport.on(msg_type, handler)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _phase(self, key: str, phase: str) -> None:
+        log.debug("averaging %s: %s", key, phase)
+        if self.on_phase is not None:
+            self.on_phase(key, phase)
+
+    @property
+    def bandwidth(self) -> float:
+        return self.config.bandwidth or self._measured_bandwidth or self.config.default_bandwidth
+
+    def _dht_key(self, key: str) -> str:
+        return f"swarmtrain/{self.config.swarm_id}/{self.config.prefix}/{key}"
+
+    # ---- public API ----------------------------------------------------------------------------
+
+    async def average(
+        self,
+        key: str,
+        tensors: Sequence[torch.Tensor],
+        weight: float = 1.0,
+        expected_peers: int | None = None,
+        state_key: str | None = None,
+    ) -> tuple[list[torch.Tensor], AverageReport]:
+        """Average `tensors` with the peers averaging the same `key`. Returns new tensors and a
+        report, or raises AveragingFailed (inputs and error-feedback state untouched).
+        `state_key` names the error-feedback residual that carries over between rounds."""
+        t0 = time.monotonic()
+        report = AverageReport(key=key)
+        flat = _flatten(tensors)
+        if not torch.isfinite(flat).all():
+            raise ValueError(f"averaging {key}: local tensors contain NaN or Inf")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"averaging {key}: weight must be finite and > 0, got {weight}")
+        state_key = state_key or self.config.prefix
+        residual_before = self._residuals.get(state_key)
+        residual_before = residual_before.clone() if residual_before is not None else None
+        try:
+            group = await self._matchmake(key, flat.numel(), weight, expected_peers, report)
+            report.phases["matchmaking"] = time.monotonic() - t0
+            result = await self._run_round(group, flat, state_key, report)
+        except (_Fail, *_NET_ERRORS) as e:
+            report.ok, report.reason = False, str(e) or type(e).__name__
+            report.seconds = time.monotonic() - t0
+            if residual_before is None:
+                self._residuals.pop(state_key, None)
+            else:
+                self._residuals[state_key] = residual_before
+            raise AveragingFailed(report) from None
+        finally:
+            self._forget_key_later(key)
+        report.ok, report.seconds = True, time.monotonic() - t0
+        self._learn_bandwidth(report)
+        return _unflatten(result, tensors), report
+
+    def _learn_bandwidth(self, report: AverageReport) -> None:
+        """Deadlines of later rounds follow what the transfers of this one achieved."""
+        busy = report.phases.get("scatter", 0) + report.phases.get("gather", 0)
+        moved = report.bytes_sent + report.bytes_received
+        if busy > 0.05 and moved > (1 << 20):
+            bw = moved / busy
+            old = self._measured_bandwidth
+            self._measured_bandwidth = bw if old is None else 0.7 * old + 0.3 * bw
+
+    # ---- matchmaking ---------------------------------------------------------------------------
+
+    async def _matchmake(self, key: str, numel: int, weight: float, expected: int | None, report: AverageReport) -> AvgGroup:
+        if key in self._matchmaking or key in self._closed_keys:
+            raise _Fail(f"round {key} was already averaged or is in progress here")
+        mm = _Matchmaking(key, numel, self.config.codec)
+        self._matchmaking[key] = mm
+        me = self.peer_id
+        join = AvgJoin(round_key=key, numel=numel, weight=weight, bandwidth=self.bandwidth, codec=self.config.codec)
+        deadline = time.monotonic() + self.config.join_timeout_s
+        rec = MemberRecord(self.config.swarm_id, me, (), "averaging", 0, time.time()).sign(self.host.key)
+        await self.host.dht_store(self._dht_key(key), rec.to_bytes(), time.time() + self.config.join_timeout_s + 60, subkey=me)
+        excluded: set[str] = set()
+        target: str | None = None
+        while True:
+            if target is None:
+                candidates = sorted((await self._candidates(key)) - excluded | {me})
+                target = candidates[0]
+            if target == me:
+                mm.mode = "leader"
+                smaller = await self._lead(mm, join, deadline, expected, excluded)
+                if mm.group is not None:
+                    report.leader = me
+                    return mm.group
+                target = smaller  # a smaller peer wants this key: hand over to it
+                continue
+            mm.mode, mm.following = "follower", target
+            self._redirect_pending(mm, target)
+            try:
+                reply = await self.transport.call(target, join, timeout=self.config.join_timeout_s + 2 * self.config.decision_grace_s)
+            except _NET_ERRORS as e:
+                log.debug("matchmaking %s: %s unusable as leader: %s", key, target[-8:], e)
+                excluded.add(target)
+                target = None
+                if time.monotonic() > deadline:
+                    raise _Fail("no leader could be reached before the join deadline") from None
+                continue
+            if not isinstance(reply, AvgGroup):
+                excluded.add(target)
+                target = None
+                continue
+            if reply.status == "group":
+                self._check_group(reply, numel)
+                report.leader = target
+                mm.group = reply
+                return reply
+            if reply.status == "redirect" and reply.redirect and reply.redirect not in excluded and reply.redirect != target:
+                target = reply.redirect
+                continue
+            if reply.reason == "not averaging this key":
+                excluded.add(target)
+                target = None
+                if time.monotonic() > deadline:
+                    raise _Fail("no group formed before the join deadline")
+                continue
+            raise _Fail(f"too late for round {key}: {reply.reason or 'the group formed without us'}")
+
+    async def _candidates(self, key: str) -> set[str]:
+        raw = await self.host.dht_get(self._dht_key(key))
+        out = set()
+        if isinstance(raw, dict):
+            for subkey, value in raw.items():
+                try:
+                    rec = MemberRecord.from_bytes(value, self.config.swarm_id)
+                except RemoteProtocolError:
+                    continue
+                if rec.peer_id == subkey:
+                    out.add(rec.peer_id)
+        return out
+
+    async def _lead(self, mm: _Matchmaking, own: AvgJoin, deadline: float, expected: int | None, excluded: set[str]) -> str | None:
+        """Lead until the window closes (form the group) or a smaller peer shows up (return it)."""
+        while True:
+            if expected and len(mm.pending) + 1 >= expected:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            mm.changed.clear()
+            try:
+                await asyncio.wait_for(mm.changed.wait(), timeout=min(0.3, left))
+            except TimeoutError:
+                pass
+            if expected and len(mm.pending) + 1 >= expected:
+                break
+            smaller = sorted(c for c in (await self._candidates(mm.key)) - excluded if c < self.peer_id)
+            if smaller:
+                return smaller[0]
+        mm.mode = "closed"
+        joins = {self.peer_id: own, **{p: j for p, (j, _) in mm.pending.items()}}
+        members = tuple(sorted(joins))
+        if len(members) < self.config.min_group_size:
+            for _, fut in mm.pending.values():
+                if not fut.done():
+                    fut.set_result(AvgGroup(status="closed", reason="too few peers for a group"))
+            raise _Fail(f"too late or alone: no other peer joined {mm.key} within {self.config.join_timeout_s:.1f} s")
+        bws = [joins[m].bandwidth or self.config.default_bandwidth for m in members]
+        gather = self.config.resolved_gather_codec
+        per_elem = max(_WIRE_BYTES.get(self.config.codec, 4.0), _WIRE_BYTES.get(gather, 4.0))
+        n = len(members)
+        moved = 2 * (n - 1) / max(n, 1) * own.numel * per_elem  # bytes in + out per member, one phase
+        expected_s = moved / min(bws)
+        group = AvgGroup(
+            status="group",
+            group_id=secrets.token_hex(8),
+            members=members,
+            weights=tuple(joins[m].weight for m in members),
+            bounds=slice_bounds(own.numel, bws, self.config.slice_align),
+            codec=self.config.codec,
+            codec_params=dict(self.codec.__dict__) if self.config.codec != "none" else {},
+            gather_codec=gather,
+            deadline_s=self.config.base_timeout_s + self.config.timeout_slack * expected_s,
+        )
+        mm.group = group
+        for _, fut in mm.pending.values():
+            if not fut.done():
+                fut.set_result(group)
+        return None
+
+    def _redirect_pending(self, mm: _Matchmaking, target: str) -> None:
+        for _, fut in mm.pending.values():
+            if not fut.done():
+                fut.set_result(AvgGroup(status="redirect", redirect=target))
+        mm.pending.clear()
+
+    def _check_group(self, g: AvgGroup, numel: int) -> None:
+        if self.peer_id not in g.members:
+            raise RemoteProtocolError("we are not in the group we were given", "members")
+        if g.bounds[-1] != numel:
+            raise RemoteProtocolError(f"bounds cover {g.bounds[-1]} elements, we have {numel}", "bounds")
+        if g.codec != self.config.codec:
+            raise RemoteProtocolError(f"group codec {g.codec} differs from ours ({self.config.codec})", "codec")
+
+    async def _on_join(self, ctx: CallContext) -> AvgGroup:
+        req: AvgJoin = ctx.request
+        mm = self._matchmaking.get(req.round_key)
+        if mm is None:
+            if req.round_key in self._closed_keys:
+                return AvgGroup(status="closed", reason="this round is over here")
+            return AvgGroup(status="closed", reason="not averaging this key")
+        if mm.mode == "follower":
+            return AvgGroup(status="redirect", redirect=mm.following)
+        if mm.mode == "closed" or mm.group is not None:
+            return AvgGroup(status="closed", reason="the group already formed")
+        if req.numel != mm.numel:
+            raise RPCError("bad_request", f"vector has {req.numel} elements, this group averages {mm.numel}")
+        if req.codec != mm.codec:
+            raise RPCError("bad_request", f"codec {req.codec} differs from this group's {mm.codec}")
+        fut = asyncio.get_running_loop().create_future()
+        old = mm.pending.get(ctx.peer_id)
+        if old and not old[1].done():
+            old[1].set_result(AvgGroup(status="closed", reason="superseded by a newer join"))
+        mm.pending[ctx.peer_id] = (req, fut)
+        mm.changed.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout=self.config.join_timeout_s + self.config.decision_grace_s)
+        except TimeoutError:
+            mm.pending.pop(ctx.peer_id, None)
+            return AvgGroup(status="closed", reason="the leader did not form a group in time")
+
+    def _forget_key_later(self, key: str) -> None:
+        self._matchmaking.pop(key, None)
+        now = time.monotonic()
+        self._closed_keys[key] = now
+        for k, t in list(self._closed_keys.items()):
+            if now - t > 600:
+                del self._closed_keys[k]
+
+    # ---- the round -----------------------------------------------------------------------------
+
+    async def _run_round(self, group: AvgGroup, flat: torch.Tensor, state_key: str, report: AverageReport) -> torch.Tensor:
+        me = self.peer_id
+        rnd = _Round(group=group, me=me, leader=report.leader, started=time.monotonic(), report=report)
+        report.group_id, report.members, report.bounds = group.group_id, list(group.members), group.bounds
+        self._phase(report.key, "matched")
+        self._rounds[group.group_id] = rnd
+        self._round_ready.setdefault(group.group_id, asyncio.Event()).set()
+        try:
+            return await self._phases(rnd, flat, state_key)
+        finally:
+            self._schedule_cleanup(group.group_id)
+
+    async def _phases(self, rnd: _Round, flat: torch.Tensor, state_key: str) -> torch.Tensor:
+        g, me, report = rnd.group, rnd.me, rnd.report
+        t = time.monotonic()
+        loop = asyncio.get_running_loop()
+        codec = make_codec(g.codec, **g.codec_params)
+        gather_codec = make_codec(g.gather_codec)
+        my_index = g.members.index(me)
+
+        # -- scatter: encode every part with error feedback; send each to its owner
+        residual = self._residuals.get(state_key)
+        if residual is None or residual.numel() != flat.numel():
+            residual = torch.zeros_like(flat)
+        self._residuals[state_key] = residual
+        encoded, sends = {}, []
+        n = len(g.members)
+        for j in [(my_index + 1 + k) % n for k in range(n)]:  # each member starts with a different owner
+            encoded[j] = await loop.run_in_executor(None, self._encode_part, codec, flat, residual, state_key, g.bounds[j], g.bounds[j + 1])
+            if j != my_index:  # sending starts while the next part is being encoded
+                sends.append(asyncio.create_task(self._send_part(rnd, "scatter", j, encoded[j], g.members[j])))
+        own = await loop.run_in_executor(None, decode_tensor, encoded[my_index])
+        rnd.received.setdefault(("scatter", my_index), {})[me] = own.reshape(-1)
+        deadline = rnd.started + g.deadline_s
+        await self._wait_parts(rnd, [("scatter", my_index)], g.members, deadline)
+        await _settle(sends, deadline)
+        report.phases["scatter"] = time.monotonic() - t
+        self._phase(report.key, "scattered")
+        t = time.monotonic()
+
+        # -- decision: who survives, who owns what
+        got = rnd.received.get(("scatter", my_index), {})
+        scatter_report = AvgReport(
+            group_id=g.group_id,
+            phase="scatter",
+            received_from=tuple(m for m in g.members if m in got and m != me),
+            blamed=tuple(rnd.blamed),
+            reasons=tuple(rnd.blamed.values()),
+        )
+        decision = await self._decide(rnd, "scatter", scatter_report, deadline)
+        if not decision.commit:
+            raise _Fail(f"round aborted after scatter: {decision.reason}")
+        rnd.survivors, rnd.owners = decision.survivors, decision.owners
+        report.survivors = list(decision.survivors)
+        report.failed = [(m, decision.reason) for m in g.members if m not in decision.survivors] if decision.reason else []
+        if me not in rnd.survivors:
+            if rnd.leader == me:  # excluded, but the others still need our commit decision
+                await self._decide(rnd, "gather", None, time.monotonic() + 2 * g.deadline_s)
+            raise _Fail(f"excluded from the round: {decision.reason}")
+        # re-send our parts of slices whose owner failed to their new owners
+        resend = [
+            asyncio.create_task(self._send_part(rnd, "scatter", j, encoded[j], rnd.owners[j]))
+            for j in range(len(g.members))
+            if rnd.owners[j] != g.members[j] and rnd.owners[j] != me
+        ]
+        mine = [j for j in range(len(g.members)) if rnd.owners[j] == me]
+        for j in mine:
+            if g.members[j] != me:  # re-owned: our own part counts too
+                rnd.received.setdefault(("scatter", j), {})[me] = (await loop.run_in_executor(None, decode_tensor, encoded[j])).reshape(-1)
+        deadline = time.monotonic() + g.deadline_s
+        await self._wait_parts(rnd, [("scatter", j) for j in mine], rnd.survivors, deadline)
+        await _settle(resend, deadline)
+        for j in mine:
+            missing = [m for m in rnd.survivors if m not in rnd.received.get(("scatter", j), {})]
+            if missing:
+                raise _Fail(f"slice {j}: no part from {', '.join(m[-8:] for m in missing)} after the decision")
+
+        # -- aggregate owned slices, gather everything
+        weights = {m: w for m, w in zip(g.members, g.weights)}
+        result = torch.empty_like(flat)
+        gather_sends = []
+        for j in mine:
+            avg = await loop.run_in_executor(None, self._aggregate, rnd, j, weights)
+            enc = await loop.run_in_executor(None, gather_codec.encode, avg)
+            result[g.bounds[j] : g.bounds[j + 1]] = (await loop.run_in_executor(None, decode_tensor, enc)).reshape(-1)
+            gather_sends += [asyncio.create_task(self._send_part(rnd, "gather", j, enc, m)) for m in rnd.survivors if m != me]
+        report.phases["aggregate"] = time.monotonic() - t
+        t = time.monotonic()
+        others = [j for j in range(len(g.members)) if rnd.owners[j] != me]
+        deadline = time.monotonic() + g.deadline_s
+        await self._wait_parts(rnd, [("gather", j) for j in others], None, deadline)
+        await _settle(gather_sends, deadline)
+        missing = [j for j in others if rnd.owners[j] not in rnd.received.get(("gather", j), {})]
+        for j in others:
+            part = rnd.received.get(("gather", j), {}).get(rnd.owners[j])
+            if part is not None:
+                result[g.bounds[j] : g.bounds[j + 1]] = part
+        report.phases["gather"] = time.monotonic() - t
+        self._phase(report.key, "gathered")
+
+        # -- commit: the leader applies the round only if every survivor holds every slice
+        done = AvgReport(
+            group_id=g.group_id,
+            phase="gather",
+            ok=not missing,
+            blamed=tuple(rnd.owners[j] for j in missing),
+            reasons=tuple(f"slice {j} never arrived" for j in missing),
+        )
+        decision = await self._decide(rnd, "gather", done, deadline)
+        if not decision.commit:
+            raise _Fail(f"round aborted after gather: {decision.reason}")
+        return result
+
+    def _encode_part(self, codec, flat, residual, state_key, a, b):
+        corrected = flat[a:b] + residual[a:b]
+        enc = codec.encode(corrected, self._codec_state.setdefault((state_key, a, b), {}))
+        if codec.lossy:
+            residual[a:b] = corrected - decode_tensor(enc, max_numel=max(b - a, 1)).reshape(-1)
+        return enc
+
+    def _aggregate(self, rnd: _Round, j: int, weights: dict[str, float]) -> torch.Tensor:
+        parts = rnd.received[("scatter", j)]
+        order = [m for m in rnd.survivors]
+        stacked = torch.stack([parts[m] for m in order])
+        w = torch.tensor([weights[m] for m in order], dtype=torch.float64)
+        agg = aggregators.get(self.config.aggregator)
+        return agg(stacked, w, **self.config.aggregator_params).contiguous()
+
+    async def _send_part(self, rnd: _Round, phase: str, j: int, enc, peer: str) -> None:
+        key = f"{rnd.group.group_id}|{phase}|{j}"
+        if self.faults.active:
+            await self.faults.before_send()
+            enc = self.faults.outgoing(enc)
+        parts = split(enc, key, self.config.chunk_bytes)
+        rnd.report.bytes_sent += enc.nbytes
+        timeout = max(1.0, rnd.group.deadline_s)
+        await self.transport.send(peer, parts[0], parts[1:], timeout=timeout)
+
+    async def _wait_parts(self, rnd: _Round, slots: list[tuple[str, int]], senders: Sequence[str] | None, deadline: float) -> None:
+        """Until every slot has a part from every sender (None: from the slot's owner) or the deadline."""
+
+        def complete() -> bool:
+            for phase, j in slots:
+                got = rnd.received.get((phase, j), {})
+                need = senders if senders is not None else [rnd.owners[j]]
+                if any(s not in got and s not in rnd.blamed for s in need):
+                    return False
+            return True
+
+        while not complete():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            rnd.arrived.clear()
+            try:
+                await asyncio.wait_for(rnd.arrived.wait(), timeout=left)
+            except TimeoutError:
+                return
+
+    async def _decide(self, rnd: _Round, phase: str, mine: AvgReport | None, phase_deadline: float) -> AvgDecision:
+        """Report to the leader and get its decision (leading: collect reports and decide;
+        `mine` is None when the leader was excluded and only coordinates)."""
+        grace = self.config.decision_grace_s
+        if rnd.leader == rnd.me:
+            if mine is not None:
+                rnd.reports[phase][rnd.me] = mine
+            expected = rnd.members if phase == "scatter" else rnd.survivors
+            wait_until = max(phase_deadline, time.monotonic()) + grace
+            while set(expected) - set(rnd.reports[phase]):
+                left = wait_until - time.monotonic()
+                if left <= 0:
+                    break
+                rnd.reported[phase].clear()
+                try:
+                    await asyncio.wait_for(rnd.reported[phase].wait(), timeout=left)
+                except TimeoutError:
+                    break
+            decision = self._make_decision(rnd, phase, expected)
+            rnd.decisions[phase] = decision
+            rnd.decided[phase].set()
+            return decision
+        try:
+            reply = await self.transport.call(rnd.leader, mine, timeout=max(phase_deadline - time.monotonic(), 0) + 3 * grace)
+            if isinstance(reply, AvgDecision) and reply.group_id == rnd.group.group_id and reply.phase == phase:
+                rnd.decisions[phase] = reply
+                rnd.decided[phase].set()
+                return reply
+            raise RemoteProtocolError("the leader's reply is not this round's decision", "decision")
+        except _NET_ERRORS as e:
+            leader_error = e
+        # the leader is gone or confused: maybe another member got its decision
+        for peer in rnd.members:
+            if peer in (rnd.me, rnd.leader):
+                continue
+            try:
+                reply = await self.transport.call(peer, AvgDecisionQuery(group_id=rnd.group.group_id, phase=phase), timeout=grace)
+            except _NET_ERRORS:
+                continue
+            if isinstance(reply, AvgDecision) and reply.group_id == rnd.group.group_id and reply.phase == phase:
+                rnd.decisions[phase] = reply
+                return reply
+        raise _Fail(f"no decision for {phase}: leader {rnd.leader[-8:]} unreachable ({leader_error})")
+
+    def _make_decision(self, rnd: _Round, phase: str, expected: Sequence[str]) -> AvgDecision:
+        g = rnd.group
+        reports = rnd.reports[phase]
+        if phase == "scatter":
+            survivors, failed = decide_survivors(g.members, reports)
+            reason = "; ".join(f"{m[-8:]}: {why}" for m, why in failed.items())
+            if len(survivors) < self.config.min_group_size:
+                return AvgDecision(group_id=g.group_id, phase=phase, commit=False, reason=reason or "too few survivors")
+            return AvgDecision(
+                group_id=g.group_id, phase=phase, commit=True, survivors=tuple(survivors), owners=reassign(g.members, survivors), reason=reason
+            )
+        missing = [m for m in expected if m not in reports]
+        not_ok = [m for m, r in reports.items() if not r.ok]
+        if missing or not_ok:
+            why = [f"{m[-8:]} did not report" for m in missing] + [f"{m[-8:]}: {', '.join(reports[m].reasons)}" for m in not_ok]
+            return AvgDecision(group_id=g.group_id, phase=phase, commit=False, reason="; ".join(why))
+        return AvgDecision(group_id=g.group_id, phase=phase, commit=True, survivors=rnd.survivors, owners=rnd.owners)
+
+    # ---- handlers ------------------------------------------------------------------------------
+
+    async def _round_for(self, group_id: str, wait_s: float = 5.0) -> _Round:
+        rnd = self._rounds.get(group_id)
+        if rnd is not None:
+            return rnd
+        ev = self._round_ready.setdefault(group_id, asyncio.Event())
+        try:
+            await asyncio.wait_for(ev.wait(), timeout=wait_s)
+        except TimeoutError:
+            self._round_ready.pop(group_id, None)
+            raise RPCError("not_found", f"no round {group_id} here") from None
+        return self._rounds[group_id]
+
+    async def _on_part(self, ctx: CallContext) -> Ack:
+        first: TensorPart = ctx.request
+        try:
+            group_id, phase, j_text = first.key.split("|")
+            j = int(j_text)
+        except ValueError:
+            raise RemoteProtocolError("expected <group>|<phase>|<slice>", "key") from None
+        if len(group_id) > 64:
+            raise RemoteProtocolError("group id too long", "key")
+        rnd = await self._round_for(group_id)
+        g, sender = rnd.group, ctx.peer_id
+        if sender not in g.members:
+            raise RPCError("unauthorized", "not a member of this group")
+        if phase not in ("scatter", "gather") or not 0 <= j < len(g.members):
+            raise RemoteProtocolError(f"no slice {phase} {j} in this group", "key")
+        n = rnd.slice_len(j)
+        expected_codec = g.codec if phase == "scatter" else g.gather_codec
+        asm = TensorAssembler(max_total_size=max(64, n * 8 + 4096))
+        part: Message = first
+        try:
+            while True:
+                if not isinstance(part, TensorPart) or part.key != first.key:
+                    raise RemoteProtocolError("expected the next part of the same tensor", "part")
+                enc = asm.add(part)
+                if enc is not None:
+                    break
+                part = await ctx.receive()
+            if enc.codec != expected_codec:
+                raise RemoteProtocolError(f"codec {enc.codec}, this group uses {expected_codec}", "codec")
+            if enc.dtype != "float32" or enc.shape != (n,):
+                raise RemoteProtocolError(f"expected float32 of shape ({n},), got {enc.dtype} {enc.shape}", "shape")
+            tensor = await asyncio.get_running_loop().run_in_executor(None, decode_tensor, enc)
+            if not torch.isfinite(tensor).all():
+                raise RemoteProtocolError("part contains NaN or Inf", "payload")
+            if self.config.max_abs < math.inf and float(tensor.abs().max()) > self.config.max_abs:
+                raise RemoteProtocolError(f"part exceeds the bound |x| <= {self.config.max_abs}", "payload")
+        except RemoteProtocolError as e:
+            rnd.blamed.setdefault(sender, f"bad {phase} part: {e}")
+            rnd.arrived.set()
+            raise
+        rnd.received.setdefault((phase, j), {})[sender] = tensor
+        rnd.report.bytes_received += enc.nbytes
+        rnd.arrived.set()
+        return Ack()
+
+    async def _on_report(self, ctx: CallContext) -> AvgDecision:
+        rep: AvgReport = ctx.request
+        rnd = await self._round_for(rep.group_id)
+        if rnd.leader != rnd.me:
+            raise RPCError("bad_request", "not the leader of this round")
+        if ctx.peer_id not in rnd.members:
+            raise RPCError("unauthorized", "not a member of this group")
+        rnd.reports[rep.phase][ctx.peer_id] = rep
+        rnd.reported[rep.phase].set()
+        try:
+            await asyncio.wait_for(rnd.decided[rep.phase].wait(), timeout=rnd.group.deadline_s + 4 * self.config.decision_grace_s)
+        except TimeoutError:
+            raise RPCError("timeout", "no decision in time") from None
+        return rnd.decisions[rep.phase]
+
+    async def _on_decision_query(self, ctx: CallContext) -> AvgDecision:
+        q: AvgDecisionQuery = ctx.request
+        rnd = self._rounds.get(q.group_id)
+        if rnd is None or q.phase not in rnd.decisions or ctx.peer_id not in rnd.members:
+            raise RPCError("not_found", "no such decision here")
+        return rnd.decisions[q.phase]
+
+    def _schedule_cleanup(self, group_id: str) -> None:
+        async def later():
+            await asyncio.sleep(60)  # keep decisions around for members that ask late
+            self._rounds.pop(group_id, None)
+            self._round_ready.pop(group_id, None)
+
+        task = asyncio.create_task(later())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+async def _settle(tasks, deadline: float) -> None:
+    """Wait for send tasks until the deadline; cancel the rest. Errors are the receivers' to report."""
+    tasks = list(tasks)
+    if not tasks:
+        return
+    left = max(0.0, deadline - time.monotonic())
+    done, pending = await asyncio.wait(tasks, timeout=left)
+    for t in pending:
+        t.cancel()
+    for t in done:
+        if not t.cancelled() and t.exception() is not None:
+            log.debug("a send failed: %s", t.exception())
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+

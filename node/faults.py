@@ -1,0 +1,60 @@
+"""Fault injection: one small typed interface, off by default, for swarm tests and chaos drills.
+
+Kill and stall are done from outside (SIGKILL, SIGSTOP); what needs the daemon's cooperation is
+here: corrupting or delaying what it sends. Production code calls these hooks at the few points
+where data leaves the node; with the default `Faults()` they do nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+from dataclasses import dataclass, replace
+
+from protocol import EncodedTensor
+
+CORRUPTIONS = ("", "nan", "shape", "huge")
+
+
+@dataclass(frozen=True)
+class Faults:
+    corrupt_parts: str = ""  # outgoing averaging parts: "nan" (NaN values), "shape" (wrong shape), "huge" (1e30 values)
+    delay_parts_s: float = 0.0  # sleep before sending each averaging part: a straggler
+
+    def __post_init__(self):
+        if self.corrupt_parts not in CORRUPTIONS:
+            raise ValueError(f"corrupt_parts must be one of {CORRUPTIONS}, got {self.corrupt_parts!r}")
+        if not (math.isfinite(self.delay_parts_s) and self.delay_parts_s >= 0):
+            raise ValueError("delay_parts_s must be >= 0")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.corrupt_parts or self.delay_parts_s)
+
+    async def before_send(self) -> None:
+        if self.delay_parts_s:
+            await asyncio.sleep(self.delay_parts_s)
+
+    def outgoing(self, enc: EncodedTensor) -> EncodedTensor:
+        """What we send instead of `enc` (the same, unless corrupting)."""
+        kind = self.corrupt_parts
+        if kind == "shape":
+            return replace(enc, shape=(*enc.shape[:-1], enc.shape[-1] + 1) if enc.shape else (2,))
+        if kind in ("nan", "huge") and enc.codec == "none" and enc.dtype == "float32":
+            value = struct.pack("<f", math.nan if kind == "nan" else 1e30)
+            payload = bytearray(enc.payload)
+            payload[: len(value)] = value
+            return replace(enc, payload=payload)
+        if kind in ("nan", "huge") and enc.codec in ("int8",):
+            # the first block's scale carries the corruption into every value of that block
+            value = struct.pack("<f", math.nan if kind == "nan" else 1e30)
+            payload = bytearray(enc.payload)
+            payload[:4] = value
+            return replace(enc, payload=payload)
+        if kind in ("nan", "huge") and enc.codec == "fp16":
+            value = b"\x00\x7e" if kind == "nan" else b"\xff\x7b"  # fp16 NaN / 65504
+            payload = bytearray(enc.payload)
+            payload[:2] = value
+            return replace(enc, payload=payload)
+        return enc

@@ -1,0 +1,107 @@
+"""A test peer for averaging swarm tests: one Averager in its own process, driven by JSON lines
+on stdin, reporting JSON lines on stdout. Also computes, from the seeds of every participant,
+the reference result the codec pipeline must produce, so the test can compare bits."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import sys
+
+import torch
+
+from node.averaging import Averager, AveragerConfig, AveragingFailed
+from node.faults import Faults
+from node.p2p import Host, HostConfig
+from node.transport import Transport
+from protocol import SigningKey, decode_tensor, make_codec
+
+
+def make_tensors(seed: int, numel: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel - 63, generator=g), torch.randn(7, 9, generator=g) * 3]
+
+
+def flat(ts) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def reference(cfg: AveragerConfig, seeds: list[int], numel: int, bounds, survivors_idx) -> torch.Tensor:
+    """The first round's result, computed locally: per slice, the mean of each survivor's
+    decoded part, then through the gather codec. Equal weights."""
+    xs = [flat(make_tensors(s, numel)) for s in seeds]
+    codec = make_codec(cfg.codec, **cfg.codec_params)
+    gather = make_codec(cfg.resolved_gather_codec)
+    out = torch.empty(numel)
+    for j in range(len(bounds) - 1):
+        a, b = bounds[j], bounds[j + 1]
+        parts = [decode_tensor(codec.encode(xs[i][a:b], {})).reshape(-1) for i in survivors_idx]
+        acc = torch.zeros(b - a)
+        for p in parts:
+            acc.add_(p, alpha=1.0 / len(parts))
+        out[a:b] = decode_tensor(gather.encode(acc)).reshape(-1)
+    return out
+
+
+def emit(**event) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+async def main() -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    initial = sys.argv[1:]
+    host = await Host.start(SigningKey.generate(), HostConfig(initial_peers=tuple(initial)))
+    transport = Transport(host)
+    await transport.start()
+    cfg = AveragerConfig()
+    avg = Averager(host, transport, cfg)
+    await avg.start()
+    emit(event="ready", peer_id=host.peer_id, maddr=(await host.visible_maddrs())[0])
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    try:
+        while line := await reader.readline():
+            cmd = json.loads(line)
+            if cmd["op"] == "quit":
+                break
+            if cmd["op"] == "config":
+                cfg = AveragerConfig(**cmd["config"])
+                avg = Averager(host, transport, cfg, Faults(**cmd.get("faults", {})))
+                await avg.start()
+                avg.on_phase = lambda key, phase: emit(event="phase", key=key, phase=phase)
+                emit(event="configured")
+            elif cmd["op"] == "average":
+                seeds: dict[str, int] = cmd["seeds"]
+                numel = cmd["numel"]
+                mine = make_tensors(seeds[host.peer_id], numel)
+                try:
+                    result, report = await avg.average(cmd["key"], mine, expected_peers=cmd.get("expected"))
+                except AveragingFailed as e:
+                    emit(event="result", key=cmd["key"], ok=False, reason=e.report.reason, failed=e.report.failed,
+                         unchanged=bool(torch.equal(flat(mine), flat(make_tensors(seeds[host.peer_id], numel)))))
+                    continue
+                out = flat(result)
+                survivors = [p for p in report.members if p in report.survivors]
+                idx_seeds = [seeds[p] for p in survivors]
+                exact = torch.stack([flat(make_tensors(s, numel)) for s in idx_seeds]).mean(dim=0)
+                ref = reference(cfg, idx_seeds, numel, report.bounds, range(len(idx_seeds)))
+                emit(
+                    event="result", key=cmd["key"], ok=True, sha=hashlib.sha256(out.numpy().tobytes()).hexdigest(),
+                    max_err=float((out - exact).abs().max()), rel_err=float((out - exact).norm() / exact.norm()),
+                    max_abs=float(max(flat(make_tensors(s, numel)).abs().max() for s in idx_seeds)),
+                    equals_reference=bool(torch.equal(out, ref)), members=report.members, survivors=report.survivors,
+                    failed=report.failed, leader=report.leader, seconds=report.seconds, bytes_sent=report.bytes_sent,
+                    shapes_kept=[list(t.shape) for t in result] == [list(t.shape) for t in mine],
+                )
+    finally:
+        await avg.close()
+        await transport.close()
+        await host.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,219 @@
+"""Swarm tests of the all-reduce: every peer is its own process with its own p2pd."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.swarm import ROOT, session_pids, wait_for
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
+
+
+class Peer:
+    def __init__(self, name: str, initial: list[str], log_dir):
+        self.name = name
+        self.log = open(log_dir / f"{name}.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.avg_peer", *initial],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT, start_new_session=True,
+        )
+        self.events: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        ready = self.next("ready", 90)
+        self.peer_id, self.maddr = ready["peer_id"], ready["maddr"]
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.events.put(json.loads(line))
+        self.events.put({"event": "exit"})
+
+    def send(self, **cmd):
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def next(self, kind: str, timeout: float, key: str | None = None) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: no {kind} event in {timeout} s")
+            ev = self.events.get(timeout=left)
+            if ev["event"] == "exit":
+                raise AssertionError(f"{self.name} exited")
+            if ev["event"] == kind and (key is None or ev.get("key") == key):
+                return ev
+
+    def configure(self, faults: dict | None = None, **config):
+        self.send(op="config", config=config, faults=faults or {})
+        self.next("configured", 30)
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> list[int]:
+        if self.proc.poll() is None:
+            try:
+                self.send(op="quit")
+                self.proc.wait(20)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        left = session_pids(self.proc.pid)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.log.close()
+        return left
+
+
+@pytest.fixture(scope="module")
+def peers(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("avg")
+    first = Peer("p0", [], log_dir)
+    ps = [first] + [Peer(f"p{i}", [first.maddr], log_dir) for i in range(1, 5)]
+    yield ps
+    leftovers = {p.name: p.close() for p in ps}
+    assert not any(leftovers.values()), leftovers
+
+
+@pytest.fixture(autouse=True)
+def no_orphan_processes():
+    """The peers live for the whole module; their cleanup is checked by the fixture above."""
+    yield
+
+
+def run_round(group: list[Peer], key: str, numel: int, timeout: float = 90, expected: int | None = None) -> dict[str, dict]:
+    seeds = {p.peer_id: i + 1 for i, p in enumerate(group)}
+    for p in group:
+        p.send(op="average", key=key, seeds=seeds, numel=numel, expected=len(group) if expected is None else expected)
+    return {p.name: p.next("result", timeout, key) for p in group}
+
+
+CODECS = [
+    ("none", {}),
+    ("fp16", {}),
+    ("int8", {"block_size": 256}),
+    ("topk", {"ratio": 0.05}),
+    ("powersgd", {"rank": 4}),
+]
+
+
+def bound(codec: str, max_abs: float) -> float:
+    """Max abs error vs the exact mean, per codec: scatter and gather error of one step each."""
+    return {
+        "none": 1e-5 * max_abs,
+        "fp16": 2 * max_abs * 2**-10,
+        "int8": 2 * max_abs / 127,
+    }.get(codec, float("inf"))
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_groups_of_every_size_and_codec(peers, size):
+    group = peers[:size]
+    for name, params in CODECS:
+        for p in group:
+            p.configure(codec=name, codec_params=params, join_timeout_s=10)
+        results = run_round(group, f"g{size}-{name}", numel=20_000)
+        shas = {r["sha"] for r in results.values() if r["ok"]}
+        assert all(r["ok"] for r in results.values()), results
+        assert len(shas) == 1, f"{name}: results differ across peers"
+        for r in results.values():
+            assert sorted(r["members"]) == sorted(p.peer_id for p in group) and r["failed"] == []
+            assert r["shapes_kept"]
+            # bitwise equal to the same codec pipeline computed locally from the inputs
+            assert r["equals_reference"], (name, r)
+            assert r["max_err"] <= bound(name, r["max_abs"]), (name, r["max_err"])
+            if name in ("topk", "powersgd"):
+                assert r["rel_err"] < 1.0  # one lossy step without history; error feedback sends the rest later
+
+
+def test_nan_and_wrong_shape_senders_are_excluded_and_named(peers):
+    group = peers[:4]
+    leader = min(group, key=lambda p: p.peer_id)
+    for kind in ("nan", "shape"):
+        # the NaN sender is the round's leader: excluded, it must still coordinate the commit
+        bad = leader if kind == "nan" else next(p for p in group if p is not leader)
+        for p in group:
+            p.configure(faults={"corrupt_parts": kind} if p is bad else {}, codec="none", join_timeout_s=10)
+        results = run_round(group, f"bad-{kind}", numel=20_000)
+        good = [results[p.name] for p in group if p is not bad]
+        assert all(r["ok"] for r in good), [(r["ok"], r.get("reason"), r.get("failed")) for r in good]
+        assert len({r["sha"] for r in good}) == 1
+        for r in good:
+            assert bad.peer_id not in r["survivors"]
+            assert [f[0] for f in r["failed"]] == [bad.peer_id]
+            assert "NaN" in r["failed"][0][1] if kind == "nan" else "shape" in r["failed"][0][1]
+            assert r["equals_reference"]  # the mean of the three good peers, exactly
+        assert not results[bad.name]["ok"]
+        assert results[bad.name]["unchanged"]
+
+
+def test_late_peer_joins_the_next_round(peers):
+    group, late = peers[:2], peers[2]
+    for p in peers[:3]:
+        p.configure(codec="int8", codec_params={"block_size": 256}, join_timeout_s=2)
+    seeds = {p.peer_id: i + 1 for i, p in enumerate(peers[:3])}
+    for p in group:
+        p.send(op="average", key="late-1", seeds=seeds, numel=20_000, expected=None)
+    group[0].next("phase", 30, "late-1")  # the group has formed (window closed) before the late peer asks
+    late.send(op="average", key="late-1", seeds=seeds, numel=20_000, expected=None)
+    first = {p.name: p.next("result", 60, "late-1") for p in peers[:3]}
+    assert first[late.name]["ok"] is False and "late" in first[late.name]["reason"]
+    assert first[late.name]["unchanged"]
+    assert all(first[p.name]["ok"] and len(first[p.name]["members"]) == 2 for p in group)
+    second = run_round(peers[:3], "late-2", numel=20_000)
+    assert all(r["ok"] and late.peer_id in r["members"] for r in second.values())
+    assert len({r["sha"] for r in second.values()}) == 1
+
+
+def test_peer_killed_mid_round(peers, tmp_path):
+    """A non-leader is SIGKILLed during the scatter: survivors finish with identical results
+    (its contribution dropped, its slice re-owned) within the deadline. Then the leader is
+    killed mid-round: every survivor reports failure, nobody hangs."""
+    group = peers[:5]
+    leader = min(group, key=lambda p: p.peer_id)
+    victim = next(p for p in group if p is not leader)
+    for p in group:
+        p.configure(faults={"delay_parts_s": 3.0} if p is victim else {}, codec="none", join_timeout_s=10, base_timeout_s=2.0, bandwidth=50e6)
+    seeds = {p.peer_id: i + 1 for i, p in enumerate(group)}
+    for p in group:
+        p.send(op="average", key="kill-1", seeds=seeds, numel=200_000, expected=5)
+    for p in group:
+        p.next("phase", 60, "kill-1")  # everyone matched: the round is under way
+    t0 = time.monotonic()
+    victim.kill()
+    survivors = [p for p in group if p is not victim]
+    results = {p.name: p.next("result", 60, "kill-1") for p in survivors}
+    took = time.monotonic() - t0
+    oks = [r["ok"] for r in results.values()]
+    assert all(oks), results
+    assert len({r["sha"] for r in results.values()}) == 1
+    for r in results.values():
+        assert victim.peer_id not in r["survivors"] and [f[0] for f in r["failed"]] == [victim.peer_id]
+        assert r["equals_reference"]  # the exact mean of the four others
+    assert took < 30
+
+    # now kill the leader of a round in progress: all report failure, none hangs, inputs kept
+    rest = survivors
+    leader = min(rest, key=lambda p: p.peer_id)
+    for p in rest:
+        p.configure(faults={"delay_parts_s": 3.0} if p is leader else {}, codec="none", join_timeout_s=10, base_timeout_s=2.0, bandwidth=50e6)
+    for p in rest:
+        p.send(op="average", key="kill-2", seeds=seeds, numel=200_000, expected=4)
+    for p in rest:
+        p.next("phase", 60, "kill-2")
+    leader.kill()
+    results = {p.name: p.next("result", 60, "kill-2") for p in rest if p is not leader}
+    assert not any(r["ok"] for r in results.values()), {k: (r.get("members"), r.get("leader"), r.get("failed"), leader.peer_id) for k, r in results.items()}
+    assert all(r["unchanged"] for r in results.values())
