@@ -15,8 +15,9 @@ changes; after it the checkpoint is complete. Older checkpoints are deleted only
 one is in place, by renaming them to a temp name first, so a half-deleted one is never seen.
 Temp dirs left by a crash are removed when a store opens (one store per root).
 
-The manifest signature is Ed25519 over a canonical tuple (see `manifest_fields`), so it does
-not depend on JSON formatting or key order. Uploads (a checkpoint sent by a peer) are checked
+The manifest checks and its signature (Ed25519 over the canonical tuple `manifest_fields`,
+independent of JSON formatting and key order) live in protocol/manifest.py, shared with nodes,
+which verify what they download (node/checkpoint_client.py). Uploads (a checkpoint sent by a peer) are checked
 like any remote input: names, sizes, hashes, signature; nothing is kept unless all match.
 """
 
@@ -25,9 +26,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import math
 import os
-import re
 import secrets
 import shutil
 import stat
@@ -42,30 +41,40 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from protocol.signatures import PUBLIC_KEY_SIZE, SIGNATURE_SIZE, SigningKey, verify
+from protocol.manifest import (  # re-exported: these names were defined here first
+    DEFAULT_MAX_FILE_SIZE,
+    DOMAIN,
+    FORMAT,
+    MANIFEST,
+    MAX_FILES,
+    MAX_MANIFEST_SIZE,
+    MAX_STATE_HASH_LEN,
+    MAX_STEP,
+    SUFFIX,
+    ManifestError,
+    canonical_json,
+    check_file_name,
+    check_manifest,
+    check_signature,
+    check_state_name,
+    manifest_fields,
+    manifest_to_json,
+    sign_manifest,
+    step_dir_name,
+    step_of_dir_name,
+)
+from protocol.manifest import is_int as _is_int
+from protocol.signatures import SigningKey
 
-FORMAT = 1
-DOMAIN = "swarmtrain/checkpoint/v1"
-MANIFEST = "manifest.json"
-SUFFIX = ".safetensors"
-MAX_FILES = 64  # files per checkpoint (an upload's manifest is remote input: bound it)
-MAX_STEP = 10**15
-MAX_STATE_HASH_LEN = 256
-MAX_MANIFEST_SIZE = 1024 * 1024  # bytes; a manifest is small, a huge one is garbage
 MAX_CHUNK_SIZE = 8 * 1024 * 1024  # bytes per read_chunk; fits in a protocol frame
-DEFAULT_MAX_FILE_SIZE = 64 * 1024**3  # bytes per uploaded file
 _HASH_BLOCK = 4 * 1024 * 1024
-
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
-# A state name becomes a file name: keep it to a boring, portable alphabet.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class CheckpointError(Exception):
     """A checkpoint is missing, damaged, or an input (step, name, range, upload) is bad.
-    The message names the step, the file and the problem."""
+    The message names the step, the file and the problem. (The pure manifest checks in
+    protocol/manifest.py raise ManifestError; the store turns those into CheckpointError.)"""
 
 
 @dataclass(frozen=True)
@@ -73,120 +82,6 @@ class CheckpointInfo:
     step: int
     path: Path  # the step-XXXXXXXX directory
     manifest: dict[str, Any]
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def canonical_json(obj: Any) -> str:
-    """One fixed JSON text for a JSON value (sorted keys, no spaces, no NaN)."""
-    try:
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"model_config is not plain JSON: {e}") from None
-
-
-def manifest_fields(manifest: Mapping[str, Any]) -> tuple:
-    """The canonical tuple a manifest signature covers (created_at is deliberately not in it:
-    it says when a copy was written, not what the checkpoint is)."""
-    files = tuple(sorted((name, f["sha256"], f["size"]) for name, f in manifest["files"].items()))
-    return (DOMAIN, manifest["step"], files, manifest.get("state_hash"), canonical_json(manifest["model_config"]))
-
-
-def check_signature(manifest: Mapping[str, Any], public_key: bytes | None = None) -> tuple[bool, str]:
-    """Is the manifest's signature valid (and by `public_key`, if given)? With no public_key
-    an unsigned manifest passes; a signed one must still verify."""
-    signer, signature = manifest.get("signer"), manifest.get("signature")
-    if signer is None or signature is None:
-        return (False, "manifest is not signed") if public_key is not None else (True, "not signed")
-    try:
-        signer_b, signature_b = bytes.fromhex(signer), bytes.fromhex(signature)
-    except (TypeError, ValueError):
-        return False, "manifest signer/signature are not hex"
-    if public_key is not None and signer_b != public_key:
-        return False, f"manifest signed by {signer[:16]}..., not by the expected key {public_key.hex()[:16]}..."
-    if not verify(signer_b, manifest_fields(manifest), signature_b):
-        return False, "manifest signature does not verify (manifest altered or signed by another key)"
-    return True, "signature ok"
-
-
-def check_manifest(manifest: Any, max_file_size: int = DEFAULT_MAX_FILE_SIZE) -> dict[str, Any]:
-    """Validate a manifest (from disk or from a peer) and return it normalized to the known
-    fields. Raises CheckpointError naming the bad field. Unknown fields are dropped."""
-
-    def bad(field: str, problem: str) -> CheckpointError:
-        return CheckpointError(f"manifest {field}: {problem}" if field else f"manifest: {problem}")
-
-    if not isinstance(manifest, Mapping):
-        raise bad("", f"must be an object, got {type(manifest).__name__}")
-    if manifest.get("format") != FORMAT:
-        raise bad("format", f"must be {FORMAT}, got {manifest.get('format')!r}")
-    step = manifest.get("step")
-    if not _is_int(step) or not 0 <= step <= MAX_STEP:
-        raise bad("step", f"must be an integer in [0, {MAX_STEP}], got {step!r}")
-    created_at = manifest.get("created_at", 0.0)
-    if not _is_number(created_at) or not math.isfinite(created_at):
-        raise bad("created_at", "must be a finite number")
-    model_config = manifest.get("model_config", {})
-    if not isinstance(model_config, Mapping):
-        raise bad("model_config", "must be an object")
-    canonical_json(model_config)  # must be plain JSON
-    state_hash = manifest.get("state_hash")
-    if state_hash is not None and (not isinstance(state_hash, str) or len(state_hash) > MAX_STATE_HASH_LEN):
-        raise bad("state_hash", f"must be a string of at most {MAX_STATE_HASH_LEN} characters or null")
-    files = manifest.get("files")
-    if not isinstance(files, Mapping) or not files:
-        raise bad("files", "must be a non-empty object")
-    if len(files) > MAX_FILES:
-        raise bad("files", f"at most {MAX_FILES} files, got {len(files)}")
-    clean_files = {}
-    for name, f in files.items():
-        check_file_name(name)
-        if not isinstance(f, Mapping):
-            raise bad(f"files.{name}", "must be an object with sha256 and size")
-        sha, size = f.get("sha256"), f.get("size")
-        if not isinstance(sha, str) or not _HEX64.match(sha):
-            raise bad(f"files.{name}.sha256", "must be 64 lowercase hex digits")
-        # 8 bytes is the smallest safetensors file (the header length alone)
-        if not _is_int(size) or not 8 <= size <= max_file_size:
-            raise bad(f"files.{name}.size", f"must be an integer in [8, {max_file_size}], got {size!r}")
-        clean_files[name] = {"sha256": sha, "size": size}
-    signer, signature = manifest.get("signer"), manifest.get("signature")
-    if (signer is None) != (signature is None):
-        raise bad("signer", "signer and signature must both be present or both absent")
-    if signer is not None:
-        if not isinstance(signer, str) or not re.fullmatch(f"[0-9a-f]{{{2 * PUBLIC_KEY_SIZE}}}", signer):
-            raise bad("signer", f"must be {2 * PUBLIC_KEY_SIZE} lowercase hex digits")
-        if not isinstance(signature, str) or not re.fullmatch(f"[0-9a-f]{{{2 * SIGNATURE_SIZE}}}", signature):
-            raise bad("signature", f"must be {2 * SIGNATURE_SIZE} lowercase hex digits")
-    return {
-        "format": FORMAT,
-        "step": step,
-        "created_at": float(created_at),
-        "model_config": dict(model_config),
-        "files": clean_files,
-        "state_hash": state_hash,
-        "signer": signer,
-        "signature": signature,
-    }
-
-
-def check_file_name(name: Any) -> None:
-    """A checkpoint file name: `<name>.safetensors` with a plain name (no '/', no '..')."""
-    if not isinstance(name, str) or not name.endswith(SUFFIX) or not _NAME.match(name[: -len(SUFFIX)]) or ".." in name:
-        raise CheckpointError(
-            f"bad checkpoint file name {name!r}: must be <name>{SUFFIX}, name of letters, digits, '_', '-', '.'"
-            " (no '/', no '..', not starting with '.')"
-        )
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _check_step(step: Any) -> int:
@@ -228,10 +123,6 @@ def _remove_tree(path: Path) -> None:
         path.unlink(missing_ok=True)
     elif path.exists():
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
-    return (json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
 # -- the store ------------------------------------------------------------------------------------
@@ -294,10 +185,10 @@ class CheckpointStore:
     def _step_dirs(self) -> list[tuple[int, Path]]:
         out = []
         for entry in self.root.iterdir():
-            m = _STEP_DIR.match(entry.name)
             # the name must be exactly what step_dir_name gives, so one step has one directory
-            if m and entry.name == step_dir_name(int(m.group(1))) and entry.is_dir() and not entry.is_symlink():
-                out.append((int(m.group(1)), entry))
+            step = step_of_dir_name(entry.name)
+            if step is not None and entry.is_dir() and not entry.is_symlink():
+                out.append((step, entry))
         return sorted(out)
 
     @staticmethod
@@ -335,7 +226,7 @@ class CheckpointStore:
             return False, f"cannot read {MANIFEST}: {e.strerror}", None
         try:
             manifest = check_manifest(json.loads(raw), max_file_size=2**63)
-        except (ValueError, RecursionError, CheckpointError) as e:  # JSONDecodeError is a ValueError
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and ManifestError are ValueErrors
             return False, f"{MANIFEST} is corrupt: {e}", None
         if manifest["step"] != step:
             return False, f"{MANIFEST} says step {manifest['step']}, directory says {step}", None
@@ -349,7 +240,11 @@ class CheckpointStore:
         else:
             ok, reason = True, "ok"
             for name, f in sorted(manifest["files"].items()):
-                if _sha256_file(path / name) != f["sha256"]:
+                try:
+                    digest = _sha256_file(path / name)
+                except FileNotFoundError:  # pruned by a concurrent save while we were reading it
+                    return False, f"{name} disappeared while being read (checkpoint pruned)", None
+                if digest != f["sha256"]:
                     ok, reason = False, f"{name} does not match its sha256 in the manifest (corrupt)"
                     break
             if ok:
@@ -457,11 +352,13 @@ class CheckpointStore:
         _check_step(step)
         if not state:
             raise CheckpointError(f"checkpoint step {step}: nothing to save (empty state)")
-        for name in state:
-            if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
-                raise CheckpointError(f"bad state name {name!r}: letters, digits, '_', '-', '.' only, no '..'")
         model_config = dict(model_config or {})
-        canonical_json(model_config)
+        try:
+            for name in state:
+                check_state_name(name)
+            canonical_json(model_config)
+        except ManifestError as e:
+            raise CheckpointError(str(e)) from None
         if state_hash is not None and (not isinstance(state_hash, str) or len(state_hash) > MAX_STATE_HASH_LEN):
             raise CheckpointError(f"bad state_hash: must be a string of at most {MAX_STATE_HASH_LEN} characters")
         self._refuse_if_pruned_at_once(step)
@@ -487,8 +384,7 @@ class CheckpointStore:
                 "signature": None,
             }
             if self.signing_key is not None:
-                manifest["signer"] = self.signing_key.public_key.hex()
-                manifest["signature"] = self.signing_key.sign(manifest_fields(manifest)).hex()
+                manifest = sign_manifest(manifest, self.signing_key)
             return self._place(step, tmp, manifest)
         finally:
             _remove_tree(tmp)  # gone already after a successful rename; a leftover otherwise
@@ -503,7 +399,7 @@ class CheckpointStore:
 
     def _place(self, step: int, tmp: Path, manifest: dict[str, Any]) -> CheckpointInfo:
         """Finish a fully written temp dir: manifest last, fsync, atomic rename, prune."""
-        _write_durably(tmp / MANIFEST, _manifest_bytes(manifest))
+        _write_durably(tmp / MANIFEST, manifest_to_json(manifest))
         _fsync_path(tmp)
         final = self.root / step_dir_name(step)
         with self._lock:
@@ -556,7 +452,10 @@ class CheckpointStore:
         names, sizes (<= max_file_size), hashes, signature if present. Refused at once if a
         different checkpoint already holds this step."""
         _check_step(step)
-        clean = check_manifest(manifest, self.max_file_size)
+        try:
+            clean = check_manifest(manifest, self.max_file_size)
+        except ManifestError as e:
+            raise CheckpointError(str(e)) from None
         if clean["step"] != step:
             raise CheckpointError(f"manifest step: says {clean['step']}, upload is for step {step}")
         ok, why = check_signature(clean)
@@ -629,8 +528,7 @@ class Upload:
             if self.store.signing_key is not None:
                 # The uploader's signature (if any) was checked in begin_upload. The store signs
                 # what it accepted, so a joiner only needs to trust the coordinator's key.
-                manifest["signer"] = self.store.signing_key.public_key.hex()
-                manifest["signature"] = self.store.signing_key.sign(manifest_fields(manifest)).hex()
+                manifest = sign_manifest(manifest, self.store.signing_key)
             return self.store._place(self.step, self.path, manifest)
         finally:
             self.abort()

@@ -7,9 +7,7 @@ import sys
 from node.cli import _Parser, run_daemon, setup_logging
 from node.config import ConfigError, load_config
 
-from .checkpoints import CheckpointError
 from .config import CoordinatorConfig
-from .registry import RegistryError
 
 
 def build_parser():
@@ -30,6 +28,23 @@ def build_parser():
     p.add_argument("--keep-checkpoints", type=int, help=f"checkpoints kept on disk (default {d.keep_checkpoints})")
     p.add_argument("--owner-public-key", metavar="HEX", help="private swarm: require join tokens signed by this key")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    run = p.add_argument_group("the training run (handed to every member)")
+    run.add_argument("--model", help=f"model preset: tiny | small (default {d.model})")
+    run.add_argument("--inner-steps", type=int, help=f"H: inner steps per outer step (default {d.inner_steps})")
+    run.add_argument("--batch-size", type=int, help=f"sequences per inner step per replica (default {d.batch_size})")
+    run.add_argument("--inner-lr", type=float, help=f"peak AdamW learning rate (default {d.inner_lr})")
+    run.add_argument("--warmup-steps", type=int, help=f"inner warmup steps (default {d.warmup_steps})")
+    run.add_argument("--total-steps", type=int, help=f"inner steps of cosine decay (default {d.total_steps})")
+    run.add_argument("--outer-lr", type=float, help=f"outer Nesterov learning rate (default {d.outer_lr})")
+    run.add_argument("--outer-momentum", type=float, help=f"outer momentum (default {d.outer_momentum})")
+    run.add_argument("--codec", choices=["none", "fp16", "int8", "topk", "powersgd"], help=f"pseudo-gradient codec (default {d.codec})")
+    run.add_argument("--block-size", type=int, help=f"int8 block size (default {d.block_size})")
+    run.add_argument("--max-outer-steps", type=int, help="stop training after this many outer steps (default: never)")
+    run.add_argument("--checkpoint-every", type=int, help=f"outer steps between checkpoints (default {d.checkpoint_every})")
+    run.add_argument("--eval-batches", type=int, help=f"validation batches per outer step (default {d.eval_batches})")
+    run.add_argument("--seed", type=int, help=f"init and data seed (default {d.seed})")
+    run.add_argument("--join-timeout-s", type=float, help=f"how long a round waits for late replicas (default {d.join_timeout_s})")
+    run.add_argument("--min-replicas", type=int, help="replicas to wait for before training starts (default 1)")
     return p
 
 
@@ -42,6 +57,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(config.log_level)
+    # heavy imports (torch, hivemind) only once the flags and the config file are good
+    from .checkpoints import CheckpointError
+    from .registry import RegistryError
     from .service import Coordinator
 
     return run_daemon(lambda: Coordinator(config), fatal_errors=(RegistryError, CheckpointError))

@@ -24,6 +24,31 @@ class CoordinatorConfig:
     owner_public_key: str = ""  # hex Ed25519 public key of the swarm owner; set: Register needs a join token signed by it
     record_interval_s: float = 10.0  # how often the coordinator's DHT record is refreshed
     log_level: str = "INFO"
+    # -- the training run, handed to every member with its role --
+    model: str = "tiny"  # model preset: tiny | small
+    inner_steps: int = 20  # H: local AdamW steps between two averaging rounds
+    batch_size: int = 16  # sequences per inner step, per replica
+    inner_lr: float = 3e-3  # peak AdamW learning rate
+    warmup_steps: int = 50  # inner steps of linear warmup
+    total_steps: int = 5000  # inner steps of cosine decay
+    outer_lr: float = 1.0  # outer Nesterov SGD learning rate
+    outer_momentum: float = 0.9
+    codec: str = "int8"  # pseudo-gradient codec: none | fp16 | int8 | topk | powersgd
+    block_size: int = 1024  # int8 codec: values per absmax block
+    max_outer_steps: int = 0  # replicas stop training after this many outer steps; 0: never
+    checkpoint_every: int = 5  # outer steps between checkpoints
+    eval_batches: int = 8  # validation batches per outer step
+    seed: int = 0  # model init and data sampling
+    join_timeout_s: float = 15.0  # how long an averaging round waits for late replicas
+    min_replicas: int = 1  # training starts when this many replicas are registered
+
+    RUN_FIELDS = (
+        "model", "inner_steps", "batch_size", "inner_lr", "warmup_steps", "total_steps", "outer_lr", "outer_momentum",
+        "codec", "block_size", "max_outer_steps", "checkpoint_every", "eval_batches", "seed", "join_timeout_s", "min_replicas",
+    )
+
+    def run_config(self) -> dict:
+        return {name: getattr(self, name) for name in self.RUN_FIELDS}
 
     def resolved_identity(self) -> Path:
         return Path(self.identity) if self.identity else Path(self.data_dir) / "identity.pem"

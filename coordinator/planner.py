@@ -336,3 +336,28 @@ class _SlotPlanner:
                 self.take(p)
                 self.put(p, weak, reason)
                 return
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint quorum
+
+
+def checkpoint_quorum(step: int, state_hash: str | None, reports: Mapping[str, str], replicas: int) -> tuple[bool, str]:
+    """Accept a checkpoint of `step` whose state hashes to `state_hash` only if at least two
+    replicas reported that hash for that step (one, when the swarm has a single replica), and no
+    other hash was reported by more of them. `reports`: peer id -> hash reported for `step`."""
+    if step == 0:
+        return True, "the initial state: the first upload defines it"
+    if not state_hash:
+        return False, "the checkpoint carries no state hash"
+    need = 1 if replicas <= 1 else 2
+    votes: dict[str, int] = {}
+    for h in reports.values():
+        votes[h] = votes.get(h, 0) + 1
+    mine = votes.get(state_hash, 0)
+    rival = max((n for h, n in votes.items() if h != state_hash), default=0)
+    if mine < need:
+        return False, f"{mine} of the {need} replicas needed reported hash {state_hash[:8]} for step {step}"
+    if rival > mine:
+        return False, f"more replicas ({rival}) reported another hash for step {step}"
+    return True, f"{mine} replicas reported hash {state_hash[:8]} for step {step}"

@@ -13,13 +13,10 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from protocol import (
     Ack,
-    CheckpointManifest,
     CheckpointOffer,
-    CheckpointQuery,
     Deregister,
     Heartbeat,
     Hello,
@@ -28,7 +25,6 @@ from protocol import (
     RemoteProtocolError,
     RoleAssignment,
     StateChunk,
-    StateRequest,
     verify_token,
 )
 from protocol.records import CoordinatorRecord, coordinator_key
@@ -36,17 +32,39 @@ from protocol.records import CoordinatorRecord, coordinator_key
 from node.config import ConfigError
 from node.daemon import check_data_dir, load_identity
 from node.p2p import Host, HostConfig
+from node.state_server import CheckpointServer
 from node.transport import CallContext, RPCError, Transport
 
 from .checkpoints import CheckpointError, CheckpointStore
 from .config import CoordinatorConfig
-from .planner import PlannerConfig, evict, plan_roles
+from .planner import PlannerConfig, checkpoint_quorum, evict, plan_roles
 from .registry import Registry, RegistryError
 
 log = logging.getLogger(__name__)
 
-CHUNK = 4 << 20  # bytes per StateChunk when serving checkpoint files
-CHECKPOINT_PREFIX = "checkpoint/"
+
+
+class StoreSource:
+    """The checkpoint store as node/state_server.py serves it: verified checkpoints only."""
+
+    def __init__(self, store: CheckpointStore):
+        self.store = store
+
+    def latest_step(self) -> int | None:
+        info = self.store.latest()
+        return None if info is None else info.step
+
+    def manifest(self, step: int) -> dict | None:
+        return next((i.manifest for i in self.store.list() if i.step == step), None)
+
+    def files(self, step: int) -> dict[str, tuple[int, str]]:
+        try:
+            return {name: (size, sha) for name, size, sha in self.store.files(step)}
+        except CheckpointError as e:
+            raise KeyError(str(e)) from None
+
+    def read_chunk(self, step: int, name: str, offset: int, length: int) -> bytes:
+        return self.store.read_chunk(step, name, offset, length)
 
 
 class Coordinator:
@@ -60,6 +78,8 @@ class Coordinator:
         self.owner_key: bytes | None = None
         self.evictions = 0
         self.reasons: dict[str, str] = {}  # why each member has its role (for its log and ours)
+        self.hash_reports: dict[int, dict[str, str]] = {}  # step -> peer -> state hash it reported
+        self.run_config = json.dumps(config.run_config(), sort_keys=True).encode()
         self.started_at = time.time()
         self._tasks: list[asyncio.Task] = []
         self._plan_lock = asyncio.Lock()
@@ -74,6 +94,13 @@ class Coordinator:
 
     def validate(self):
         c = self.config
+        if c.http:
+            from .http import parse_http
+
+            try:
+                parse_http(c.http)  # before anything starts, not after p2pd is up
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         data = check_data_dir(c.data_dir)
         key = load_identity(c.resolved_identity())
         if c.owner_public_key:
@@ -109,11 +136,10 @@ class Coordinator:
             (Register, self.on_register),
             (Heartbeat, self.on_heartbeat),
             (Deregister, self.on_deregister),
-            (CheckpointQuery, self.on_checkpoint_query),
-            (StateRequest, self.on_state_request),
             (CheckpointOffer, self.on_checkpoint_offer),
         ]:
             self.transport.on(msg_type, handler)
+        CheckpointServer(self.transport, StoreSource(self.store))
         await self.transport.start()
         if c.http:
             from .http import start_http
@@ -197,6 +223,7 @@ class Coordinator:
             expert=m.expert,
             epoch=m.epoch,
             reason=self.reasons.get(peer_id, "assigned before the coordinator restarted"),
+            config=self.run_config,
         )
 
     # ---- membership handlers --------------------------------------------------------------------
@@ -240,6 +267,10 @@ class Coordinator:
             raise RPCError("not_found", "unknown peer: register first")
         if req.loss is not None:
             self.registry.record_progress(req.step, req.loss, now, req.peer_id)
+        if req.state_hash:
+            self.hash_reports.setdefault(req.step, {})[req.peer_id] = req.state_hash
+            for old in sorted(self.hash_reports)[:-64]:  # a bounded window of recent steps
+                del self.hash_reports[old]
         return self._assignment(req.peer_id)
 
     async def on_deregister(self, ctx: CallContext) -> Ack:
@@ -254,56 +285,17 @@ class Coordinator:
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
-    async def on_checkpoint_query(self, ctx: CallContext) -> CheckpointManifest:
-        step = ctx.request.step
-        if step is None:
-            info = self.store.latest()
-            if info is None:
-                raise RPCError("not_found", "no checkpoint yet")
-        else:
-            info = next((i for i in self.store.list() if i.step == step), None)
-            if info is None:
-                raise RPCError("not_found", f"no checkpoint for step {step}")
-        return CheckpointManifest(step=info.step, manifest=json.dumps(info.manifest, sort_keys=True).encode())
-
-    async def on_state_request(self, ctx: CallContext) -> AsyncIterator[StateChunk]:
-        req: StateRequest = ctx.request
-        if not req.name.startswith(CHECKPOINT_PREFIX):
-            raise RPCError("not_found", f"no state named {req.name!r} here")
-        try:
-            step_text, filename = req.name[len(CHECKPOINT_PREFIX) :].split("/", 1)
-            step = int(step_text)
-        except ValueError:
-            raise RemoteProtocolError("expected checkpoint/<step>/<file>", "name") from None
-        try:
-            files = {name: (size, sha) for name, size, sha in self.store.files(step)}
-        except CheckpointError as e:
-            raise RPCError("not_found", str(e)) from None
-        if filename not in files:
-            raise RPCError("not_found", f"checkpoint {step} has no file {filename!r}")
-        size, sha = files[filename]
-        end = size if req.length == 0 else min(size, req.offset + req.length)
-        if req.offset > size:
-            raise RemoteProtocolError(f"offset {req.offset} is past the end ({size})", "offset")
-        return self._chunks(step, filename, req.name, req.offset, end, size, sha)
-
-    async def _chunks(self, step, filename, name, start, end, size, sha) -> AsyncIterator[StateChunk]:
-        loop = asyncio.get_running_loop()
-        offset = start
-        while True:
-            n = min(CHUNK, end - offset)
-            data = await loop.run_in_executor(None, self.store.read_chunk, step, filename, offset, n) if n else b""
-            yield StateChunk(name=name, offset=offset, total_size=size, sha256=sha, data=data)
-            offset += n
-            if offset >= end:
-                return
-
     async def on_checkpoint_offer(self, ctx: CallContext) -> Ack:
         offer: CheckpointOffer = ctx.request
         try:
             manifest = json.loads(offer.manifest)
+        except ValueError as e:
+            raise RemoteProtocolError(f"manifest is not JSON: {e}", "manifest") from None
+        state_hash = manifest.get("state_hash") if isinstance(manifest, dict) else None
+        await self._await_quorum(offer.step, state_hash if isinstance(state_hash, str) else None)
+        try:
             upload = self.store.begin_upload(offer.step, manifest)
-        except (ValueError, CheckpointError) as e:
+        except CheckpointError as e:
             raise RemoteProtocolError(f"manifest refused: {e}", "manifest") from None
         try:
             remaining = {name: meta["size"] for name, meta in manifest["files"].items()}
@@ -324,6 +316,19 @@ class Coordinator:
             raise
         log.info("stored checkpoint %d uploaded by %s", info.step, ctx.peer_id)
         return Ack(info={"step": info.step})
+
+    async def _await_quorum(self, step: int, state_hash: str | None, wait_s: float = 15.0) -> None:
+        """Hold an upload until enough replicas reported its hash (their heartbeats may trail it)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            replicas = sum(1 for m in self.registry.members() if m.role == "replica")
+            ok, reason = checkpoint_quorum(step, state_hash, self.hash_reports.get(step, {}), replicas)
+            if ok:
+                log.debug("checkpoint %d: %s", step, reason)
+                return
+            if time.monotonic() > deadline:
+                raise RPCError("timeout", f"checkpoint {step} refused: {reason}")
+            await asyncio.sleep(0.2)
 
     # ---- status ---------------------------------------------------------------------------------
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
+# Only light imports here: flag and config errors must come back at once, not after torch and
+# hivemind have loaded (seconds); the daemon's modules are imported once the config is good.
 from .config import ConfigError, NodeConfig, load_config
-from .p2p import HostError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wanted-role", help="ask for a role (replica, stage, expert, trainer)")
     p.add_argument("--heartbeat-interval-s", type=float, help=f"seconds between heartbeats (default {d.heartbeat_interval_s})")
     p.add_argument("--bandwidth-mbps", type=float, help="report this bandwidth instead of measuring it")
+    p.add_argument("--data", metavar="PATH", help="text file or directory to train on (default: the built-in corpus)")
+    p.add_argument("--shard-index", type=int, help="data shard this replica reads (default: from the peer id)")
+    p.add_argument("--num-shards", type=int, help="number of data shards (default 8)")
+    p.add_argument("--threads", type=int, help="torch threads (default: cores - 1)")
+    p.add_argument("--fault-delay-parts-s", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -61,15 +68,24 @@ async def serve(node_factory, stop_signals=(signal.SIGINT, signal.SIGTERM)) -> i
 
 
 def run_daemon(node_factory, fatal_errors=()) -> int:
+    """Run until stopped; a bad setting or an unreachable swarm is one line on stderr, exit 2."""
     import uvloop
 
+    from .p2p import HostError
+
     try:
-        return uvloop.run(serve(node_factory))
+        code = uvloop.run(serve(node_factory))
     except (ConfigError, HostError, *fatal_errors) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return 0
+        code = 0
+    # Everything that matters is shut down (deregistered, p2pd stopped, files renamed into
+    # place). Do not wait for a worker thread still inside a long torch call: exit now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv=None) -> int:

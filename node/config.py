@@ -34,6 +34,11 @@ class NodeConfig:
     max_backoff_s: float = 10.0  # longest wait between attempts to reach the coordinator
     bandwidth_mbps: float = 0.0  # up/down bandwidth to report; 0: measure against the coordinator
     log_level: str = "INFO"
+    data: str = ""  # text file or directory to train on; empty: the built-in corpus (Python's stdlib sources)
+    shard_index: int = -1  # which data shard this replica reads; -1: derived from the peer id
+    num_shards: int = 0  # how many shards the data is cut into; 0: 8
+    threads: int = 0  # torch threads for training; 0: cores - 1 (p2pd and the DHT need the rest)
+    fault_delay_parts_s: float = 0.0  # chaos drills and tests only: hold each averaging part this long before sending
 
     def resolved_identity(self) -> Path:
         return Path(self.identity) if self.identity else Path(self.data_dir) / "identity.pem"

@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from protocol import Hello, JoinToken, KeyFileError, RemoteProtocolError, SigningKey
+from protocol import Hello, JoinToken, KeyFileError, RemoteProtocolError, RoleAssignment, SigningKey
 
 from . import capabilities
 from .config import ConfigError, NodeConfig
@@ -54,6 +54,8 @@ class Node:
         self.transport: Transport | None = None
         self.membership: Membership | None = None
         self._tasks: list[asyncio.Task] = []
+        self.replica = None
+        self._role_task: asyncio.Task | None = None
 
     def validate(self) -> tuple[SigningKey, bytes | None]:
         """Everything checkable before starting: raises ConfigError with one clear line."""
@@ -87,15 +89,48 @@ class Node:
         caps = await asyncio.get_running_loop().run_in_executor(None, capabilities.measure, c.device)
         log.info("capabilities: %s", ", ".join(f"{k}={v}" for k, v in caps.items()))
         self.membership = Membership(self.host, self.transport, c, caps, token)
+        self.membership.on_assignment = self._on_assignment
         self._tasks += [
             asyncio.create_task(self.membership.run(), name="membership"),
             asyncio.create_task(self.membership.publish_records(), name="member-records"),
         ]
 
+    def _on_assignment(self, assignment: RoleAssignment) -> None:
+        """Start (or stop) the work of a role. Roles other than replica come in later layers."""
+        if assignment.role == "replica" and self.replica is None:
+            from .replica import Replica, RunConfigError, run_config_of
+
+            try:
+                run = run_config_of(assignment)
+            except RunConfigError as e:
+                log.error("cannot take the replica role: %s", e)
+                return
+            self.replica = Replica(self.host, self.transport, self.membership, self.config, run)
+            self._role_task = asyncio.create_task(self._run_role(self.replica), name="replica")
+        elif assignment.role != "replica" and self.replica is not None:
+            log.info("leaving the replica role")
+            task, self.replica = self._role_task, None
+            task.cancel()
+
+    async def _run_role(self, replica) -> None:
+        try:
+            await replica.run_forever()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("the replica role failed")
+        finally:
+            await replica.stop()
+
     async def _on_hello(self, ctx: CallContext) -> Hello:
         return Hello(peer_id=self.transport.peer_id, swarm_id=self.config.swarm_id, software=SOFTWARE)
 
     async def stop(self) -> None:
+        if self._role_task is not None:
+            if self.replica is not None:
+                self.replica._stop = True  # lets the training thread return between inner steps
+            self._role_task.cancel()
+            await asyncio.gather(self._role_task, return_exceptions=True)
         if self.membership is not None:
             await self.membership.deregister()
         for task in self._tasks:

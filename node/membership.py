@@ -58,7 +58,11 @@ class Membership:
         self.registered = asyncio.Event()
         self.on_assignment: Callable[[RoleAssignment], None] | None = None
         self._trouble_logged = False
+        self._wake = asyncio.Event()
 
+    def heartbeat_soon(self) -> None:
+        """Report progress now instead of at the next interval (e.g. right after an outer step)."""
+        self._wake.set()
     # ---- finding the coordinator ------------------------------------------------------------
 
     async def find_coordinator(self) -> str:
@@ -143,7 +147,11 @@ class Membership:
                 else:
                     await self.heartbeat()
                 backoff = 0.5
-                await asyncio.sleep(self.config.heartbeat_interval_s)
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.config.heartbeat_interval_s)
+                except TimeoutError:
+                    pass
             except (*COORDINATOR_TROUBLE, CoordinatorNotFound) as e:
                 if isinstance(e, RemoteError) and e.code == "unauthorized":
                     log.error("the coordinator refused us: %s", e.message)
@@ -157,20 +165,23 @@ class Membership:
     async def publish_records(self) -> None:
         """Announce ourselves in the DHT, so peers find us even while the coordinator is down."""
         while True:
-            now = time.time()
-            rec = MemberRecord(
-                swarm_id=self.config.swarm_id,
-                peer_id=self.host.peer_id,
-                maddrs=tuple(await self.host.visible_maddrs()),
-                role=self.assignment.role if self.assignment else "idle",
-                step=self.progress.step,
-                issued_at=now,
-            ).sign(self.host.key)
-            try:
-                await self.host.dht_store(members_key(self.config.swarm_id), rec.to_bytes(), now + self.config.record_ttl_s, subkey=self.host.peer_id)
-            except Exception as e:  # the DHT may be briefly unreachable; the next round retries
-                log.debug("could not publish member record: %s", e)
+            await self.publish_record()
             await asyncio.sleep(self.config.record_ttl_s / 3)
+
+    async def publish_record(self) -> None:
+        now = time.time()
+        rec = MemberRecord(
+            swarm_id=self.config.swarm_id,
+            peer_id=self.host.peer_id,
+            maddrs=tuple(await self.host.visible_maddrs()),
+            role=self.assignment.role if self.assignment else "idle",
+            step=self.progress.step,
+            issued_at=now,
+        ).sign(self.host.key)
+        try:
+            await self.host.dht_store(members_key(self.config.swarm_id), rec.to_bytes(), now + self.config.record_ttl_s, subkey=self.host.peer_id)
+        except Exception as e:  # the DHT may be briefly unreachable; the next round retries
+            log.debug("could not publish member record: %s", e)
 
     async def deregister(self, timeout: float = 2.0) -> bool:
         if self.coordinator is None:

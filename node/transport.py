@@ -62,7 +62,7 @@ class TransportConfig:
     request_read_timeout_s: float = 30.0  # a peer must deliver each frame of a request within this
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE  # bytes; larger frames are refused from their prefix
     max_concurrent_per_peer: int = 32  # calls one peer may have open with us at once
-    max_bytes_in_flight_per_peer: int = 256 << 20  # request bytes one peer may have buffered with us
+    max_bytes_in_flight_per_peer: int = 256 << 20  # request bytes of one peer held in our memory at once (received, not yet handled)
     ban_score: float = -10.0  # a peer at or below this score is refused for `ban_s`
     ban_s: float = 60.0  # first ban; doubles with each further ban
 
@@ -121,13 +121,16 @@ Handler = Callable[[CallContext], Awaitable["Message | AsyncIterator[Message]"]]
 
 
 class _FrameReader:
-    """Reads whole messages off a stream through a `Decoder`."""
+    """Reads whole messages off a stream through a `Decoder`.
+
+    `on_bytes(+n)` is called for bytes read, `on_bytes(-n)` when they are handed on as a
+    message: what is counted is what this stream holds in memory right now."""
 
     def __init__(self, reader: asyncio.StreamReader, max_frame_size: int, on_bytes: Callable[[int], None] | None = None):
         self.reader = reader
         self.decoder = Decoder(max_frame_size)
-        self.pending: list[Message] = []
-        self.on_bytes = on_bytes
+        self.pending: list[tuple[Message, int]] = []  # decoded messages and the bytes they stand for
+        self.on_bytes = on_bytes or (lambda n: None)
 
     async def next(self) -> Message | None:
         """The next message, or None at a clean end of stream."""
@@ -137,10 +140,16 @@ class _FrameReader:
                 if self.decoder.buffered:
                     raise RemoteProtocolError(f"stream ended inside a frame ({self.decoder.buffered} bytes)", "frame")
                 return None
-            if self.on_bytes:
-                self.on_bytes(len(data))
-            self.pending.extend(self.decoder.feed(data))
-        return self.pending.pop(0)
+            self.on_bytes(len(data))
+            before = self.decoder.buffered
+            msgs = self.decoder.feed(data)
+            if msgs:
+                framed = before + len(data) - self.decoder.buffered  # bytes of the frames just decoded
+                share, extra = divmod(framed, len(msgs))
+                self.pending.extend((m, share + (extra if i == 0 else 0)) for i, m in enumerate(msgs))
+        msg, size = self.pending.pop(0)
+        self.on_bytes(-size)
+        return msg
 
 
 async def _write(writer: asyncio.StreamWriter, msg: Message, max_frame_size: int) -> None:
@@ -193,7 +202,7 @@ class Transport:
             nonlocal counted
             counted += n
             st.bytes_in_flight += n
-            if st.bytes_in_flight > self.config.max_bytes_in_flight_per_peer:
+            if n > 0 and st.bytes_in_flight > self.config.max_bytes_in_flight_per_peer:
                 raise RPCError("overloaded", f"more than {self.config.max_bytes_in_flight_per_peer} bytes in flight")
 
         st.active += 1
@@ -292,13 +301,23 @@ class Transport:
             async with asyncio.timeout(timeout):
                 reader, writer = await self._open(peer_id)
                 frames = _FrameReader(reader, self.config.max_frame_size)
-                await _write(writer, request, self.config.max_frame_size)
-                if hasattr(more, "__aiter__"):
-                    async for msg in more:  # type: ignore[union-attr]
-                        await _write(writer, msg, self.config.max_frame_size)
-                else:
-                    for msg in more:  # type: ignore[union-attr]
-                        await _write(writer, msg, self.config.max_frame_size)
+                try:
+                    await _write(writer, request, self.config.max_frame_size)
+                    if hasattr(more, "__aiter__"):
+                        async for msg in more:  # type: ignore[union-attr]
+                            await _write(writer, msg, self.config.max_frame_size)
+                    else:
+                        for msg in more:  # type: ignore[union-attr]
+                            await _write(writer, msg, self.config.max_frame_size)
+                except (ConnectionError, BrokenPipeError) as e:
+                    # the server may have refused before reading everything: its reply says why
+                    try:
+                        reply = await asyncio.wait_for(frames.next(), 2.0)
+                    except (ConnectionError, TimeoutError, RemoteProtocolError):
+                        reply = None
+                    if isinstance(reply, Error):
+                        raise RemoteError(peer_id, reply.code, reply.message) from None
+                    raise e
                 reply = self._check_reply(peer_id, await frames.next())
                 self.stats["calls_made"] += 1
                 return reply

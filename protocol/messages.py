@@ -293,9 +293,11 @@ class RoleAssignment(Message):
     expert: str | None = None
     epoch: int = 0  # bumps whenever the plan changes
     reason: str = ""
+    config: bytes = b""  # the run's training configuration (JSON), the same for every member
 
     def validate(self) -> None:
         _require(self.role in ROLES, "role", f"must be one of {', '.join(ROLES)}")
+        _require(len(self.config) <= 65536, "config", "at most 64 KiB")
         _require(self.stage is None or self.stage >= 0, "stage", "must be >= 0")
 
 

@@ -14,6 +14,7 @@ from tests.swarm import Swarm, node_peer_id, wait_for
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 FAST = ["--heartbeat-interval-s", "0.5", "--bandwidth-mbps", "100"]
+IDLE = ["--min-replicas", "99"]  # replicas wait for a quorum that never comes: membership only, no training load
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ async def _abuse_and_check(maddr: str, targets: list[str]) -> dict:
 
 
 def test_coordinator_and_three_nodes(swarm):
-    coord = swarm.coordinator("coordinator", None, None, "--heartbeat-timeout-s", "4")
+    coord = swarm.coordinator("coordinator", None, None, "--heartbeat-timeout-s", "4", *IDLE)
     coord.wait_ready()
     maddr = coord.maddr()
     nodes = {name: swarm.node(name, [maddr], *FAST) for name in ("a", "b", "c")}
@@ -104,7 +105,7 @@ def test_coordinator_and_three_nodes(swarm):
 
 
 def test_node_keeps_running_without_coordinator_and_reregisters(swarm):
-    coord = swarm.coordinator("coordinator", None, None, "--heartbeat-timeout-s", "5")
+    coord = swarm.coordinator("coordinator", None, None, "--heartbeat-timeout-s", "5", *IDLE)
     coord_id = coord.wait_ready()["peer_id"]
     node = swarm.node("a", [coord.maddr()], *FAST)
     peer = node_peer_id(node)

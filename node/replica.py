@@ -1,0 +1,457 @@
+"""The replica role: DiLoCo data parallelism across the swarm.
+
+Each replica holds the whole model. A round: H inner AdamW steps on its own data shard, then
+the pseudo-gradient θ_outer − θ_local is averaged with every replica at the same state
+(compressed, error feedback at the sender), and an outer Nesterov step applies it. All
+replicas that took part hold bitwise-identical outer state afterwards; each logs and reports
+its short hash.
+
+The round key carries the round number and the hash of the outer state it starts from, so
+replicas whose states differ never average together: a replica that fell behind (straggler,
+restart, a round that failed only for it) ends up alone, and then catches up by downloading the
+outer state the other replicas hold, exactly as a joiner does. Where the state comes from, in
+order: a replica peer that has it; the coordinator's latest checkpoint; for a brand-new run,
+the first replica's seeded initialisation, uploaded as checkpoint 0 so everyone starts from the
+same bits (seeded init differs between CPU kinds, so it is never re-created per node).
+
+Every `checkpoint_every` rounds the round's leader uploads the state to the coordinator, which
+accepts it once enough replicas reported the same hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protocol.messages import RoleAssignment
+
+from .averaging import Averager, AveragerConfig, AveragingFailed
+from .checkpoint_client import (
+    CheckpointDirError,
+    download_checkpoint,
+    fetch_manifest,
+    load_checkpoint_dir,
+    upload_checkpoint,
+    write_checkpoint_dir,
+)
+from .data import Batches, DataError, evaluate, load_corpus
+from .faults import Faults
+from .diloco import InnerTrainer, OuterOptimizer, TrainConfig, copy_into, state_hash
+from .membership import read_members
+from .model import GPT, PRESETS, GPTConfig, init_model
+from .state_server import CheckpointServer, DirectorySource
+from .transport import CallTimeout, RemoteError
+from .p2p import PeerUnreachable
+
+log = logging.getLogger(__name__)
+
+EVAL_SEED = 1234  # the same validation windows everywhere, so losses compare across replicas and runs
+KEEP_LOCAL_STATES = 2
+_PEER_ERRORS = (PeerUnreachable, CallTimeout, RemoteError, ConnectionError, CheckpointDirError, OSError, ValueError)
+
+
+class RunConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run's training settings; the coordinator hands the same ones to every member."""
+
+    model: str = "tiny"
+    inner_steps: int = 20
+    batch_size: int = 16
+    inner_lr: float = 3e-3
+    warmup_steps: int = 50
+    total_steps: int = 5000
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.9
+    codec: str = "int8"
+    block_size: int = 1024
+    max_outer_steps: int = 0
+    checkpoint_every: int = 5
+    eval_batches: int = 8
+    seed: int = 0
+    join_timeout_s: float = 15.0
+    min_replicas: int = 1
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RunConfig:
+        try:
+            raw = json.loads(data) if data else {}
+        except ValueError as e:
+            raise RunConfigError(f"run config is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise RunConfigError("run config must be a JSON object")
+        known = {f.name: f.type for f in fields(cls)}
+        values = {}
+        for k, v in raw.items():
+            if k not in known:
+                continue  # a newer coordinator may send more; ignore what we do not know
+            expect = {"int": int, "float": (int, float), "str": str}[known[k]]
+            if isinstance(v, bool) or not isinstance(v, expect):
+                raise RunConfigError(f"run config: {k} must be {known[k]}, got {v!r}")
+            values[k] = v
+        cfg = cls(**values)
+        if cfg.model not in PRESETS:
+            raise RunConfigError(f"run config: unknown model preset {cfg.model!r} (known: {', '.join(PRESETS)})")
+        if cfg.inner_steps < 1 or cfg.checkpoint_every < 1:
+            raise RunConfigError("run config: inner_steps and checkpoint_every must be >= 1")
+        return cfg
+
+    def model_config(self) -> GPTConfig:
+        return PRESETS[self.model]
+
+    def train_config(self) -> TrainConfig:
+        return TrainConfig(
+            batch_size=self.batch_size,
+            inner_lr=self.inner_lr,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.total_steps,
+            inner_steps=self.inner_steps,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            seed=self.seed,
+        )
+
+
+def choose_state(mine: tuple[int, str] | None, peers: dict[str, tuple[int, str]]) -> tuple[int, str] | None:
+    """The (round, hash) to adopt from peers, or None to keep ours. Pure.
+
+    Adopt the state most peers hold among those at the highest round when it is ahead of ours.
+    At our own round, states vote (ours counts for us); the larger vote wins and a tie goes to
+    the smaller hash, so two diverged replicas always settle on the same one."""
+    if not peers:
+        return None
+    top = max(step for step, _ in peers.values())
+    votes = Counter(s for s in peers.values() if s[0] == top)
+    best, n = min(votes.items(), key=lambda kv: (-kv[1], kv[0][1]))
+    if mine is None or best[0] > mine[0]:
+        return best
+    if best[0] == mine[0] and best != mine:
+        ours = votes.get(mine, 0) + 1
+        if n > ours or (n == ours and best[1] < mine[1]):
+            return best
+    return None
+
+
+def shard_of(peer_id: str, num_shards: int) -> int:
+    return zlib.crc32(peer_id.encode()) % num_shards
+
+
+class Replica:
+    def __init__(self, host, transport, membership, node_config, run: RunConfig):
+        self.host, self.transport, self.membership, self.node_config, self.run = host, transport, membership, node_config, run
+        self.data_dir = Path(node_config.data_dir)
+        self.state_dir = self.data_dir / "state"
+        self.download_dir = self.data_dir / "downloads"
+        self.stats_path = self.data_dir / "replica-stats.json"
+        self.model_config = run.model_config()
+        self.train_config = run.train_config()
+        codec_params = {"block_size": run.block_size} if run.codec == "int8" else {}
+        self.averager = Averager(
+            host,
+            transport,
+            AveragerConfig(
+                swarm_id=node_config.swarm_id, prefix="replicas", codec=run.codec, codec_params=codec_params, join_timeout_s=run.join_timeout_s
+            ),
+            Faults(delay_parts_s=node_config.fault_delay_parts_s),
+        )
+        self.server = CheckpointServer(transport, DirectorySource(self.state_dir))
+        self.model: GPT | None = None
+        self.outer: OuterOptimizer | None = None
+        self.inner: InnerTrainer | None = None
+        self.round = 0
+        self.hash = ""
+        self.bytes_sent = 0
+        self.history: list[dict[str, Any]] = []
+        self._stop = False
+        self._uploads: set[asyncio.Task] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def run_forever(self) -> None:
+        threads = self.node_config.threads or max(1, (os.cpu_count() or 2) - 1)
+        torch.set_num_threads(threads)
+        await self.averager.start()
+        try:
+            corpus = await asyncio.to_thread(load_corpus, self.node_config.data or None)
+        except DataError as e:
+            log.error("cannot train: %s", e)
+            return
+        nshards = self.node_config.num_shards or 8
+        shard = self.node_config.shard_index if self.node_config.shard_index >= 0 else shard_of(self.host.peer_id, nshards)
+        self.corpus = corpus
+        self.model = GPT(self.model_config)
+        await self._wait_for_replicas()
+        await self._obtain_state()
+        batches = Batches(corpus.train, shard, nshards, self.train_config.batch_size, self.model_config.context, self.train_config.seed + shard)
+        # in a thread: the first AdamW of a process imports torch._dynamo, seconds of work
+        self.inner = await asyncio.to_thread(InnerTrainer, self.model, self.train_config, batches)
+        self.inner.step_count = self.round * self.run.inner_steps
+        log.info(
+            "replica: %s model (%d params), data %s shard %d/%d, %d threads, starting at outer step %d (hash %s)",
+            self.run.model, sum(p.numel() for p in self.model.parameters()), corpus.source, shard, nshards, threads, self.round, self.hash,
+        )
+        val = await asyncio.to_thread(self._evaluate)
+        log.info("outer %d | val %.4f | hash %s (starting point)", self.round, val, self.hash)
+        self.history.append({"outer_step": self.round, "val_loss": val, "state_hash": self.hash, "start": True, "time": time.time()})
+        self._publish_progress(val)
+        while not self._stop:
+            if self.run.max_outer_steps and self.round >= self.run.max_outer_steps:
+                log.info("replica: finished %d outer steps (val loss %.4f, hash %s)", self.round, self.history[-1]["val_loss"] if self.history else float("nan"), self.hash)
+                await asyncio.gather(*self._uploads, return_exceptions=True)
+                await asyncio.Event().wait()  # keep serving our state and reporting until stopped
+            await self._one_round()
+
+    async def stop(self) -> None:
+        self._stop = True
+        for t in self._uploads:
+            t.cancel()
+        await asyncio.gather(*self._uploads, return_exceptions=True)
+        await self.averager.close()
+
+    # ---- one outer round -------------------------------------------------------------------------
+
+    async def _one_round(self) -> None:
+        t0 = time.monotonic()
+        losses = await asyncio.to_thread(self._inner_steps, self.run.inner_steps)
+        if self._stop:
+            return
+        t_inner = time.monotonic() - t0
+        pseudo = self.outer.pseudo_gradient(self.model.parameters())
+        expected = await self._count_replicas()
+        key = f"outer-{self.round}-{self.hash[:8]}"
+        t1 = time.monotonic()
+        try:
+            avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=expected, state_key="outer")
+        except AveragingFailed as e:
+            log.warning("outer step %d: averaging failed (%s)", self.round, e.report.reason)
+            if not await self._catch_up(wait_s=self.run.join_timeout_s + 5):
+                # nobody got further: the round failed for everyone; keep our local progress
+                # and move on together (the next pseudo-gradient covers both rounds' steps)
+                self.round += 1
+                self._publish_progress(None)
+            return
+        new = self.outer.apply(avg)
+        copy_into(self.model.parameters(), new)
+        self.round += 1
+        self.hash = self._hash()
+        self.bytes_sent += report.bytes_sent
+        val = await asyncio.to_thread(self._evaluate)
+        tokens = self.run.inner_steps * self.train_config.batch_size * self.model_config.context
+        entry = {
+            "outer_step": self.round, "val_loss": val, "train_loss": sum(losses) / len(losses), "state_hash": self.hash,
+            "bytes_sent": self.bytes_sent, "members": len(report.survivors), "round_s": round(time.monotonic() - t1, 3),
+            "tokens_per_s": round(tokens / t_inner, 1), "time": time.time(),
+        }
+        self.history.append(entry)
+        log.info(
+            "outer %d | train %.3f | val %.4f | %d replicas | %.0f tok/s | round %.2f s | %.1f KB sent | hash %s",
+            self.round, entry["train_loss"], val, len(report.survivors), entry["tokens_per_s"], entry["round_s"], report.bytes_sent / 1e3, self.hash,
+        )
+        await self._save_state()
+        self._publish_progress(val, tokens / t_inner / self.model_config.context)
+        if self.round % self.run.checkpoint_every == 0 and report.leader == self.host.peer_id:
+            task = asyncio.create_task(self._upload_checkpoint(self.round))
+            self._uploads.add(task)
+            task.add_done_callback(self._uploads.discard)
+
+    def _inner_steps(self, n: int) -> list[float]:
+        losses = []
+        for _ in range(n):
+            if self._stop:
+                break
+            losses.append(self.inner.step())
+        return losses or [math.nan]
+
+    def _evaluate(self) -> float:
+        return evaluate(self.model, self.corpus.val, self.train_config.batch_size, self.model_config.context, self.run.eval_batches, EVAL_SEED)
+
+    def _hash(self) -> str:
+        names = [n for n, _ in self.model.named_parameters()]
+        return state_hash({**{f"param/{n}": p for n, p in zip(names, self.outer.params)}, **{f"momentum/{n}": b for n, b in zip(names, self.outer.buffers)}})
+
+    def _publish_progress(self, val: float | None, samples_per_s: float | None = None) -> None:
+        p = self.membership.progress
+        p.step, p.state_hash = self.round, self.hash
+        if val is not None:
+            p.loss = val
+        if samples_per_s is not None:
+            p.samples_per_second = samples_per_s
+        self.membership.heartbeat_soon()
+        stats = {"outer_step": self.round, "state_hash": self.hash, "bytes_sent": self.bytes_sent, "val_loss": p.loss, "history": self.history}
+        tmp = self.stats_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(stats))
+        os.replace(tmp, self.stats_path)
+
+    # ---- state: save, serve, obtain, catch up --------------------------------------------------
+
+    def _state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        names = [n for n, _ in self.model.named_parameters()]
+        return {
+            "model": {n: p.clone() for n, p in zip(names, self.outer.params)},
+            "outer": {n: b.clone() for n, b in zip(names, self.outer.buffers)},
+        }
+
+    async def _save_state(self) -> Path:
+        path = await asyncio.to_thread(
+            write_checkpoint_dir, self.state_dir, self.round, self._state_tensors(), self.model_config.to_dict(), self.hash
+        )
+        for old in sorted(self.state_dir.glob("step-*"))[:-KEEP_LOCAL_STATES]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def _adopt(self, state: dict[str, dict[str, torch.Tensor]], step: int, expected_hash: str | None) -> None:
+        if "model" not in state:
+            raise CheckpointDirError("the checkpoint has no model.safetensors")
+        self.model.load_state_dict(state["model"])
+        self.outer = OuterOptimizer(self.model.parameters(), self.train_config.outer_lr, self.train_config.outer_momentum)
+        names = [n for n, _ in self.model.named_parameters()]
+        momentum = state.get("outer")
+        if momentum is not None:
+            self.outer.load_state_dict({"params": self.outer.params, "momentum": [momentum[n] for n in names], "step": step})
+        self.round = step
+        self.hash = self._hash()
+        if expected_hash and self.hash != expected_hash:
+            raise CheckpointDirError(f"state of step {step} hashes to {self.hash}, its manifest says {expected_hash}")
+        if self.inner is not None:
+            self.inner.step_count = step * self.run.inner_steps
+
+    async def _download_and_adopt(self, peer: str, step: int | None) -> bool:
+        try:
+            path = await download_checkpoint(self.transport, peer, self.download_dir, step=step)
+            state = await asyncio.to_thread(load_checkpoint_dir, path)
+            manifest_step, manifest = await asyncio.to_thread(_read_manifest, path)
+            model_cfg = manifest.get("model_config") or {}
+            if model_cfg and GPTConfig.from_dict(model_cfg) != self.model_config:
+                log.error("checkpoint %d from %s is for another model (%s); the run is %s", manifest_step, peer[-8:], model_cfg, self.run.model)
+                return False
+            self._adopt(state, manifest_step, manifest.get("state_hash") or None)
+        except _PEER_ERRORS as e:
+            log.warning("could not take the state from %s: %s", peer[-8:], e)
+            return False
+        finally:
+            shutil.rmtree(self.download_dir, ignore_errors=True)
+        await self._save_state()
+        if self.history:  # a catch-up mid-run (the starting point is recorded by run_forever)
+            self.history.append({"outer_step": self.round, "state_hash": self.hash, "caught_up_from": peer, "time": time.time()})
+        self._publish_progress(None)
+        log.info("replica: took outer step %d (hash %s) from %s", self.round, self.hash, peer[-8:])
+        return True
+
+    async def _peer_states(self) -> dict[str, tuple[int, str]]:
+        """(round, hash) of the latest state of every other replica that answers."""
+        members = await read_members(self.host, self.node_config.swarm_id)
+        peers = [p for p, rec in members.items() if rec.role == "replica" and p != self.host.peer_id]
+
+        async def one(peer):
+            try:
+                step, manifest = await fetch_manifest(self.transport, peer, timeout=3.0)
+                return peer, (step, manifest.get("state_hash") or "")
+            except _PEER_ERRORS:
+                return peer, None
+
+        results = await asyncio.gather(*(one(p) for p in peers))
+        return {p: s for p, s in results if s is not None}
+
+    async def _obtain_state(self) -> None:
+        """Peers first, then the coordinator's checkpoint, then (a new run) the seeded init."""
+        while not self._stop:
+            states = await self._peer_states()
+            best = choose_state(None, states)
+            if best is not None:
+                for peer, s in states.items():
+                    if s == best and await self._download_and_adopt(peer, best[0]):
+                        return
+            coord = self.membership.coordinator
+            if coord is not None:
+                try:
+                    await fetch_manifest(self.transport, coord, timeout=5.0)
+                    if await self._download_and_adopt(coord, None):
+                        return
+                except RemoteError as e:
+                    if e.code == "not_found":
+                        await self._offer_initial_state(coord)
+                        continue
+                    log.warning("coordinator has no usable checkpoint: %s", e)
+                except _PEER_ERRORS as e:
+                    log.warning("cannot reach the coordinator for a checkpoint: %s", e)
+            await asyncio.sleep(2.0)
+
+    async def _offer_initial_state(self, coord: str) -> None:
+        """A brand-new run: offer our seeded initialisation as checkpoint 0. The coordinator keeps
+        the first one it gets; everyone (us included) then downloads that one."""
+        model = init_model(self.model_config, self.train_config.seed)
+        self.model.load_state_dict(model.state_dict())
+        self.outer = OuterOptimizer(self.model.parameters(), self.train_config.outer_lr, self.train_config.outer_momentum)
+        self.round, self.hash = 0, self._hash()
+        path = await self._save_state()
+        try:
+            await upload_checkpoint(self.transport, coord, path)
+            log.info("replica: offered the initial state (hash %s) as checkpoint 0", self.hash)
+        except _PEER_ERRORS as e:
+            log.info("the initial state came from another replica (%s)", e)
+        shutil.rmtree(path, ignore_errors=True)
+
+    async def _catch_up(self, wait_s: float) -> bool:
+        """After a failed round: if the other replicas got further, take their state."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not self._stop:
+            states = await self._peer_states()
+            best = choose_state((self.round, self.hash), states)
+            if best is not None:
+                for peer, s in states.items():
+                    if s == best and await self._download_and_adopt(peer, best[0]):
+                        return True
+            if states and all(s == (self.round, self.hash) for s in states.values()):
+                # every peer is where we are; wait for one of them to finish the round, or time out
+                pass
+            await asyncio.sleep(1.0)
+        return False
+
+    async def _count_replicas(self) -> int:
+        members = await read_members(self.host, self.node_config.swarm_id)
+        # records are re-published every ttl/3 s: an older one is most likely from a dead replica
+        max_age = self.membership.config.record_ttl_s / 3 * 1.5
+        fresh = [r for r in members.values() if r.role == "replica" and time.time() - r.issued_at < max_age]
+        return max(1, len({r.peer_id for r in fresh} | {self.host.peer_id}))
+
+    async def _wait_for_replicas(self) -> None:
+        if self.run.min_replicas <= 1:
+            return
+        while not self._stop and await self._count_replicas() < self.run.min_replicas:
+            await asyncio.sleep(1.0)
+
+    async def _upload_checkpoint(self, step: int) -> None:
+        path = self.state_dir / f"step-{step:08d}"
+        coord = self.membership.coordinator
+        if coord is None:
+            return
+        try:
+            await upload_checkpoint(self.transport, coord, path)
+            log.info("checkpoint of outer step %d stored by the coordinator", step)
+        except _PEER_ERRORS as e:
+            log.warning("checkpoint of outer step %d not stored: %s", step, e)
+
+
+def _read_manifest(path: Path) -> tuple[int, dict]:
+    manifest = json.loads((path / "manifest.json").read_text())
+    return int(manifest["step"]), manifest
+
+
+def run_config_of(assignment: RoleAssignment) -> RunConfig:
+    return RunConfig.from_json(assignment.config)
+

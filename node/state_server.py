@@ -1,0 +1,133 @@
+"""Serving checkpoints over RPC: CheckpointQuery -> CheckpointManifest, StateRequest ->
+streamed StateChunks. The coordinator serves its checkpoint store with it; a replica serves
+its own latest outer state, so joiners and stragglers download from peers first.
+
+A `source` is anything with the four methods of `CheckpointSource`; `DirectorySource` serves a
+directory of `step-XXXXXXXX/` checkpoints (the layout of node/checkpoint_client.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from protocol import CheckpointManifest, CheckpointQuery, RemoteProtocolError, StateChunk, StateRequest
+from protocol.manifest import step_of_dir_name
+
+from .checkpoint_client import CheckpointDirError, read_manifest
+from .transport import CallContext, RPCError, Transport
+
+CHUNK = 4 << 20  # bytes per StateChunk
+PREFIX = "checkpoint/"  # StateRequest names: checkpoint/<step>/<file>
+
+
+class CheckpointSource(Protocol):
+    def latest_step(self) -> int | None: ...
+    def manifest(self, step: int) -> dict[str, Any] | None: ...
+    def files(self, step: int) -> dict[str, tuple[int, str]]: ...  # name -> (size, sha256), manifest included
+    def read_chunk(self, step: int, name: str, offset: int, length: int) -> bytes: ...
+
+
+class DirectorySource:
+    """Complete checkpoints under `root` (a manifest that reads back; hashes are the
+    downloader's to check)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def _steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(s for s in (step_of_dir_name(n) for n in names) if s is not None)
+
+    def _dir(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    def manifest(self, step: int) -> dict[str, Any] | None:
+        try:
+            return read_manifest(self._dir(step))
+        except CheckpointDirError:
+            return None
+
+    def latest_step(self) -> int | None:
+        for step in reversed(self._steps()):
+            if self.manifest(step) is not None:
+                return step
+        return None
+
+    def files(self, step: int) -> dict[str, tuple[int, str]]:
+        m = self.manifest(step)
+        if m is None:
+            raise KeyError(step)
+        raw = (self._dir(step) / "manifest.json").read_bytes()
+        out = {name: (f["size"], f["sha256"]) for name, f in m["files"].items()}
+        out["manifest.json"] = (len(raw), hashlib.sha256(raw).hexdigest())
+        return out
+
+    def read_chunk(self, step: int, name: str, offset: int, length: int) -> bytes:
+        if name not in self.files(step):  # only files the manifest names: no path tricks
+            raise KeyError(name)
+        with open(self._dir(step) / name, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+
+class CheckpointServer:
+    """Registers the checkpoint handlers on a transport for one source."""
+
+    def __init__(self, transport: Transport, source: CheckpointSource):
+        self.source = source
+        transport.on(CheckpointQuery, self.on_query)
+        transport.on(StateRequest, self.on_state_request)
+
+    async def on_query(self, ctx: CallContext) -> CheckpointManifest:
+        step = ctx.request.step
+        loop = asyncio.get_running_loop()
+        if step is None:
+            step = await loop.run_in_executor(None, self.source.latest_step)
+            if step is None:
+                raise RPCError("not_found", "no checkpoint yet")
+        manifest = await loop.run_in_executor(None, self.source.manifest, step)
+        if manifest is None:
+            raise RPCError("not_found", f"no checkpoint for step {step}")
+        return CheckpointManifest(step=step, manifest=json.dumps(manifest, sort_keys=True).encode())
+
+    async def on_state_request(self, ctx: CallContext) -> AsyncIterator[StateChunk]:
+        req: StateRequest = ctx.request
+        if not req.name.startswith(PREFIX):
+            raise RPCError("not_found", f"no state named {req.name!r} here")
+        try:
+            step_text, filename = req.name[len(PREFIX) :].split("/", 1)
+            step = int(step_text)
+        except ValueError:
+            raise RemoteProtocolError("expected checkpoint/<step>/<file>", "name") from None
+        loop = asyncio.get_running_loop()
+        try:
+            files = await loop.run_in_executor(None, self.source.files, step)
+        except (KeyError, OSError, ValueError) as e:
+            raise RPCError("not_found", f"no checkpoint {step} here ({e})") from None
+        if filename not in files:
+            raise RPCError("not_found", f"checkpoint {step} has no file {filename!r}")
+        size, sha = files[filename]
+        if req.offset > size:
+            raise RemoteProtocolError(f"offset {req.offset} is past the end ({size})", "offset")
+        end = size if req.length == 0 else min(size, req.offset + req.length)
+        return self._chunks(step, filename, req.name, req.offset, end, size, sha)
+
+    async def _chunks(self, step, filename, name, start, end, size, sha) -> AsyncIterator[StateChunk]:
+        loop = asyncio.get_running_loop()
+        offset = start
+        while True:
+            n = min(CHUNK, end - offset)
+            data = await loop.run_in_executor(None, self.source.read_chunk, step, filename, offset, n) if n else b""
+            yield StateChunk(name=name, offset=offset, total_size=size, sha256=sha, data=data)
+            offset += n
+            if offset >= end:
+                return

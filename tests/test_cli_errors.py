@@ -1,0 +1,165 @@
+"""Bad input to the console scripts: exactly one line on stderr that names the problem, no
+traceback, a non-zero exit, and no process left behind.
+
+The real scripts run (from the venv's bin dir). Most cases import torch and hivemind before
+they can fail, seconds each on a small machine, so all cases run at once in one module
+fixture and each test checks its own case's result.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from protocol.signatures import SigningKey, peer_id_from_public_key
+from tests.swarm import free_port, session_pids
+
+pytestmark = [pytest.mark.timeout(400)]
+
+BIN = Path(sys.executable).parent
+EXIT_DEADLINE_S = 120  # a case still running after this has failed to refuse its input
+PEER = peer_id_from_public_key(SigningKey.generate().public_key)
+
+
+@dataclass(frozen=True)
+class Case:
+    script: str  # swarmtrain-node | swarmtrain-coordinator
+    args: tuple[str, ...]  # "{tmp}" is replaced by the case's own directory
+    expect: tuple[str, ...]  # each must appear in the one line
+    env: tuple[tuple[str, str], ...] = ()
+    # found before torch and hivemind load (seconds): run with both made unimportable, so an
+    # import that comes too early shows up as a traceback
+    light: bool = False
+
+
+NODE, COORD = "swarmtrain-node", "swarmtrain-coordinator"
+# The coordinator's default status port is fixed (8080): cases that might get that far use 0.
+HTTP0 = ("--http", "127.0.0.1:0")
+
+
+def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
+    unreachable = f"/ip4/127.0.0.1/tcp/{closed_port}/p2p/{PEER}"
+    cases = {}
+    for script, extra in ((NODE, ()), (COORD, HTTP0)):
+        short = "node" if script == NODE else "coordinator"
+        data = ("--data-dir", "{tmp}/data")
+        cases.update(
+            {
+                f"{short}-unknown-flag": Case(script, ("--bogus",), ("unrecognized arguments: --bogus",), light=True),
+                f"{short}-bad-flag-value": Case(
+                    script, ("--heartbeat-timeout-s" if script == COORD else "--heartbeat-interval-s", "soon"), ("invalid float value", "soon"), light=True
+                ),
+                f"{short}-bad-log-level": Case(script, ("--log-level", "LOUD"), ("--log-level", "LOUD"), light=True),
+                f"{short}-missing-identity-dir": Case(script, (*data, *extra, "--identity", "{tmp}/no/such/dir/id.pem"), ("identity", "no/such/dir/id.pem", "No such file or directory")),
+                f"{short}-corrupt-identity": Case(script, (*data, *extra, "--identity", "{tmp}/garbage.pem"), ("garbage.pem", "not a PEM private key")),
+                f"{short}-data-dir-not-writable": Case(script, ("--data-dir", "{tmp}/a-file/data", *extra), ("data dir", "a-file/data", "not writable")),
+                f"{short}-unreachable-initial-peers": Case(script, (*data, *extra, "--initial-peers", unreachable), ("none of the initial peers answered", unreachable)),
+                f"{short}-malformed-multiaddr": Case(script, (*data, *extra, "--initial-peers", "/ip4/not-an-ip/tcp/1"), ("not a multiaddr", "/ip4/not-an-ip/tcp/1")),
+                f"{short}-config-missing": Case(script, ("--config", "{tmp}/missing.toml"), ("missing.toml", "does not exist"), light=True),
+                f"{short}-config-invalid-toml": Case(script, ("--config", "{tmp}/invalid.toml"), ("invalid.toml", "not valid TOML"), light=True),
+                f"{short}-config-unknown-key": Case(script, ("--config", "{tmp}/unknown.toml"), ("unknown.toml", "unknown setting 'colour'"), light=True),
+                f"{short}-config-wrong-type": Case(script, ("--config", "{tmp}/wrong-type.toml"), ("wrong-type.toml", "swarm_id must be str"), light=True),
+            }
+        )
+    env_var = "SWARMTRAIN_HEARTBEAT_INTERVAL_S"
+    cases.update(
+        {
+            "node-bad-env-var": Case(NODE, (), (env_var, "must be float", "soon"), env=((env_var, "soon"),), light=True),
+            "node-device-cuda-missing": Case(NODE, ("--data-dir", "{tmp}/data", "--device", "cuda:99"), ("cuda:99",)),
+            "node-initial-peer-without-peer-id": Case(NODE, ("--data-dir", "{tmp}/data", "--initial-peers", "/ip4/127.0.0.1/tcp/1"), ("lacks its /p2p/<peer id>",)),
+            "coordinator-bad-mode": Case(COORD, ("--mode", "anarchy"), ("--mode", "invalid choice", "anarchy"), light=True),
+            "coordinator-bad-http": Case(COORD, ("--data-dir", "{tmp}/data", "--http", "localhost"), ("--http must be HOST:PORT", "localhost")),
+            "coordinator-http-port-in-use": Case(COORD, ("--data-dir", "{tmp}/data", "--http", f"127.0.0.1:{busy_port}"), (f"--http 127.0.0.1:{busy_port}", "address already in use")),
+            "coordinator-bad-owner-key": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--owner-public-key", "not-hex"), ("--owner-public-key", "64 hex digits")),
+            "coordinator-pipeline-without-stages": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline"), ("num_stages", "pipeline mode needs at least 1 stage")),
+        }
+    )
+    return cases
+
+
+@dataclass
+class Result:
+    returncode: int | None
+    stdout: str
+    stderr: str
+    seconds: float
+    leftovers: list[int]
+
+
+def _prepare(tmp: Path) -> None:
+    tmp.mkdir(parents=True)
+    (tmp / "a-file").write_text("a regular file, not a directory\n")
+    (tmp / "garbage.pem").write_bytes(b"\x00\x01 this is not a key \xff\n")
+    (tmp / "invalid.toml").write_text("swarm_id = \n")
+    (tmp / "unknown.toml").write_text('colour = "blue"\n')
+    (tmp / "wrong-type.toml").write_text("swarm_id = 7\n")
+    (tmp / "too-early").mkdir()
+    for module in ("torch", "hivemind"):
+        (tmp / "too-early" / f"{module}.py").write_text(f"raise ImportError('{module} imported before the flags were checked')\n")
+
+
+def _run(case: Case, tmp: Path) -> Result:
+    _prepare(tmp)
+    args = [str(BIN / case.script), *(a.replace("{tmp}", str(tmp)) for a in case.args)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMTRAIN_")}
+    env.update(case.env)
+    if case.light:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp / "too-early"), env.get("PYTHONPATH")]))
+    t0 = time.monotonic()
+    # own session, so that whatever it starts (DHT child, p2pd) can be found and killed
+    p = subprocess.Popen(args, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=EXIT_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return Result(None, out, err, time.monotonic() - t0, [])
+    seconds = time.monotonic() - t0
+    left = session_pids(p.pid)  # the daemon exited: its children must have gone with it
+    deadline = time.monotonic() + 10
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = session_pids(p.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return Result(p.returncode, out, err, seconds, left)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Run every case at once (a few at a time) while holding a busy port."""
+    root = tmp_path_factory.mktemp("cli")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cases = _cases(free_port(), busy.getsockname()[1])
+        with ThreadPoolExecutor(max_workers=max(4, 2 * (os.cpu_count() or 1))) as pool:
+            futures = {name: pool.submit(_run, case, root / name) for name, case in cases.items()}
+            return {name: (cases[name], f.result()) for name, f in futures.items()}
+
+
+CASE_NAMES = sorted(_cases(1, 2))
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_bad_input_is_one_line_naming_the_problem(results, name):
+    case, r = results[name]
+    assert r.returncode is not None, f"{name}: still running after {EXIT_DEADLINE_S} s; stderr so far:\n{r.stderr}"
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in r.stderr, f"{name}:\n{r.stderr}"
+    assert len(lines) == 1, f"{name}: expected one line on stderr, got {len(lines)}:\n{r.stderr}"
+    for text in case.expect:
+        assert text in lines[0], f"{name}: {text!r} not in {lines[0]!r}"
+    assert r.returncode != 0, f"{name}: exit status 0"
+    assert r.stdout.strip() == "", f"{name}: stdout:\n{r.stdout}"
+    assert not r.leftovers, f"{name}: {len(r.leftovers)} processes outlived the daemon"
+

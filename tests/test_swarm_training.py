@@ -1,0 +1,134 @@
+"""Swarm tests of DiLoCo training: a real coordinator and real replica daemons on loopback."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.swarm import Swarm, wait_for
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
+
+RUN = [
+    "--model", "tiny", "--inner-steps", "5", "--checkpoint-every", "2", "--eval-batches", "2", "--warmup-steps", "5",
+    "--join-timeout-s", "8", "--heartbeat-timeout-s", "10",
+]
+NODE = ["--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "0.5", "--num-shards", "4"]
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    s = Swarm(tmp_path)
+    yield s
+    orphans = s.close()
+    assert not orphans, orphans
+
+
+def history(swarm: Swarm, name: str) -> list[dict]:
+    path = Path(swarm.tmp) / name / "replica-stats.json"
+    try:
+        return json.loads(path.read_text())["history"]
+    except (FileNotFoundError, ValueError, KeyError):
+        return []
+
+
+def step_of(swarm, name) -> int:
+    h = history(swarm, name)
+    return h[-1]["outer_step"] if h else -1
+
+
+def hashes(swarm, name) -> dict[int, str]:
+    """outer step -> hash of the outer state this replica held at it."""
+    return {e["outer_step"]: e["state_hash"] for e in history(swarm, name)}
+
+
+def trained_steps(swarm, name) -> set[int]:
+    """Steps this replica reached by averaging (not by starting or catching up)."""
+    return {e["outer_step"] for e in history(swarm, name) if "start" not in e and "caught_up_from" not in e}
+
+
+def replica(swarm, name, maddr, shard, *extra):
+    return swarm.node(name, [maddr], *NODE, "--shard-index", str(shard), *extra)
+
+
+def assert_same_hashes(swarm, names, steps):
+    for k in steps:
+        seen = {n: hashes(swarm, n).get(k) for n in names}
+        assert len(set(seen.values())) == 1 and None not in seen.values(), f"step {k}: {seen}"
+
+
+def test_replicas_train_in_lockstep_survive_a_kill_and_take_a_joiner(swarm):
+    coord = swarm.coordinator("coordinator", None, None, *RUN, "--min-replicas", "3")
+    maddr = coord.wait_ready()["maddrs"][0]
+    names = ["a", "b", "c"]
+    procs = {n: replica(swarm, n, maddr, i, *(["--fault-delay-parts-s", "2", "--log-level", "DEBUG"] if n == "c" else [])) for i, n in enumerate(names)}
+
+    # three replicas train; identical outer state after every outer step; validation loss falls
+    wait_for(lambda: min(step_of(swarm, n) for n in names) >= 3, 240, "3 outer steps on every replica")
+    common = set.intersection(*(trained_steps(swarm, n) for n in names))
+    assert {1, 2, 3} <= common
+    assert_same_hashes(swarm, names, common)
+    h = history(swarm, "a")
+    assert h[0].get("start") and h[-1]["val_loss"] < h[0]["val_loss"] - 0.3, [(e["outer_step"], e.get("val_loss")) for e in h]
+
+    # SIGKILL c while it is inside an all-reduce (its parts are held 2 s, so "matched" means mid-round)
+    log_len = len(procs["c"].log())
+    wait_for(lambda: ": matched" in procs["c"].log()[log_len:], 120, "c to enter an averaging round")
+    procs["c"].kill()
+    killed_at = max(step_of(swarm, "a"), step_of(swarm, "b"))
+    wait_for(lambda: min(step_of(swarm, n) for n in ("a", "b")) >= killed_at + 3, 240, "a and b to go on after the kill")
+    assert_same_hashes(swarm, ["a", "b"], trained_steps(swarm, "a") & trained_steps(swarm, "b"))
+    assert not procs["c"].leftovers()  # its DHT child and p2pd went down with it
+
+    # a 4th replica joins mid-run: it starts from the swarm's state and averages in lockstep
+    procs["d"] = replica(swarm, "d", maddr, 3)
+    wait_for(lambda: trained_steps(swarm, "d"), 240, "d to complete an outer step with the others")
+    first = min(trained_steps(swarm, "d"))
+    wait_for(lambda: min(step_of(swarm, n) for n in ("a", "b")) >= first, 60, "a and b to reach d's first step")
+    assert_same_hashes(swarm, ["a", "b", "d"], [first])
+    start = history(swarm, "d")[0]
+    assert start.get("start") and hashes(swarm, "a").get(start["outer_step"]) == start["state_hash"]
+    status = coord.status()
+    assert any(c["step"] >= 2 for c in status["checkpoints"]), status["checkpoints"]
+    assert status["progress"], "the coordinator shows the swarm's loss history"
+
+
+def test_coordinator_restart_loses_no_checkpoint_and_a_stopped_run_resumes(swarm):
+    coord = swarm.coordinator("coordinator", None, None, *RUN, "--min-replicas", "2")
+    maddr = coord.wait_ready()["maddrs"][0]
+    nodes = {n: replica(swarm, n, maddr, i) for i, n in enumerate(["a", "b"])}
+    wait_for(lambda: any(c["step"] >= 4 for c in coord.status()["checkpoints"]), 300, "a checkpoint of step >= 4")
+    before = {c["step"]: c["state_hash"] for c in coord.status()["checkpoints"]}
+
+    # the coordinator dies; the replicas keep training without it
+    coord.proc.kill()
+    at_kill = min(step_of(swarm, n) for n in nodes)
+    wait_for(lambda: min(step_of(swarm, n) for n in nodes) >= at_kill + 2, 180, "training to go on without the coordinator")
+    again = swarm.restart(coord, "coordinator-2")
+    status = again.wait_ready()
+    after = {c["step"]: c["state_hash"] for c in status["checkpoints"]}
+    assert all(after.get(step) == h for step, h in before.items() if step >= min(before)), (before, after)
+    wait_for(lambda: len(m := again.members()) == 2 and all(time.time() - x["last_seen"] < 5 for x in m.values()), 60,
+             "both replicas to report again")
+
+    # stop everything, then resume with fresh replicas: they start from the latest checkpoint
+    for p in nodes.values():
+        p.terminate()
+    for p in nodes.values():
+        assert p.wait(30) == 0
+    latest = max(c["step"] for c in again.status()["checkpoints"])
+    latest_hash = {c["step"]: c["state_hash"] for c in again.status()["checkpoints"]}[latest]
+    again.proc.terminate()
+    assert again.proc.wait(30) == 0
+    third = swarm.restart(coord, "coordinator-3")
+    third.wait_ready()
+    fresh = {n: replica(swarm, n, maddr, i) for i, n in enumerate(["e", "f"])}
+    wait_for(lambda: all(history(swarm, n) for n in fresh), 180, "the fresh replicas to start")
+    for n in fresh:
+        start = history(swarm, n)[0]
+        assert start["outer_step"] == latest and start["state_hash"] == latest_hash
+    wait_for(lambda: min(step_of(swarm, n) for n in fresh) >= latest + 1, 180, "training to resume")
+    assert_same_hashes(swarm, list(fresh), trained_steps(swarm, "e") & trained_steps(swarm, "f"))
