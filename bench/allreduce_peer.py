@@ -1,0 +1,442 @@
+"""One peer of bench/allreduce.py: an OS process that averages its tensors with N-1 others.
+
+Started by the parent (`python -m bench.allreduce_peer`, maybe behind `ip netns exec`) and
+commanded over stdin/stdout, one JSON object per line; it answers every command with one line
+(`{"error": ...}` on failure). Anything else written to stdout (library prints) goes to stderr,
+which the parent keeps as this peer's log.
+
+    {"cmd": "setup", "impl": "gloo"|"hivemind"|"swarmtrain", ...}  -> {"ok": true, "maddrs": [...]}
+    {"cmd": "prepare", "round": r}   reset the tensors (hivemind: also find the group) -> {"ok": true}
+    {"cmd": "go", "round": r, "at": t}   at monotonic time t, average -> {"seconds", "rel_error", ...}
+    {"cmd": "exit"}                  shut down cleanly -> {"ok": true, "leftover": [...]}, exit 0
+
+Peer i's tensors are N(0, 1) from seed `seed + i`; every peer rebuilds the exact mean of all
+peers' tensors (in float64) to measure its result against. If stdin closes without an "exit"
+(the parent died), the peer SIGKILLs everything in its session (DHT, averager, p2pd) and itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from bench.workers import kill_session, session_pids
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def shapes(numel: int, n_tensors: int) -> list[tuple[int, ...]]:
+    """`n_tensors` matrices of 1024 columns (or vectors, for tiny sizes) with `numel` elements in all."""
+    cols = 1024 if numel >= 1024 * n_tensors else 1
+    rows = numel // cols
+    n = min(n_tensors, rows)
+    return [((rows * (j + 1)) // n - (rows * j) // n, cols) for j in range(n)]
+
+
+def make_tensors(seed: int, numel: int, n_tensors: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) for s in shapes(numel, n_tensors)]
+
+
+def exact_mean(seed: int, n_peers: int, numel: int, n_tensors: int):
+    """The mean over all peers of their tensors, summed in float64, tensor by tensor."""
+    import torch
+
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(n_peers)]
+    out = []
+    for s in shapes(numel, n_tensors):
+        acc = torch.zeros(s, dtype=torch.float64)
+        for g in gens:
+            acc += torch.randn(s, generator=g)
+        out.append((acc / n_peers).to(torch.float32))
+    return out
+
+
+def rel_error(result, reference) -> float:
+    num = sum(float((r.float() - m).double().pow(2).sum()) for r, m in zip(result, reference))
+    den = sum(float(m.double().pow(2).sum()) for m in reference)
+    return (num / den) ** 0.5
+
+
+def wait_until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+
+
+# ---------------------------------------------------------------------------- arms
+
+
+class Arm:
+    """Base: holds the peer's own tensors, the working copy and the exact mean."""
+
+    def __init__(self, cfg: dict):
+        import torch
+
+        self.cfg = cfg
+        self.n = cfg["n_peers"]
+        torch.set_num_threads(cfg["threads"])
+        self.original = make_tensors(cfg["seed"] + cfg["rank"], cfg["numel"], cfg["n_tensors"])
+        self.work = [t.clone() for t in self.original]
+        self.reference = exact_mean(cfg["seed"], self.n, cfg["numel"], cfg["n_tensors"])
+
+    def setup(self) -> dict:
+        return {}
+
+    def prepare(self, rnd: int) -> dict:
+        for w, o in zip(self.work, self.original):
+            w.copy_(o)
+        return {}
+
+    def go(self, rnd: int, at: float) -> dict:
+        raise NotImplementedError
+
+    def abort(self) -> dict:
+        """Undo a `prepare` whose round will not run (another peer failed to prepare)."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class GlooArm(Arm):
+    """torch.distributed all_reduce (SUM) on gloo, then divide by N: the dense fp32 anchor."""
+
+    def setup(self) -> dict:
+        import datetime
+
+        import torch.distributed as dist
+
+        os.environ["GLOO_SOCKET_IFNAME"] = self.cfg["ifname"]
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{self.cfg['master_addr']}:{self.cfg['master_port']}",
+            rank=self.cfg["rank"],
+            world_size=self.n,
+            timeout=datetime.timedelta(seconds=self.cfg["timeout"]),
+        )
+        return {}
+
+    def go(self, rnd: int, at: float) -> dict:
+        import torch.distributed as dist
+
+        wait_until(at)
+        t0 = time.monotonic()
+        for t in self.work:
+            dist.all_reduce(t)
+        for t in self.work:
+            t.div_(self.n)
+        seconds = time.monotonic() - t0
+        return {"seconds": seconds, "start_lag": t0 - at, "rel_error": rel_error(self.work, self.reference), "members": self.n}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+HIVEMIND_COMPRESSION = {"none": "NoCompression", "fp16": "Float16Compression", "int8": "Uniform8BitQuantization"}
+
+
+class HivemindArm(Arm):
+    """hivemind.averaging.DecentralizedAverager, set up as hivemind/benchmarks/benchmark_averaging.py does.
+
+    Each round is one `averager.step()`, split at hivemind's own trigger: `prepare` runs the
+    matchmaking until the group is assembled (AWAITING_TRIGGER), `go` triggers the all-reduce at
+    the common start time, so the timed part is the all-reduce alone, like gloo's. The
+    matchmaking time is reported separately.
+    """
+
+    def setup(self) -> dict:
+        os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+        import warnings
+
+        warnings.simplefilter("ignore")
+        import hivemind
+        import hivemind.compression as hc
+        from hivemind.averaging import DecentralizedAverager
+
+        codec = self.cfg["codec"]
+        if codec not in HIVEMIND_COMPRESSION:
+            raise ValueError(f"no hivemind compression matches codec {codec!r}")
+        compression = getattr(hc, HIVEMIND_COMPRESSION[codec])()
+        ip = self.cfg["ip"]
+        self.dht = hivemind.DHT(
+            initial_peers=self.cfg.get("initial_peers") or None, host_maddrs=[f"/ip4/{ip}/tcp/0"], start=True
+        )
+        self.averager = DecentralizedAverager(
+            self.work,
+            self.dht,
+            prefix=f"bench_{codec}",
+            target_group_size=self.n,
+            min_group_size=self.n,  # a round counts only with every peer in it
+            min_matchmaking_time=self.cfg["hivemind_min_matchmaking_time"],
+            request_timeout=self.cfg["hivemind_request_timeout"],
+            allreduce_timeout=self.cfg["timeout"],
+            compression=compression,
+            start=True,
+        )
+        # wire ratio of the compression on one all-reduce part (hivemind sends parts of 512 KiB)
+        from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
+
+        sample = self.original[0].flatten()[: DEFAULT_PART_SIZE_BYTES // 4].contiguous()
+        msg = compression.compress(sample, hc.CompressionInfo.from_tensor(sample))
+        self.ratio = msg.ByteSize() / (sample.numel() * 4)
+        self.ctrl = None
+        return {"maddrs": [str(m) for m in self.dht.get_visible_maddrs()], "compression_ratio": self.ratio}
+
+    def prepare(self, rnd: int) -> dict:
+        from hivemind.averaging.control import AveragingStage
+
+        with self.averager.get_tensors() as tensors:
+            for t, o in zip(tensors, self.original):
+                t.copy_(o)
+        t0 = time.monotonic()
+        timeout = self.cfg["hivemind_matchmaking_timeout"]
+        self.ctrl = self.averager.step(wait=False, require_trigger=True, weight=1.0, timeout=timeout)
+        deadline = t0 + timeout + 5
+        while self.ctrl.stage != AveragingStage.AWAITING_TRIGGER:
+            if self.ctrl.done():
+                self.ctrl.result(timeout=1)  # raises the matchmaking error
+                raise RuntimeError("matchmaking ended without a group")
+            if time.monotonic() > deadline:
+                self.ctrl.cancel()
+                raise TimeoutError(f"no group within {timeout} s")
+            time.sleep(0.002)
+        elapsed = time.monotonic() - t0
+        if elapsed >= timeout - 0.5:
+            # hivemind moves to AWAITING_TRIGGER even when its matchmaking timed out without a group
+            self.abort()
+            raise TimeoutError(f"no group within {timeout} s (hivemind matchmaking timed out)")
+        return {"matchmaking_seconds": elapsed}
+
+    def abort(self) -> dict:
+        """Cancel a step that found its group but will not be triggered (another peer failed)."""
+        ctrl, self.ctrl = self.ctrl, None
+        if ctrl is not None and not ctrl.done():
+            ctrl.cancel()
+            try:
+                ctrl.result(timeout=10)
+            except BaseException:  # cancelled or failed: either way this step is over
+                pass
+        return {}
+
+    def go(self, rnd: int, at: float) -> dict:
+        ctrl, self.ctrl = self.ctrl, None
+        wait_until(at)
+        t0 = time.monotonic()
+        ctrl.allow_allreduce()
+        gathered = ctrl.result(timeout=self.cfg["timeout"])
+        seconds = time.monotonic() - t0
+        if gathered is None:
+            raise RuntimeError("averager.step returned None (round failed)")
+        with self.averager.get_tensors() as tensors:
+            err = rel_error(tensors, self.reference)
+        return {"seconds": seconds, "start_lag": t0 - at, "rel_error": err, "members": len(gathered)}
+
+    def close(self) -> None:
+        if getattr(self, "averager", None) is not None:
+            self.averager.shutdown()
+        if getattr(self, "dht", None) is not None:
+            self.dht.shutdown()
+
+
+class SwarmtrainArm(Arm):
+    """Our averager (node/averaging.py) over our libp2p host and transport, on its own event loop thread."""
+
+    def setup(self) -> dict:
+        import asyncio
+
+        try:
+            import uvloop
+
+            self.loop = uvloop.new_event_loop()
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="swarmtrain-loop", daemon=True)
+        self.thread.start()
+        self.host = self.transport = self.avg = None
+        return self._run(self._setup(), self.cfg["timeout"])
+
+    def _run(self, coro, timeout: float):
+        import asyncio
+        import concurrent.futures
+
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"no result within {timeout:.0f} s") from None
+
+    async def _setup(self) -> dict:
+        from node.averaging import Averager, AveragerConfig
+        from node.p2p import Host, HostConfig
+        from node.transport import Transport
+        from protocol import SigningKey
+
+        ip = self.cfg["ip"]
+        self.host = await Host.start(
+            SigningKey.generate(),
+            HostConfig(initial_peers=tuple(self.cfg.get("initial_peers") or ()), host_maddrs=(f"/ip4/{ip}/tcp/0",)),
+        )
+        self.transport = Transport(self.host)
+        await self.transport.start()
+        config = AveragerConfig(codec=self.cfg["codec"], codec_params=self.cfg["codec_params"], **self.cfg["averager_opts"])
+        self.avg = Averager(self.host, self.transport, config)
+        await self.avg.start()
+        return {"maddrs": await self.host.visible_maddrs()}
+
+    def go(self, rnd: int, at: float) -> dict:
+        wait_until(at)
+        t0 = time.monotonic()
+        result, report = self._run(self._average(rnd), self.cfg["timeout"])
+        seconds = time.monotonic() - t0
+        failed = [[str(p)[-8:], str(r)] for p, r in (getattr(report, "failed", None) or [])]
+        return {
+            "seconds": seconds,
+            "start_lag": t0 - at,
+            "rel_error": rel_error(result, self.reference),
+            "members": len(getattr(report, "members", ()) or ()),
+            "bytes_sent": getattr(report, "bytes_sent", None),
+            "bytes_received": getattr(report, "bytes_received", None),
+            "report_seconds": getattr(report, "seconds", None),
+            "matchmaking_seconds": (getattr(report, "phases", None) or {}).get("matchmaking", 0.0),
+            "phases": dict(getattr(report, "phases", None) or {}),
+            "failed": failed,
+        }
+
+    async def _average(self, rnd: int):
+        key = f"{self.cfg['run_id']}-{self.cfg['codec']}-round-{rnd}"
+        # A fresh error-feedback state per round: each round averages fresh data and is measured
+        # against its exact mean, so no residual of an earlier round may leak into it.
+        return await self.avg.average(key=key, tensors=self.work, weight=1.0, expected_peers=self.n, state_key=key)
+
+    def close(self) -> None:
+        if getattr(self, "loop", None) is None:
+            return
+        try:
+            self._run(self._close(), 30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+
+    async def _close(self) -> None:
+        for closer in (self.avg, self.transport, self.host):
+            if closer is None:
+                continue
+            try:
+                await (closer.shutdown() if closer is self.host else closer.close())
+            except Exception as e:  # keep closing the rest; the parent sweeps the session anyway
+                print(f"close {type(closer).__name__}: {e!r}", file=sys.stderr)
+
+
+ARMS = {"gloo": GlooArm, "hivemind": HivemindArm, "swarmtrain": SwarmtrainArm}
+
+
+# ---------------------------------------------------------------------------- command loop
+
+
+def main() -> None:
+    # The protocol gets its own descriptors; 0 and 1 become /dev/null and stderr. Stray prints
+    # from libraries land in the log, and processes forked by hivemind (whose multiprocessing
+    # closes sys.stdin in the child) never touch a file object our reader thread holds locked.
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    commands_fd = os.dup(0)
+    os.dup2(2, 1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdin = open(os.devnull)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    commands: list = []
+    cond = threading.Condition()
+    exiting = threading.Event()
+
+    def reader() -> None:
+        buf = b""
+        while chunk := os.read(commands_fd, 1 << 16):
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            with cond:
+                commands.extend(line for line in lines if line.strip())
+                cond.notify()
+        if not exiting.is_set():  # the parent is gone: take the whole session down now
+            kill_session(os.getpid(), exclude=os.getpid())
+            os._exit(1)
+
+    threading.Thread(target=reader, name="stdin", daemon=True).start()
+
+    def reply(msg: dict) -> None:
+        proto.write(json.dumps(msg) + "\n")
+
+    import torch  # noqa: F401  (imported before "hello", so setup times measure setup, not imports)
+
+    if level := os.environ.get("STB_PEER_LOG"):  # e.g. STB_PEER_LOG=DEBUG: our node's logs into the peer log
+        import logging
+
+        logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        for noisy in ("hivemind", "asyncio"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    arm = None
+    reply({"hello": os.getpid()})
+    while True:
+        with cond:
+            while not commands:
+                cond.wait(1.0)  # the reader thread ends the process if the parent goes away
+            line = commands.pop(0)
+        try:
+            msg = json.loads(line)
+            cmd = msg["cmd"]
+            if cmd == "exit":
+                exiting.set()
+                break
+            if cmd == "setup":
+                arm = ARMS[msg["impl"]](msg)
+                reply({"ok": True, **arm.setup()})
+            elif cmd == "prepare":
+                reply({"ok": True, **arm.prepare(msg["round"])})
+            elif cmd == "abort":
+                reply({"ok": True, **(arm.abort() if arm else {})})
+            elif cmd == "go":
+                reply({"ok": True, **arm.go(msg["round"], msg["at"])})
+            else:
+                reply({"error": f"unknown command {cmd!r}"})
+        except Exception as e:
+            traceback.print_exc()
+            text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+            if (report := getattr(e, "report", None)) is not None:  # our AveragingFailed: when and where it failed
+                text += f" (after {getattr(report, 'seconds', 0):.2f} s; phases {getattr(report, 'phases', {})})"
+            reply({"error": text})
+    leftover: list[int] = []
+    try:
+        if arm is not None:
+            arm.close()
+    except Exception as e:
+        traceback.print_exc()
+        print(f"close failed: {e!r}", file=sys.stderr)
+    finally:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            leftover = [p for p in session_pids(os.getpid()) if p != os.getpid()]
+            if not leftover:
+                break
+            time.sleep(0.1)
+        reply({"ok": True, "leftover": leftover})
+        kill_session(os.getpid(), exclude=os.getpid())
+        proto.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

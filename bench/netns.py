@@ -1,0 +1,221 @@
+"""Network namespaces for the shaped-link benchmarks: one namespace per peer, a bridge between them.
+
+    with Topology.create(n_peers=4, rate="100mbit") as topo:
+        topo.wrap(i, [python, "-m", "bench.allreduce_peer"])   # argv that runs inside peer i's namespace
+        topo.ip(i)                                              # "10.77.0.<i+1>"
+        topo.tx_bytes()                                         # bytes each peer has sent so far
+
+Layout (nothing is added to the root namespace, so the host's own networking is untouched):
+
+    <run>-p0 (eth0 10.77.0.1/24) ──veth── vp0 ┐
+    <run>-p1 (eth0 10.77.0.2/24) ──veth── vp1 ├─ br0 in <run>-br
+    ...                                        ┘
+
+Each peer's link is shaped in both directions with a token bucket (tbf) at `rate`: its upload on
+eth0 inside its namespace, its download on vp<i> in the bridge namespace. The all-reduce bandwidth
+bound 2(N-1)/N·S/B assumes each peer uploads at B; shaping the download too makes the link a
+symmetric access link (what a volunteer has, give or take asymmetry) and stops the bridge from
+delivering N-1 senders into one peer faster than B.
+
+Names carry the creating process's pid (`stb<pid>-...`), so namespaces left behind by a process
+that was SIGKILLed are recognised and removed by the next run (`remove_stale`). Linux, root only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from dataclasses import dataclass, field
+
+PREFIX = "stb"
+SUBNET = "10.77.0"
+_NAME = re.compile(rf"^{PREFIX}(\d+)-")
+
+
+class NetnsUnavailable(Exception):
+    """Namespaces cannot be used here; the message says why in one line."""
+
+
+def _ip(*args: str, timeout: float = 10.0) -> str:
+    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip() or out.returncode}")
+    return out.stdout
+
+
+def _tc(ns: str, *args: str) -> None:
+    out = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=10)
+    if out.returncode != 0:
+        raise RuntimeError(f"tc {' '.join(args)} in {ns}: {out.stderr.strip() or out.returncode}")
+
+
+def list_namespaces() -> list[str]:
+    out = _ip("netns", "list")
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def check_available() -> None:
+    """Raise NetnsUnavailable unless we are root and `ip netns` and `tc` work."""
+    if os.geteuid() != 0:
+        raise NetnsUnavailable("network namespaces need root (run as root or skip --netns)")
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    try:
+        _ip("netns", "add", probe)
+        try:
+            _ip("-n", probe, "link", "set", "lo", "up")
+            _tc(probe, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit", "burst", "32kbit", "latency", "50ms")
+        finally:
+            _ip("netns", "del", probe)
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+        raise NetnsUnavailable(f"ip netns / tc do not work here: {e}") from None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale() -> list[str]:
+    """Delete namespaces left by earlier runs whose process is gone; return their names."""
+    removed = []
+    for ns in list_namespaces():
+        m = _NAME.match(ns)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            try:
+                _ip("netns", "del", ns)
+                removed.append(ns)
+            except RuntimeError:
+                pass
+    return removed
+
+
+@dataclass
+class Topology:
+    n_peers: int
+    rate: str  # tc rate, e.g. "100mbit"
+    run: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
+    created: list[str] = field(default_factory=list)
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.run}-br"
+
+    def ns(self, i: int) -> str:
+        return f"{self.run}-p{i}"
+
+    def ip(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def wrap(self, i: int, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns(i), *argv]
+
+    @classmethod
+    def create(cls, n_peers: int, rate: str, shape_download: bool = True) -> Topology:
+        if not 1 <= n_peers <= 250:
+            raise ValueError(f"n_peers must be in 1..250, got {n_peers}")
+        topo = cls(n_peers, rate)
+        try:
+            topo._build(shape_download)
+        except BaseException:
+            topo.destroy()
+            raise
+        return topo
+
+    def _add_ns(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self.created.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def _build(self, shape_download: bool) -> None:
+        tbf = ["root", "tbf", "rate", self.rate, "burst", "32kbit", "latency", "50ms"]
+        br = self.bridge_ns
+        self._add_ns(br)
+        _ip("-n", br, "link", "add", "br0", "type", "bridge")
+        _ip("-n", br, "link", "set", "br0", "up")
+        for i in range(self.n_peers):
+            ns = self.ns(i)
+            self._add_ns(ns)
+            _ip("-n", br, "link", "add", f"vp{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", br, "link", "set", f"vp{i}", "master", "br0")
+            _ip("-n", br, "link", "set", f"vp{i}", "up")
+            _ip("-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _tc(ns, "qdisc", "add", "dev", "eth0", *tbf)
+            if shape_download:
+                _tc(br, "qdisc", "add", "dev", f"vp{i}", *tbf)
+
+    def tx_bytes(self) -> list[int]:
+        """Bytes each peer has put on its link so far (L2, i.e. with TCP/IP/Ethernet headers)."""
+        links = json.loads(_ip("-n", self.bridge_ns, "-s", "-j", "link", "show"))
+        by_name = {link["ifname"]: link for link in links}
+        # what vp<i> receives from the veth is what peer i transmitted
+        return [int(by_name[f"vp{i}"]["stats64"]["rx"]["bytes"]) for i in range(self.n_peers)]
+
+    def destroy(self) -> None:
+        """Delete every namespace this topology created (their veths and the bridge go with them)."""
+        for name in reversed(self.created):
+            try:
+                _ip("netns", "del", name)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired):
+                pass
+        self.created.clear()
+
+    def __enter__(self) -> Topology:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()
+
+
+_SINK = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); s.settimeout(30)
+print("listening", flush=True)
+c, _ = s.accept(); c.settimeout(60); n = 0; t0 = None
+while True:
+    d = c.recv(1 << 20)
+    if not d:
+        break
+    t0 = t0 or time.monotonic()
+    n += len(d)
+print(n, time.monotonic() - t0, flush=True)
+"""
+_SOURCE = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30); buf = b"x" * (1 << 20)
+for _ in range(int(sys.argv[3])):
+    c.sendall(buf)
+c.close()
+"""
+
+
+def measure_goodput(topo: Topology, python: str, mib: int = 12, port: int = 5599) -> float:
+    """TCP payload throughput (bit/s) from peer 0 to peer 1 over the shaped links."""
+    sink = subprocess.Popen(topo.wrap(1, [python, "-c", _SINK, topo.ip(1), str(port)]), stdout=subprocess.PIPE, text=True)
+    try:
+        if sink.stdout.readline().strip() != "listening":
+            raise RuntimeError("goodput sink did not start")
+        subprocess.run(topo.wrap(0, [python, "-c", _SOURCE, topo.ip(1), str(port), str(mib)]), check=True, timeout=120)
+        out, _ = sink.communicate(timeout=30)
+        nbytes, seconds = out.split()
+        return int(nbytes) * 8 / float(seconds)
+    finally:
+        if sink.poll() is None:
+            sink.kill()
+            sink.wait(5)
+
+
+def parse_rate(text: str) -> float:
+    """tc rate in bit/s ("100mbit" -> 1e8). Only the bit units: tc's "bps" means bytes per second."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)", text.strip().lower())
+    if not m:
+        raise ValueError(f"not a rate: {text!r} (use e.g. 100mbit)")
+    return float(m.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}[m.group(2)]
