@@ -1,6 +1,6 @@
-"""How the owner of a slice combines the contributions it received. Pure functions of a
-(members × elements) matrix and per-member weights; deterministic, so every run over the same
-inputs gives the same bits.
+"""How the owner of a slice combines the contributions it received. Pure functions of the
+members' contributions (a list of equal-length vectors, in member order) and per-member
+weights; deterministic, so every run over the same inputs gives the same bits.
 
 - `mean`: the weighted mean. Exact, trusts everyone.
 - `trimmed_mean`: per coordinate, drop the `trim` largest and smallest values, average the rest
@@ -13,19 +13,21 @@ inputs gives the same bits.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 
-def mean(parts: torch.Tensor, weights: torch.Tensor, **_) -> torch.Tensor:
-    w = weights.to(parts.dtype) / weights.sum()
-    out = torch.zeros(parts.shape[1], dtype=parts.dtype)
-    for i in range(parts.shape[0]):  # a fixed order: bitwise reproducible
-        out.add_(parts[i], alpha=float(w[i]))
+def mean(parts: Sequence[torch.Tensor], weights: torch.Tensor, **_) -> torch.Tensor:
+    w = weights / weights.sum()
+    out = torch.zeros_like(parts[0])
+    for p, wi in zip(parts, w.tolist()):  # a fixed order: bitwise reproducible
+        out.add_(p, alpha=wi)
     return out
 
 
-def trimmed_mean(parts: torch.Tensor, weights: torch.Tensor, trim: int | None = None, **_) -> torch.Tensor:
+def trimmed_mean(parts: Sequence[torch.Tensor], weights: torch.Tensor, trim: int | None = None, **_) -> torch.Tensor:
+    parts = torch.stack(list(parts))
     n = parts.shape[0]
     trim = max(0, (n - 1) // 4) if trim is None else trim
     if n - 2 * trim < 1:
@@ -36,7 +38,8 @@ def trimmed_mean(parts: torch.Tensor, weights: torch.Tensor, trim: int | None = 
     return ordered[trim : n - trim].mean(dim=0)
 
 
-def centered_clip(parts: torch.Tensor, weights: torch.Tensor, tau: float = 1.0, iterations: int = 20, **_) -> torch.Tensor:
+def centered_clip(parts: Sequence[torch.Tensor], weights: torch.Tensor, tau: float = 1.0, iterations: int = 20, **_) -> torch.Tensor:
+    parts = torch.stack(list(parts))
     w = (weights / weights.sum()).to(parts.dtype)
     v = parts.median(dim=0).values
     for _ in range(iterations):

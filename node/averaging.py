@@ -185,6 +185,9 @@ def reassign(members: Sequence[str], survivors: Sequence[str]) -> tuple[str, ...
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flat fp32 CPU vector (read-only use: a single fp32 CPU tensor is viewed, not copied)."""
+    if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].device.type == "cpu" and tensors[0].is_contiguous():
+        return tensors[0].detach().reshape(-1)
     return torch.cat([t.detach().reshape(-1).to(torch.float32).cpu() for t in tensors])
 
 
@@ -217,6 +220,8 @@ class _Round:
     decided: dict[str, asyncio.Event] = field(default_factory=lambda: {"scatter": asyncio.Event(), "gather": asyncio.Event()})
     survivors: tuple[str, ...] = ()
     owners: tuple[str, ...] = ()
+    sends: list[asyncio.Task] = field(default_factory=list)  # our outgoing parts, finishing in the background
+    result: torch.Tensor | None = None  # the averaged flat vector being assembled
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -252,8 +257,10 @@ class Averager:
         self._rounds: dict[str, _Round] = {}
         self._round_ready: dict[str, asyncio.Event] = {}
         self._residuals: dict[str, torch.Tensor] = {}  # state_key -> error-feedback residual (flat)
+        self._spare_residuals: dict[str, torch.Tensor | None] = {}  # where the next round writes its residual
         self._codec_state: dict[tuple, dict] = {}
         self._measured_bandwidth: float | None = None
+        self._last_members: tuple[str, ...] = ()  # the last group we completed a round with
         self.on_phase = None  # optional callable(key, phase): progress for logs and tests
         self._tasks: set[asyncio.Task] = set()
 
@@ -298,31 +305,42 @@ class Averager:
         `state_key` names the error-feedback residual that carries over between rounds."""
         t0 = time.monotonic()
         report = AverageReport(key=key)
-        flat = _flatten(tensors)
-        if not torch.isfinite(flat).all():
-            raise ValueError(f"averaging {key}: local tensors contain NaN or Inf")
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"averaging {key}: weight must be finite and > 0, got {weight}")
         state_key = state_key or self.config.prefix
-        residual_before = self._residuals.get(state_key)
-        residual_before = residual_before.clone() if residual_before is not None else None
+        numel = sum(t.numel() for t in tensors)
+        # flattening, checking and snapshotting (seconds for big models) overlap matchmaking
+        prepare = asyncio.get_running_loop().run_in_executor(None, self._prepare, key, tensors)
         try:
-            group = await self._matchmake(key, flat.numel(), weight, expected_peers, report)
+            group = await self._matchmake(key, numel, weight, expected_peers, report)
             report.phases["matchmaking"] = time.monotonic() - t0
-            result = await self._run_round(group, flat, state_key, report)
+            flat = await prepare
+            result, new_residual = await self._run_round(group, flat, state_key, report)
         except (_Fail, *_NET_ERRORS) as e:
+            # the residual of earlier rounds is untouched (this round wrote into a spare)
             report.ok, report.reason = False, str(e) or type(e).__name__
             report.seconds = time.monotonic() - t0
-            if residual_before is None:
-                self._residuals.pop(state_key, None)
-            else:
-                self._residuals[state_key] = residual_before
+            await asyncio.gather(prepare, return_exceptions=True)
             raise AveragingFailed(report) from None
+        except BaseException:
+            await asyncio.gather(prepare, return_exceptions=True)
+            raise
         finally:
             self._forget_key_later(key)
+        if new_residual is not None:  # commit this round's error feedback; the old one becomes the spare
+            self._spare_residuals[state_key] = self._residuals.get(state_key)
+            self._residuals[state_key] = new_residual
         report.ok, report.seconds = True, time.monotonic() - t0
         self._learn_bandwidth(report)
+        self._last_members = tuple(report.survivors)
         return _unflatten(result, tensors), report
+
+    def _prepare(self, key: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The flat fp32 vector to average."""
+        flat = _flatten(tensors)
+        if not torch.isfinite(flat).all():
+            raise ValueError(f"averaging {key}: local tensors contain NaN or Inf")
+        return flat
 
     def _learn_bandwidth(self, report: AverageReport) -> None:
         """Deadlines of later rounds follow what the transfers of this one achieved."""
@@ -344,9 +362,13 @@ class Averager:
         join = AvgJoin(round_key=key, numel=numel, weight=weight, bandwidth=self.bandwidth, codec=self.config.codec)
         deadline = time.monotonic() + self.config.join_timeout_s
         rec = MemberRecord(self.config.swarm_id, me, (), "averaging", 0, time.time()).sign(self.host.key)
-        await self.host.dht_store(self._dht_key(key), rec.to_bytes(), time.time() + self.config.join_timeout_s + 60, subkey=me)
+        # announced in the background: peers that know the group from the last round do not
+        # need the DHT at all, and the others find us there a moment later
+        self._spawn(self.host.dht_store(self._dht_key(key), rec.to_bytes(), time.time() + self.config.join_timeout_s + 60, subkey=me))
         excluded: set[str] = set()
-        target: str | None = None
+        # the leader of the last round is most likely the leader of this one
+        target: str | None = min(self._last_members) if me in self._last_members else None
+        predicted = target is not None
         while True:
             if target is None:
                 candidates = sorted((await self._candidates(key)) - excluded | {me})
@@ -357,7 +379,7 @@ class Averager:
                 if mm.group is not None:
                     report.leader = me
                     return mm.group
-                target = smaller  # a smaller peer wants this key: hand over to it
+                target, predicted = smaller, False  # a smaller peer wants this key: hand over to it
                 continue
             mm.mode, mm.following = "follower", target
             self._redirect_pending(mm, target)
@@ -366,13 +388,13 @@ class Averager:
             except _NET_ERRORS as e:
                 log.debug("matchmaking %s: %s unusable as leader: %s", key, target[-8:], e)
                 excluded.add(target)
-                target = None
+                target, predicted = None, False
                 if time.monotonic() > deadline:
                     raise _Fail("no leader could be reached before the join deadline") from None
                 continue
             if not isinstance(reply, AvgGroup):
                 excluded.add(target)
-                target = None
+                target, predicted = None, False
                 continue
             if reply.status == "group":
                 self._check_group(reply, numel)
@@ -380,11 +402,13 @@ class Averager:
                 mm.group = reply
                 return reply
             if reply.status == "redirect" and reply.redirect and reply.redirect not in excluded and reply.redirect != target:
-                target = reply.redirect
+                target, predicted = reply.redirect, False
                 continue
             if reply.reason == "not averaging this key":
-                excluded.add(target)
-                target = None
+                if not predicted:  # found in the DHT, yet not averaging: finished or restarted
+                    excluded.add(target)
+                target, predicted = None, False  # a predicted leader may just not have arrived yet
+                await asyncio.sleep(0.05)
                 if time.monotonic() > deadline:
                     raise _Fail("no group formed before the join deadline")
                 continue
@@ -506,6 +530,7 @@ class Averager:
     async def _run_round(self, group: AvgGroup, flat: torch.Tensor, state_key: str, report: AverageReport) -> torch.Tensor:
         me = self.peer_id
         rnd = _Round(group=group, me=me, leader=report.leader, started=time.monotonic(), report=report)
+        rnd.result = torch.empty_like(flat)  # gathered slices are decoded straight into it
         report.group_id, report.members, report.bounds = group.group_id, list(group.members), group.bounds
         self._phase(report.key, "matched")
         self._rounds[group.group_id] = rnd
@@ -513,6 +538,9 @@ class Averager:
         try:
             return await self._phases(rnd, flat, state_key)
         finally:
+            # after a commit every survivor holds every slice, so nothing still in flight is
+            # needed; after a failure nothing is. Either way: stop sending.
+            await _settle(rnd.sends, time.monotonic())
             self._schedule_cleanup(group.group_id)
 
     async def _phases(self, rnd: _Round, flat: torch.Tensor, state_key: str) -> torch.Tensor:
@@ -524,21 +552,31 @@ class Averager:
         my_index = g.members.index(me)
 
         # -- scatter: encode every part with error feedback; send each to its owner
-        residual = self._residuals.get(state_key)
-        if residual is None or residual.numel() != flat.numel():
-            residual = torch.zeros_like(flat)
-        self._residuals[state_key] = residual
-        encoded, sends = {}, []
+        residual = new_residual = None
+        if codec.lossy:  # error feedback: what earlier rounds' compression lost, per element
+            residual = self._residuals.get(state_key)
+            if residual is None or residual.numel() != flat.numel():
+                residual = torch.zeros_like(flat)
+            new_residual = self._spare_residuals.pop(state_key, None)
+            if new_residual is None or new_residual.numel() != flat.numel():
+                new_residual = torch.empty_like(flat)
+        encoded, decoded, sends = {}, {}, []
         n = len(g.members)
         for j in [(my_index + 1 + k) % n for k in range(n)]:  # each member starts with a different owner
-            encoded[j] = await loop.run_in_executor(None, self._encode_part, codec, flat, residual, state_key, g.bounds[j], g.bounds[j + 1])
+            encoded[j], decoded[j] = await loop.run_in_executor(
+                None, self._encode_part, codec, flat, residual, new_residual, state_key, g.bounds[j], g.bounds[j + 1]
+            )
             if j != my_index:  # sending starts while the next part is being encoded
                 sends.append(asyncio.create_task(self._send_part(rnd, "scatter", j, encoded[j], g.members[j])))
-        own = await loop.run_in_executor(None, decode_tensor, encoded[my_index])
-        rnd.received.setdefault(("scatter", my_index), {})[me] = own.reshape(-1)
+        rnd.received.setdefault(("scatter", my_index), {})[me] = decoded[my_index]
+        rnd.sends += sends  # they finish in the background; the owners report what arrived
         deadline = rnd.started + g.deadline_s
         await self._wait_parts(rnd, [("scatter", my_index)], g.members, deadline)
-        await _settle(sends, deadline)
+        weights = {m: w for m, w in zip(g.members, g.weights)}
+        # while the leader decides, aggregate our slice assuming nobody failed (the usual case)
+        early = None
+        if all(m in rnd.received.get(("scatter", my_index), {}) for m in g.members):
+            early = loop.run_in_executor(None, self._aggregate_encode, rnd, my_index, weights, g.members, gather_codec)
         report.phases["scatter"] = time.monotonic() - t
         self._phase(report.key, "scattered")
         t = time.monotonic()
@@ -552,7 +590,16 @@ class Averager:
             blamed=tuple(rnd.blamed),
             reasons=tuple(rnd.blamed.values()),
         )
-        decision = await self._decide(rnd, "scatter", scatter_report, deadline)
+        try:
+            decision = await self._decide(rnd, "scatter", scatter_report, deadline)
+        except BaseException:
+            if early is not None:
+                await asyncio.gather(early, return_exceptions=True)
+            raise
+        self._phase(report.key, "decided")
+        if early is not None and tuple(decision.survivors) != g.members:
+            await asyncio.gather(early, return_exceptions=True)  # computed over the wrong members
+            early = None
         if not decision.commit:
             raise _Fail(f"round aborted after scatter: {decision.reason}")
         rnd.survivors, rnd.owners = decision.survivors, decision.owners
@@ -571,35 +618,30 @@ class Averager:
         mine = [j for j in range(len(g.members)) if rnd.owners[j] == me]
         for j in mine:
             if g.members[j] != me:  # re-owned: our own part counts too
-                rnd.received.setdefault(("scatter", j), {})[me] = (await loop.run_in_executor(None, decode_tensor, encoded[j])).reshape(-1)
+                rnd.received.setdefault(("scatter", j), {})[me] = decoded[j]
+        rnd.sends += resend
         deadline = time.monotonic() + g.deadline_s
         await self._wait_parts(rnd, [("scatter", j) for j in mine], rnd.survivors, deadline)
-        await _settle(resend, deadline)
         for j in mine:
             missing = [m for m in rnd.survivors if m not in rnd.received.get(("scatter", j), {})]
             if missing:
                 raise _Fail(f"slice {j}: no part from {', '.join(m[-8:] for m in missing)} after the decision")
 
         # -- aggregate owned slices, gather everything
-        weights = {m: w for m, w in zip(g.members, g.weights)}
-        result = torch.empty_like(flat)
-        gather_sends = []
+        result = rnd.result
         for j in mine:
-            avg = await loop.run_in_executor(None, self._aggregate, rnd, j, weights)
-            enc = await loop.run_in_executor(None, gather_codec.encode, avg)
-            result[g.bounds[j] : g.bounds[j + 1]] = (await loop.run_in_executor(None, decode_tensor, enc)).reshape(-1)
-            gather_sends += [asyncio.create_task(self._send_part(rnd, "gather", j, enc, m)) for m in rnd.survivors if m != me]
+            if j == my_index and early is not None:
+                enc = await early
+            else:
+                enc = await loop.run_in_executor(None, self._aggregate_encode, rnd, j, weights, rnd.survivors, gather_codec)
+            parts = self._parts(rnd, "gather", j, enc)
+            rnd.sends += [asyncio.create_task(self._send_part(rnd, "gather", j, enc, m, parts)) for m in rnd.survivors if m != me]
         report.phases["aggregate"] = time.monotonic() - t
         t = time.monotonic()
         others = [j for j in range(len(g.members)) if rnd.owners[j] != me]
         deadline = time.monotonic() + g.deadline_s
         await self._wait_parts(rnd, [("gather", j) for j in others], None, deadline)
-        await _settle(gather_sends, deadline)
         missing = [j for j in others if rnd.owners[j] not in rnd.received.get(("gather", j), {})]
-        for j in others:
-            part = rnd.received.get(("gather", j), {}).get(rnd.owners[j])
-            if part is not None:
-                result[g.bounds[j] : g.bounds[j + 1]] = part
         report.phases["gather"] = time.monotonic() - t
         self._phase(report.key, "gathered")
 
@@ -614,30 +656,36 @@ class Averager:
         decision = await self._decide(rnd, "gather", done, deadline)
         if not decision.commit:
             raise _Fail(f"round aborted after gather: {decision.reason}")
-        return result
+        return result, new_residual
 
-    def _encode_part(self, codec, flat, residual, state_key, a, b):
-        corrected = flat[a:b] + residual[a:b]
-        enc = codec.encode(corrected, self._codec_state.setdefault((state_key, a, b), {}))
-        if codec.lossy:
-            residual[a:b] = corrected - decode_tensor(enc, max_numel=max(b - a, 1)).reshape(-1)
+    def _encode_part(self, codec, flat, residual, new_residual, state_key, a, b):
+        """(encoded part, what its owner will decode from it); this round's residual goes to `new_residual`."""
+        if residual is None:  # lossless: the part itself
+            return codec.encode(flat[a:b]), flat[a:b]
+        state = self._codec_state.setdefault((state_key, a, b), {})
+        return codec.encode_with_feedback(flat[a:b], residual[a:b], state, out=new_residual[a:b])
+
+    def _aggregate_encode(self, rnd: _Round, j: int, weights: dict[str, float], members: Sequence[str], codec):
+        """Slice j aggregated over `members` (in member order: the same sum, bit for bit, on any
+        owner) and encoded for the gather; the owner's result gets exactly what receivers decode."""
+        parts = rnd.received[("scatter", j)]
+        w = torch.tensor([weights[m] for m in members], dtype=torch.float64)
+        agg = aggregators.get(self.config.aggregator)
+        avg = agg([parts[m] for m in members], w, **self.config.aggregator_params).contiguous()
+        enc, decoded = codec.encode_with_error(avg) if codec.lossy else (codec.encode(avg), avg)
+        rnd.result[rnd.group.bounds[j] : rnd.group.bounds[j + 1]] = decoded
         return enc
 
-    def _aggregate(self, rnd: _Round, j: int, weights: dict[str, float]) -> torch.Tensor:
-        parts = rnd.received[("scatter", j)]
-        order = [m for m in rnd.survivors]
-        stacked = torch.stack([parts[m] for m in order])
-        w = torch.tensor([weights[m] for m in order], dtype=torch.float64)
-        agg = aggregators.get(self.config.aggregator)
-        return agg(stacked, w, **self.config.aggregator_params).contiguous()
+    def _parts(self, rnd: _Round, phase: str, j: int, enc) -> list[TensorPart]:
+        return split(enc, f"{rnd.group.group_id}|{phase}|{j}", self.config.chunk_bytes)
 
-    async def _send_part(self, rnd: _Round, phase: str, j: int, enc, peer: str) -> None:
-        key = f"{rnd.group.group_id}|{phase}|{j}"
+    async def _send_part(self, rnd: _Round, phase: str, j: int, enc, peer: str, parts: list[TensorPart] | None = None) -> None:
         if self.faults.active:
             await self.faults.before_send()
-            enc = self.faults.outgoing(enc)
-        parts = split(enc, key, self.config.chunk_bytes)
+            enc, parts = self.faults.outgoing(enc), None
+        parts = parts or self._parts(rnd, phase, j, enc)
         rnd.report.bytes_sent += enc.nbytes
+        log.debug("send %s %d to %s: %d bytes", phase, j, peer[-6:], enc.nbytes)
         timeout = max(1.0, rnd.group.deadline_s)
         await self.transport.send(peer, parts[0], parts[1:], timeout=timeout)
 
@@ -769,19 +817,22 @@ class Averager:
                 raise RemoteProtocolError(f"codec {enc.codec}, this group uses {expected_codec}", "codec")
             if enc.dtype != "float32" or enc.shape != (n,):
                 raise RemoteProtocolError(f"expected float32 of shape ({n},), got {enc.dtype} {enc.shape}", "shape")
-            tensor = await asyncio.get_running_loop().run_in_executor(None, decode_tensor, enc)
-            if not torch.isfinite(tensor).all():
-                raise RemoteProtocolError("part contains NaN or Inf", "payload")
-            if self.config.max_abs < math.inf and float(tensor.abs().max()) > self.config.max_abs:
-                raise RemoteProtocolError(f"part exceeds the bound |x| <= {self.config.max_abs}", "payload")
+            # gathered slices land straight in the result; scatter parts are kept per sender
+            out = rnd.result[g.bounds[j] : g.bounds[j + 1]] if phase == "gather" else None
+            tensor = await asyncio.get_running_loop().run_in_executor(None, self._decode_checked, enc, out)
         except RemoteProtocolError as e:
             rnd.blamed.setdefault(sender, f"bad {phase} part: {e}")
             rnd.arrived.set()
             raise
         rnd.received.setdefault((phase, j), {})[sender] = tensor
         rnd.report.bytes_received += enc.nbytes
+        log.debug("got %s %d from %s: %d bytes", phase, j, sender[-6:], enc.nbytes)
         rnd.arrived.set()
         return Ack()
+
+    def _decode_checked(self, enc, out=None) -> torch.Tensor:
+        """Decode a part; refuse NaN, Inf and values beyond `max_abs` (a poisoning guard)."""
+        return decode_tensor(enc, max_abs=self.config.max_abs, out=out).reshape(-1)
 
     async def _on_report(self, ctx: CallContext) -> AvgDecision:
         rep: AvgReport = ctx.request
@@ -811,7 +862,11 @@ class Averager:
             self._rounds.pop(group_id, None)
             self._round_ready.pop(group_id, None)
 
-        task = asyncio.create_task(later())
+        self._spawn(later())
+
+    def _spawn(self, coro) -> None:
+        """A background task we keep a reference to (and cancel on close)."""
+        task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -24,15 +24,15 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from protocol import Decoder, Error, Message, Ping, Pong, Probe, RemoteProtocolError, encode
-from protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from protocol import Decoder, Error, Message, Ping, Pong, Probe, RemoteProtocolError
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE, encode_buffers
 
 from .p2p import Host, PeerUnreachable
 
 log = logging.getLogger(__name__)
 
 RPC_PROTOCOL = "/swarmtrain/rpc/1"
-READ_SIZE = 1 << 20
+READ_SIZE = 4 << 20
 
 
 class RPCError(Exception):
@@ -153,7 +153,7 @@ class _FrameReader:
 
 
 async def _write(writer: asyncio.StreamWriter, msg: Message, max_frame_size: int) -> None:
-    writer.write(encode(msg, max_frame_size))
+    writer.writelines(encode_buffers(msg, max_frame_size))  # tensor chunks go out without a copy
     await writer.drain()
 
 

@@ -50,6 +50,35 @@ class Codec:
     def _encode(self, x: torch.Tensor, dtype: str, state: dict[str, Any] | None) -> EncodedTensor:
         raise NotImplementedError
 
+    def encode_with_error(self, x: torch.Tensor, state: dict[str, Any] | None = None) -> tuple[EncodedTensor, torch.Tensor]:
+        """Encode, and also return what the receiver will decode (flat fp32), for error feedback.
+        Codecs that know it while encoding override this to save a decode pass."""
+        enc = self.encode(x, state)
+        return enc, decode_tensor(enc, max_numel=max(enc.numel, 1)).reshape(-1).to(torch.float32)
+
+    def encode_with_feedback(
+        self, x: torch.Tensor, residual: torch.Tensor, state: dict[str, Any] | None = None, out: torch.Tensor | None = None
+    ) -> tuple[EncodedTensor, torch.Tensor]:
+        """Error feedback in one call: encode x + residual; write what that loses into `out`
+        (flat fp32; default: `residual`, in place); return the encoding and what the receiver
+        will decode. With a separate `out` the old residual survives for a rollback."""
+        corrected = x.reshape(-1).to(torch.float32) + residual
+        enc, decoded = self.encode_with_error(corrected, state)
+        torch.sub(corrected, decoded, out=residual if out is None else out)
+        return enc, decoded
+
+    @classmethod
+    def _max_abs(cls, enc: EncodedTensor) -> float | None:
+        """max |value| of the decoded tensor if the payload gives it cheaply (NaN if any value
+        is not finite); None: decode and look."""
+        return None
+
+    @classmethod
+    def _decode_into(cls, enc: EncodedTensor, out: torch.Tensor) -> torch.Tensor:
+        """Decode as fp32 into flat `out`; codecs that can write there directly override it."""
+        out.copy_(cls._decode(enc, torch.float32).reshape(-1))
+        return out
+
     @classmethod
     def _decode(cls, enc: EncodedTensor, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
@@ -121,6 +150,26 @@ class Int8Codec(Codec):
         self.block_size = block_size
 
     def _encode(self, x, dtype, state):
+        return self._encode_int8(x, dtype, None)
+
+    def encode_with_error(self, x, state=None):
+        x = x.detach().cpu().contiguous()
+        if dtype_name(x.dtype) not in FLOAT_DTYPES:
+            raise LocalProtocolError(f"codec {self.name} needs a floating-point tensor, got {dtype_name(x.dtype)}")
+        decoded = torch.empty(x.numel(), dtype=torch.float32)
+        return self._encode_int8(x, dtype_name(x.dtype), decoded), decoded
+
+    def encode_with_feedback(self, x, residual, state=None, out=None):
+        x = x.detach().cpu().contiguous()
+        if dtype_name(x.dtype) not in FLOAT_DTYPES:
+            raise LocalProtocolError(f"codec {self.name} needs a floating-point tensor, got {dtype_name(x.dtype)}")
+        decoded = torch.empty(x.numel(), dtype=torch.float32)
+        return self._encode_int8(x, dtype_name(x.dtype), decoded, residual, residual if out is None else out), decoded
+
+    def _encode_int8(self, x, dtype, decoded, residual=None, residual_out=None):
+        """Encode x (+ residual); with `decoded`, also write there exactly what `_decode` will
+        produce; with `residual`, update it in place to what was lost. One pass over memory:
+        each slice is corrected, quantized, dequantized and differenced while in cache."""
         flat = x.reshape(-1)
         n, bs = flat.numel(), self.block_size
         nblocks = math.ceil(n / bs)
@@ -130,6 +179,8 @@ class Int8Codec(Codec):
         step = max(1, _SLICE // bs) * bs  # whole blocks per slice
         for start in range(0, n, step):
             chunk = flat[start : start + step].to(torch.float32)
+            if residual is not None:
+                chunk = chunk + residual[start : start + step]
             m = chunk.numel()
             b0, nb = start // bs, math.ceil(m / bs)
             if m % bs:
@@ -139,28 +190,52 @@ class Int8Codec(Codec):
             inv = torch.where(absmax > 0, 127.0 / absmax, 0.0)
             blocks = blocks.mul(inv.unsqueeze(1)).round_().clamp_(-127, 127)
             codes_out[start : start + m].copy_(blocks.view(-1)[:m])
+            if decoded is not None:  # what the receiver gets: _decode's own arithmetic, on our codes
+                end = start + m
+                _dequantize(codes_out[start:end], absmax_out[b0 : b0 + nb] / 127.0, m, bs, decoded[start:end])
+                if residual is not None:
+                    torch.sub(chunk[:m], decoded[start:end], out=residual_out[start:end])
         return EncodedTensor(dtype, tuple(x.shape), self.name, tensor_bytes(out), {"block_size": bs})
 
     @classmethod
+    def _max_abs(cls, enc):
+        bs = _int_param(enc, "block_size", cls.MIN_BLOCK, cls.MAX_BLOCK)
+        nblocks = math.ceil(enc.numel / bs)
+        _expect_size(enc, nblocks * 4 + enc.numel)
+        if nblocks == 0:
+            return 0.0
+        absmax = tensor_from_bytes(memoryview(enc.payload)[: nblocks * 4], torch.float32, nblocks)
+        return float(absmax.abs().max())  # codes are at most 127: |value| <= absmax; NaN propagates
+
+    @classmethod
     def _decode(cls, enc, dtype):
+        out = cls._decode_into(enc, torch.empty(enc.numel, dtype=torch.float32))
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    @classmethod
+    def _decode_into(cls, enc, out):
         bs = _int_param(enc, "block_size", cls.MIN_BLOCK, cls.MAX_BLOCK)
         n = enc.numel
         nblocks = math.ceil(n / bs)
         _expect_size(enc, nblocks * 4 + n)
         raw = tensor_from_bytes(enc.payload, torch.uint8, enc.nbytes)
-        scale = raw[: nblocks * 4].view(torch.float32) / 127.0
-        codes = raw[nblocks * 4 :].view(torch.int8)
-        out = torch.empty(n, dtype=torch.float32)
-        step = max(1, _SLICE // bs) * bs
-        for start in range(0, n, step):
-            m = min(step, n - start)
-            b0, nb = start // bs, math.ceil(m / bs)
-            full = (m // bs) * bs
-            dst = out[start : start + full].view(-1, bs)
-            torch.mul(codes[start : start + full].view(-1, bs), scale[b0 : b0 + full // bs].unsqueeze(1), out=dst)
-            if full < m:  # the last, partial block
-                out[start + full : start + m] = codes[start + full : start + m].to(torch.float32) * scale[b0 + nb - 1]
-        return out if dtype == torch.float32 else out.to(dtype)
+        _dequantize(raw[nblocks * 4 :].view(torch.int8), raw[: nblocks * 4].view(torch.float32) / 127.0, n, bs, out)
+        return out
+
+
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, n: int, bs: int, out: torch.Tensor) -> None:
+    """out = codes × scale per block, slice by slice. The one place int8 values are produced,
+    so an encoder's own copy and every receiver's decode agree bit for bit (signed zeros too)."""
+    step = max(1, _SLICE // bs) * bs
+    for start in range(0, n, step):
+        m = min(step, n - start)
+        b0, nb = start // bs, math.ceil(m / bs)
+        full = (m // bs) * bs
+        dst = out[start : start + full].view(-1, bs)
+        dst.copy_(codes[start : start + full].view(-1, bs))  # int8 -> fp32 is exact; a mixed-dtype
+        dst.mul_(scale[b0 : b0 + full // bs].unsqueeze(1))  # mul would be 3x slower, same bits
+        if full < m:  # the last, partial block
+            out[start + full : start + m] = codes[start + full : start + m].to(torch.float32) * scale[b0 + nb - 1]
 
 
 def _concat(*tensors: torch.Tensor) -> memoryview:
@@ -286,8 +361,12 @@ def make_codec(name: str, **params: Any) -> Codec:
         raise LocalProtocolError(f"bad parameters for codec {name}: {e}") from None
 
 
-def decode_tensor(enc: EncodedTensor, max_numel: int = DEFAULT_MAX_NUMEL) -> torch.Tensor:
-    """Decode what a peer sent, validating header, params and payload size first."""
+def decode_tensor(
+    enc: EncodedTensor, max_numel: int = DEFAULT_MAX_NUMEL, max_abs: float | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Decode what a peer sent, validating header, params and payload size first. With
+    `max_abs`, also refuse non-finite values and values beyond ±max_abs (checked on the
+    payload when the codec allows, e.g. int8's block scales, else on the decoded tensor)."""
     enc.check_header(max_numel)
     cls = Codec.codecs.get(enc.codec)
     if cls is None:
@@ -295,7 +374,25 @@ def decode_tensor(enc: EncodedTensor, max_numel: int = DEFAULT_MAX_NUMEL) -> tor
     dtype = DTYPES[enc.dtype]
     if cls.lossy and enc.dtype not in FLOAT_DTYPES:
         raise RemoteProtocolError(f"codec {enc.codec} cannot carry dtype {enc.dtype}", "dtype")
-    return cls._decode(enc, dtype).reshape(enc.shape)
+    bound = cls._max_abs(enc) if max_abs is not None else None
+    if bound is not None:
+        _check_bound(bound, max_abs)
+    if out is not None:  # decode straight into the caller's buffer (flat, fp32)
+        if out.dtype != torch.float32 or out.numel() != enc.numel:
+            raise LocalProtocolError(f"out must be fp32 with {enc.numel} elements")
+        decoded = cls._decode_into(enc, out.view(-1))
+    else:
+        decoded = cls._decode(enc, dtype).reshape(enc.shape)
+    if max_abs is not None and bound is None and enc.dtype in FLOAT_DTYPES and decoded.numel():
+        _check_bound(float(decoded.abs().max()), max_abs)
+    return decoded
+
+
+def _check_bound(observed: float, max_abs: float) -> None:
+    if not math.isfinite(observed):
+        raise RemoteProtocolError("tensor contains NaN or Inf", "payload")
+    if observed > max_abs:
+        raise RemoteProtocolError(f"values up to {observed:.3g} exceed the bound |x| <= {max_abs:g}", "payload")
 
 
 class ErrorFeedback:
@@ -319,8 +416,8 @@ class ErrorFeedback:
             if residual.shape != corrected.shape:
                 raise LocalProtocolError(f"tensor {key!r} changed shape from {tuple(residual.shape)} to {tuple(x.shape)}")
             corrected = corrected + residual
-        enc = self.codec.encode(corrected.to(x.dtype) if x.dtype != torch.float32 else corrected, self.states.setdefault(key, {}))
-        self.residuals[key] = corrected - decode_tensor(enc, max_numel=max(corrected.numel(), 1)).to(torch.float32)
+        enc, decoded = self.codec.encode_with_error(corrected.to(x.dtype) if x.dtype != torch.float32 else corrected, self.states.setdefault(key, {}))
+        self.residuals[key] = corrected - decoded.view(corrected.shape)
         return enc
 
     def reset(self, key: str | None = None) -> None:

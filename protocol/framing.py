@@ -30,20 +30,43 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise RemoteProtocolError(f"msgpack extension type {code} is not allowed", "frame")
 
 
-def encode_body(msg: Message) -> bytes:
-    if not isinstance(msg, Message) or msg.TYPE not in REGISTRY:
-        raise LocalProtocolError(f"cannot encode {type(msg).__name__}: not a registered message")
-    return msgpack.packb([PROTOCOL_VERSION, msg.TYPE, msg.request_id, msg.fields()], use_bin_type=True)
-
-
 def encode(msg: Message, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
     """Serialize one message into one frame (prefix + body)."""
-    body = encode_body(msg)
-    if len(body) > max_frame_size:
-        raise LocalProtocolError(
-            f"{type(msg).__name__} frame is {len(body)} bytes, over the {max_frame_size}-byte limit; chunk it"
-        )
-    return len(body).to_bytes(PREFIX_SIZE, "big") + body
+    return b"".join(encode_buffers(msg, max_frame_size))
+
+
+_BIG = 1 << 16  # bytes fields at least this large are not copied into the msgpack body
+
+
+def encode_buffers(msg: Message, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> list:
+    """The same frame as `encode`, as a list of buffers to write one after another: large bytes
+    fields (tensor chunks) are referenced, not copied. The bytes are identical to `encode`'s."""
+    if not isinstance(msg, Message) or msg.TYPE not in REGISTRY:
+        raise LocalProtocolError(f"cannot encode {type(msg).__name__}: not a registered message")
+    fields = msg.fields()
+    pieces: list = []
+    # [v, t, id, {fields}]: an array of 4 whose first three items we pack, then the map by hand
+    head = bytearray(b"\x94")
+    for item in (PROTOCOL_VERSION, msg.TYPE, msg.request_id):
+        head += msgpack.packb(item)
+    n = len(fields)
+    head += bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
+    for key, value in fields.items():
+        head += msgpack.packb(key, use_bin_type=True)
+        if isinstance(value, (bytes, bytearray, memoryview)) and memoryview(value).nbytes >= _BIG:
+            size = memoryview(value).nbytes
+            head += b"\xc6" + size.to_bytes(4, "big")  # bin 32
+            pieces.append(bytes(head))
+            pieces.append(value)
+            head = bytearray()
+        else:
+            head += msgpack.packb(value, use_bin_type=True)
+    if head:
+        pieces.append(bytes(head))
+    total = sum(memoryview(p).nbytes for p in pieces)
+    if total > max_frame_size:
+        raise LocalProtocolError(f"{type(msg).__name__} frame is {total} bytes, over the {max_frame_size}-byte limit; chunk it")
+    return [total.to_bytes(PREFIX_SIZE, "big"), *pieces]
 
 
 def decode_body(body: bytes) -> Message:
@@ -116,7 +139,8 @@ class Decoder:
                 break
             start = pos + PREFIX_SIZE
             pos = start + size
-            out.append(decode_body(bytes(buf[start:pos])))
+            with memoryview(buf) as view:  # no copy of the body; released before buf is resized
+                out.append(decode_body(view[start:pos]))
         if pos:
             del buf[:pos]
         return out

@@ -90,7 +90,9 @@ def _check(value: Any, tp: Any, path: str) -> Any:
     if tp is bytes:
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise _Invalid(path, f"expected bytes, got {type(value).__name__}")
-        return bytes(value) if not isinstance(value, bytes) else value
+        if isinstance(value, memoryview) and (value.ndim != 1 or value.format != "B"):
+            value = value.cast("B")  # a flat view of the same memory: len() counts bytes
+        return value  # not copied: large tensor chunks are framed straight from their buffer
     raise TypeError(f"unsupported field annotation {tp!r} at {path}")  # our bug, at import time
 
 

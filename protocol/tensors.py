@@ -109,7 +109,7 @@ def split(enc: EncodedTensor, key: str, chunk_size: int = DEFAULT_CHUNK_SIZE, re
             count=count,
             offset=i * chunk_size,
             total_size=total,
-            data=bytes(view[i * chunk_size : (i + 1) * chunk_size]),
+            data=view[i * chunk_size : (i + 1) * chunk_size],  # a view: framed without copying
         )
         for i in range(count)
     ]

@@ -58,7 +58,7 @@ class JoinToken:
             and all(isinstance(r, str) for r in roles)
             and isinstance(expires_at, (int, float))
             and not isinstance(expires_at, bool)
-            and math.isfinite(expires_at)
+            and not math.isnan(expires_at)
             and isinstance(sig, bytes)
         ):
             raise RemoteProtocolError("a field has the wrong type", "token")

@@ -199,3 +199,38 @@ def test_assembler_refuses_bad_sequences():
 def test_decode_refuses_inconsistent_payloads(enc, match):
     with pytest.raises(RemoteProtocolError, match=match):
         decode_tensor(enc)
+
+
+@pytest.mark.parametrize("name,params", CODECS[1:], ids=[c[0] for c in CODECS[1:]])
+def test_encode_with_error_returns_exactly_what_the_receiver_decodes(name, params):
+    x = torch.randn(37, 61, generator=torch.Generator().manual_seed(5)) * 3
+    x[0, :10] = -1e-9  # rounds to a code of -0.0: the bytes must still match the receiver's +0.0
+    enc, decoded = make_codec(name, **params).encode_with_error(x, {})
+    # bytes, not values: -0.0 == 0.0, but replicas compare hashes of the bytes
+    assert decoded.numpy().tobytes() == decode_tensor(enc).reshape(-1).to(torch.float32).numpy().tobytes()
+
+
+@pytest.mark.parametrize("name,params", CODECS, ids=[c[0] for c in CODECS])
+def test_decode_with_a_bound_refuses_non_finite_and_huge_values(name, params):
+    codec = make_codec(name, **params)
+    ok = codec.encode(torch.ones(64, 64))
+    assert torch.isfinite(decode_tensor(ok, max_abs=10.0)).all()
+    with pytest.raises(RemoteProtocolError, match="exceed"):
+        decode_tensor(codec.encode(torch.full((64, 64), 50.0)), max_abs=10.0)
+    bad = torch.ones(64, 64)
+    bad[3, 5] = float("nan")
+    with pytest.raises(RemoteProtocolError, match="NaN"):
+        decode_tensor(codec.encode(bad), max_abs=10.0)
+
+
+@pytest.mark.parametrize("name,params", CODECS[1:], ids=[c[0] for c in CODECS[1:]])
+def test_encode_with_feedback_matches_the_two_step_form(name, params):
+    g = torch.Generator().manual_seed(6)
+    x, r = torch.randn(3000, generator=g), torch.randn(3000, generator=g) * 0.1
+    codec = make_codec(name, **params)
+    r1 = r.clone()
+    enc, decoded = codec.encode_with_feedback(x, r1, {})
+    corrected = x + r
+    ref_enc, ref_decoded = codec.encode_with_error(corrected, {})
+    assert bytes(memoryview(enc.payload)) == bytes(memoryview(ref_enc.payload))
+    assert torch.equal(decoded, ref_decoded) and torch.equal(r1, corrected - ref_decoded)

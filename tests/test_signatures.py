@@ -59,6 +59,12 @@ def test_token_ok_and_text_round_trip(owner):
     assert check.ok and check.reason == "ok"
 
 
+def test_token_without_expiry_survives_its_text_form(owner):
+    tok = issue_token(owner, "swarm")  # never expires
+    back = JoinToken.from_text(tok.to_text())
+    assert back == tok and verify_token(back, owner.public_key, "swarm", "p", now=1e12)
+
+
 def test_token_any_peer(owner):
     tok = issue_token(owner, "swarm", expires_at=NOW + 1)
     assert verify_token(tok, owner.public_key, "swarm", "anyone", now=NOW)
