@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 RPC_PROTOCOL = "/swarmtrain/rpc/1"
 READ_SIZE = 4 << 20
+LINGER_BYTES = 16 << 20  # what a refused caller may still send us before we close on it
 
 
 class RPCError(Exception):
@@ -207,6 +208,7 @@ class Transport:
 
         st.active += 1
         request_id = 0
+        linger = False
         try:
             now = time.monotonic()
             left = self.scores.banned(peer_id, now)
@@ -242,8 +244,10 @@ class Transport:
             self.scores.penalize(peer_id, 2.0, time.monotonic())
             self._log_peer(peer_id, st, f"refused bad input from {peer_id}: {e}")
             await self._reply_error(writer, "bad_request", str(e), request_id)
+            linger = True
         except RPCError as e:
             await self._reply_error(writer, e.code, e.message, request_id)
+            linger = True
         except TimeoutError:
             await self._reply_error(writer, "timeout", "request or handler passed its deadline", request_id)
         except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError):
@@ -254,8 +258,11 @@ class Transport:
             log.exception("handler failed on a request from %s", peer_id)
             await self._reply_error(writer, "internal", "the handler failed; see the server's log", request_id)
         finally:
-            st.active -= 1
             st.bytes_in_flight -= counted
+            counted = 0
+            if linger:
+                await self._linger(reader)
+            st.active -= 1
             _close(writer)
             if task is not None:
                 self._tasks.discard(task)
@@ -272,6 +279,22 @@ class Transport:
         try:
             await asyncio.wait_for(_write(writer, Error(code=code, message=message[:1000], request_id=request_id), self.config.max_frame_size), 5)
         except Exception:  # best effort: the peer may be gone or not reading
+            pass
+
+    @staticmethod
+    async def _linger(reader: asyncio.StreamReader) -> None:
+        """After refusing mid-request: the caller may still be writing. Closing now would reset
+        the stream and lose the reply (p2pd does not keep half-closed streams), so let the rest
+        of the request drain (discarded, and bounded: one second, LINGER_BYTES) first."""
+        try:
+            deadline = time.monotonic() + 1.0
+            drained = 0
+            while drained < LINGER_BYTES and (left := deadline - time.monotonic()) > 0:
+                data = await asyncio.wait_for(reader.read(1 << 20), left)
+                if not data:
+                    break
+                drained += len(data)
+        except Exception:  # the caller went away or kept going: either way we are done
             pass
 
     # ---- client side ---------------------------------------------------------------------

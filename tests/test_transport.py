@@ -1,0 +1,119 @@
+"""The RPC transport over real libp2p streams (real p2pd, in this process): limits, scores,
+deadlines, refusals."""
+
+import asyncio
+
+import pytest
+
+from node.p2p import Host, HostConfig
+from node.transport import RPC_PROTOCOL, CallTimeout, RemoteError, Transport, TransportConfig
+from protocol import Ack, Decoder, Error, Ping, Pong, SigningKey, StateChunk
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _hosts(n: int):
+    first = await Host.start(SigningKey.generate(), HostConfig())
+    maddrs = tuple(await first.visible_maddrs())
+    return [first] + [await Host.start(SigningKey.generate(), HostConfig(initial_peers=maddrs)) for _ in range(n - 1)]
+
+
+def run(coro_fn, n_hosts=2, **server_config):
+    async def main():
+        hosts = await _hosts(n_hosts)
+        server = Transport(hosts[0], TransportConfig(**server_config))
+        clients = [Transport(h) for h in hosts[1:]]
+        try:
+            await server.start()
+            for c in clients:
+                await c.start()
+            return await coro_fn(server, clients)
+        finally:
+            for t in [server, *clients]:
+                await t.close()
+            for h in hosts:
+                await h.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_concurrent_calls_beyond_the_per_peer_limit_are_refused():
+    async def scenario(server, clients):
+        release = asyncio.Event()
+
+        async def slow(ctx):
+            await release.wait()
+            return Ack()
+
+        server.on(StateChunk, slow)
+        req = StateChunk(name="x", offset=0, total_size=0, sha256="0" * 64)
+        calls = [asyncio.create_task(clients[0].call(server.peer_id, req, timeout=30)) for _ in range(8)]
+        await asyncio.sleep(0)
+        done = []
+        while len(done) < 3:  # the calls over the limit are answered at once
+            finished, _ = await asyncio.wait([c for c in calls if not c.done()], return_when=asyncio.FIRST_COMPLETED, timeout=20)
+            assert finished, "over-limit calls were not refused"
+            done += finished
+        release.set()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        overloaded = [r for r in results if isinstance(r, RemoteError) and r.code == "overloaded"]
+        served = [r for r in results if isinstance(r, Ack)]
+        assert len(overloaded) == 3 and len(served) == 5, results
+        assert isinstance(await clients[0].call(server.peer_id, Ping(), timeout=10), Pong)  # still served
+
+    run(scenario, max_concurrent_per_peer=5)
+
+
+def test_a_peer_cannot_make_us_hold_more_than_its_byte_budget():
+    async def scenario(server, clients):
+        async def handler(ctx):
+            return Ack()
+
+        server.on(StateChunk, handler)
+        big = StateChunk(name="x", offset=0, total_size=1 << 20, sha256="0" * 64, data=bytes(1 << 20))
+        with pytest.raises(RemoteError) as info:
+            await clients[0].call(server.peer_id, big, timeout=20)
+        assert info.value.code == "overloaded" and "bytes" in info.value.message
+        small = StateChunk(name="x", offset=0, total_size=100, sha256="0" * 64, data=bytes(100))
+        assert isinstance(await clients[0].call(server.peer_id, small, timeout=10), Ack)
+        assert server.scores.peers[clients[0].peer_id].bytes_in_flight == 0  # nothing stays counted
+
+    run(scenario, max_bytes_in_flight_per_peer=64 << 10)
+
+
+def test_repeated_garbage_gets_a_peer_banned_and_others_keep_being_served():
+    async def scenario(server, clients):
+        bad, good = clients
+        replies = []
+        for _ in range(6):
+            reader, writer = await bad.host.open_stream(server.peer_id, RPC_PROTOCOL)
+            writer.write(b"\x00\x00\x00\x03abc")
+            await writer.drain()
+            replies += Decoder().feed(await asyncio.wait_for(reader.read(1 << 16), 10))
+            writer.close()
+        assert all(isinstance(r, Error) for r in replies)
+        assert replies[0].code == "bad_request" and replies[-1].code == "unauthorized" and "banned" in replies[-1].message
+        with pytest.raises(RemoteError, match="banned"):
+            await bad.call(server.peer_id, Ping(), timeout=10)
+        assert isinstance(await good.call(server.peer_id, Ping(), timeout=10), Pong)
+        assert server.stats["bad_frames"] == 5
+
+    run(scenario, n_hosts=3, ban_score=-10.0)
+
+
+def test_every_call_has_a_deadline():
+    async def scenario(server, clients):
+        async def never(ctx):
+            await asyncio.Event().wait()
+
+        server.on(StateChunk, never)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(CallTimeout):
+            await clients[0].call(server.peer_id, StateChunk(name="x", offset=0, total_size=0, sha256="0" * 64), timeout=1.0)
+        assert asyncio.get_running_loop().time() - t0 < 5
+        # a handler that overruns the server's own limit is answered with "timeout"
+        with pytest.raises(RemoteError) as info:
+            await clients[0].call(server.peer_id, StateChunk(name="x", offset=0, total_size=0, sha256="0" * 64), timeout=10)
+        assert info.value.code == "timeout"
+
+    run(scenario, handler_timeout_s=1.5)
