@@ -21,6 +21,8 @@ import threading
 import time
 from pathlib import Path
 
+from node.osutil import session_pids
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,22 +32,6 @@ class PeerFailed(Exception):
 
 class PeerRefused(PeerFailed):
     """A peer answered a command with an error; it is alive and takes further commands."""
-
-
-def session_pids(sid: int) -> list[int]:
-    """Live processes whose session id is `sid`."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != b"Z":
-                out.append(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
 
 
 def kill_session(sid: int, exclude: int | None = None) -> None:

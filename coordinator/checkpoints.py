@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 import stat
 import threading
 import time
@@ -43,31 +42,27 @@ from safetensors.torch import load_file, save_file
 
 from protocol.manifest import (  # re-exported: these names were defined here first
     DEFAULT_MAX_FILE_SIZE,
-    DOMAIN,
     FORMAT,
     MANIFEST,
-    MAX_FILES,
     MAX_MANIFEST_SIZE,
     MAX_STATE_HASH_LEN,
     MAX_STEP,
     SUFFIX,
     ManifestError,
     canonical_json,
-    check_file_name,
     check_manifest,
     check_signature,
     check_state_name,
-    manifest_fields,
     manifest_to_json,
     sign_manifest,
     step_dir_name,
     step_of_dir_name,
 )
 from protocol.manifest import is_int as _is_int
+from node.osutil import fsync_path, remove_tree, sha256_file
 from protocol.signatures import SigningKey
 
 MAX_CHUNK_SIZE = 8 * 1024 * 1024  # bytes per read_chunk; fits in a protocol frame
-_HASH_BLOCK = 4 * 1024 * 1024
 _TMP_PREFIX = ".tmp-"
 
 
@@ -93,36 +88,11 @@ def _check_step(step: Any) -> int:
 # -- small filesystem helpers ---------------------------------------------------------------------
 
 
-def _fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory fsync makes renames/creates in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _write_durably(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _remove_tree(path: Path) -> None:
-    """Remove a directory tree, missing or not; a symlink is unlinked, never followed."""
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    elif path.exists():
-        shutil.rmtree(path, ignore_errors=True)
 
 
 # -- the store ------------------------------------------------------------------------------------
@@ -170,10 +140,10 @@ class CheckpointStore:
         removed = False
         for entry in self.root.iterdir():
             if entry.name.startswith(_TMP_PREFIX):
-                _remove_tree(entry)
+                remove_tree(entry)
                 removed = True
         if removed:
-            _fsync_path(self.root)
+            fsync_path(self.root)
 
     def _tmp_dir(self, what: str) -> Path:
         path = self.root / f"{_TMP_PREFIX}{what}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -241,7 +211,7 @@ class CheckpointStore:
             ok, reason = True, "ok"
             for name, f in sorted(manifest["files"].items()):
                 try:
-                    digest = _sha256_file(path / name)
+                    digest = sha256_file(path / name)
                 except FileNotFoundError:  # pruned by a concurrent save while we were reading it
                     return False, f"{name} disappeared while being read (checkpoint pruned)", None
                 if digest != f["sha256"]:
@@ -371,8 +341,8 @@ class CheckpointStore:
                     save_file(dict(state[name]), tmp / fname)
                 except Exception as e:  # safetensors raises ValueError/TypeError/its own errors
                     raise CheckpointError(f"checkpoint step {step}: cannot save {name!r}: {e}") from None
-                _fsync_path(tmp / fname)
-                files[fname] = {"sha256": _sha256_file(tmp / fname), "size": (tmp / fname).stat().st_size}
+                fsync_path(tmp / fname)
+                files[fname] = {"sha256": sha256_file(tmp / fname), "size": (tmp / fname).stat().st_size}
             manifest = {
                 "format": FORMAT,
                 "step": step,
@@ -387,7 +357,7 @@ class CheckpointStore:
                 manifest = sign_manifest(manifest, self.signing_key)
             return self._place(step, tmp, manifest)
         finally:
-            _remove_tree(tmp)  # gone already after a successful rename; a leftover otherwise
+            remove_tree(tmp)  # gone already after a successful rename; a leftover otherwise
 
     def _refuse_if_pruned_at_once(self, step: int) -> None:
         good = [c.step for c in self.list()]
@@ -400,7 +370,7 @@ class CheckpointStore:
     def _place(self, step: int, tmp: Path, manifest: dict[str, Any]) -> CheckpointInfo:
         """Finish a fully written temp dir: manifest last, fsync, atomic rename, prune."""
         _write_durably(tmp / MANIFEST, manifest_to_json(manifest))
-        _fsync_path(tmp)
+        fsync_path(tmp)
         final = self.root / step_dir_name(step)
         with self._lock:
             if os.path.lexists(final):
@@ -412,7 +382,7 @@ class CheckpointStore:
                 if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
                     return self._same_as_existing(step, manifest)
                 raise CheckpointError(f"cannot place checkpoint step {step}: {e.strerror}") from None
-            _fsync_path(self.root)
+            fsync_path(self.root)
             # We hashed these files ourselves as they were written: record the verdict so that
             # list() need not hash them again.
             key, _ = self._fingerprint(final, manifest)
@@ -444,8 +414,8 @@ class CheckpointStore:
                 trash = self.root / f"{_TMP_PREFIX}delete-{path.name}-{os.getpid()}-{secrets.token_hex(4)}"
                 os.rename(path, trash)
                 self._verdicts.pop(step, None)
-                _remove_tree(trash)
-        _fsync_path(self.root)
+                remove_tree(trash)
+        fsync_path(self.root)
 
     def begin_upload(self, step: int, manifest: Any) -> Upload:
         """Start receiving checkpoint `step` from a peer. `manifest` (remote input) is validated:
@@ -523,7 +493,7 @@ class Upload:
                         pass
                 except Exception as e:  # SafetensorError: the hashes matched, but it is not safetensors
                     raise CheckpointError(f"{name}: not a valid safetensors file: {e}") from None
-                _fsync_path(self.path / name)
+                fsync_path(self.path / name)
             manifest = dict(self.manifest)
             if self.store.signing_key is not None:
                 # The uploader's signature (if any) was checked in begin_upload. The store signs
@@ -535,7 +505,7 @@ class Upload:
 
     def abort(self) -> None:
         self._closed = True
-        _remove_tree(self.path)
+        remove_tree(self.path)
 
     def __enter__(self) -> Upload:
         return self

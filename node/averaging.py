@@ -373,6 +373,7 @@ class Averager:
             if target is None:
                 candidates = sorted((await self._candidates(key)) - excluded | {me})
                 target = candidates[0]
+            log.debug("matchmaking %s: target %s%s", key, target[-8:], " (predicted)" if predicted else "")
             if target == me:
                 mm.mode = "leader"
                 smaller = await self._lead(mm, join, deadline, expected, excluded)
@@ -392,6 +393,7 @@ class Averager:
                 if time.monotonic() > deadline:
                     raise _Fail("no leader could be reached before the join deadline") from None
                 continue
+            log.debug("matchmaking %s: %s answered %s %s %s", key, target[-8:], getattr(reply, "status", reply), getattr(reply, "redirect", "")[-8:], getattr(reply, "reason", ""))
             if not isinstance(reply, AvgGroup):
                 excluded.add(target)
                 target, predicted = None, False
@@ -474,6 +476,7 @@ class Averager:
         for _, fut in mm.pending.values():
             if not fut.done():
                 fut.set_result(group)
+        log.debug("matchmaking %s: formed group %s of %s", mm.key, group.group_id, ", ".join(m[-8:] for m in members))
         return None
 
     def _redirect_pending(self, mm: _Matchmaking, target: str) -> None:

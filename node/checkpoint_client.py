@@ -27,7 +27,6 @@ import errno
 import hashlib
 import os
 import secrets
-import shutil
 import stat
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -60,6 +59,7 @@ from protocol.manifest import (
 )
 from protocol.signatures import SigningKey
 
+from .osutil import fsync_path, pid_alive, remove_tree, sha256_file
 from .transport import CallTimeout, Transport
 
 CALL_TIMEOUT_S = 10.0  # a manifest query
@@ -68,7 +68,6 @@ CHUNK_TIMEOUT_S = 30.0  # longest wait for the next chunk of a file during a dow
 UPLOAD_CHUNK = 4 << 20  # bytes of file data per StateChunk frame (frames are capped at 16 MiB)
 CHECKPOINT_PREFIX = "checkpoint/"  # StateRequest names: checkpoint/<step>/<file>
 TMP_PREFIX = ".tmp-"
-_HASH_BLOCK = 4 << 20
 _BAD_DATA_PENALTY = 2.0  # score taken from a peer that sent bad checkpoint data
 
 
@@ -89,39 +88,6 @@ class CheckpointDirError(Exception):
 # ---- small filesystem helpers -------------------------------------------------------------------
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_HASH_BLOCK):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _remove_tree(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    elif path.exists():
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
     """Remove `.tmp-...-<pid>-<rand>` dirs under `root` whose process is gone (a download or
     write killed half-way). Those of live processes are left alone. Returns what was removed."""
@@ -133,8 +99,8 @@ def remove_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
         if not entry.name.startswith(TMP_PREFIX):
             continue
         parts = entry.name.rsplit("-", 2)
-        if len(parts) == 3 and parts[1].isdigit() and not _pid_alive(int(parts[1])):
-            _remove_tree(entry)
+        if len(parts) == 3 and parts[1].isdigit() and not pid_alive(int(parts[1])):
+            remove_tree(entry)
             removed.append(entry)
     return removed
 
@@ -154,7 +120,7 @@ def _place(tmp: Path, root: Path, manifest: Mapping[str, Any]) -> Path:
         f.write(manifest_to_json(manifest))
         f.flush()
         os.fsync(f.fileno())
-    _fsync(tmp)
+    fsync_path(tmp)
     final = root / step_dir_name(step)
     if os.path.lexists(final):
         return _same_as_existing(final, manifest)
@@ -164,7 +130,7 @@ def _place(tmp: Path, root: Path, manifest: Mapping[str, Any]) -> Path:
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST):  # placed by someone else meanwhile
             return _same_as_existing(final, manifest)
         raise CheckpointDirError(f"cannot place checkpoint step {step} in {root}: {e.strerror}") from None
-    _fsync(root)
+    fsync_path(root)
     return final
 
 
@@ -218,7 +184,7 @@ def verify_checkpoint_dir(path: str | os.PathLike, public_key: bytes | None = No
     path = Path(path)
     manifest = read_manifest(path)
     for name, f in sorted(manifest["files"].items()):
-        if _sha256_file(path / name) != f["sha256"]:
+        if sha256_file(path / name) != f["sha256"]:
             raise CheckpointDirError(f"{path / name} does not match its sha256 in the manifest (corrupt)")
     ok, why = check_signature(manifest, public_key)
     if not ok:
@@ -282,13 +248,13 @@ def write_checkpoint_dir(
                 raise CheckpointDirError(f"cannot write {fname} under {root}: {e.strerror}") from None
             except Exception as e:  # safetensors raises ValueError/TypeError/its own errors
                 raise CheckpointDirError(f"checkpoint step {step}: cannot save {name!r}: {e}") from None
-            _fsync(tmp / fname)
-            files[fname] = {"sha256": _sha256_file(tmp / fname), "size": (tmp / fname).stat().st_size}
+            fsync_path(tmp / fname)
+            files[fname] = {"sha256": sha256_file(tmp / fname), "size": (tmp / fname).stat().st_size}
         created_at = time.time() if now is None else float(now)
         manifest = make_manifest(step, files, model_config, state_hash, created_at, signing_key)
         return _place(tmp, root, manifest)
     finally:
-        _remove_tree(tmp)  # gone already after a successful rename; a leftover otherwise
+        remove_tree(tmp)  # gone already after a successful rename; a leftover otherwise
 
 
 # ---- download -----------------------------------------------------------------------------------
@@ -362,7 +328,7 @@ async def download_checkpoint(
                     await _download_file(transport, peer_id, step, fname, meta, tmp / fname, chunk_timeout_s, timeout_s)
                 return await asyncio.to_thread(_place, tmp, dest, manifest)
             finally:
-                await asyncio.to_thread(_remove_tree, tmp)
+                await asyncio.to_thread(remove_tree, tmp)
     except TimeoutError:
         raise CallTimeout(f"download of checkpoint {step if step is not None else '(latest)'} from {peer_id} passed its {timeout_s:.0f} s deadline") from None
 

@@ -31,6 +31,8 @@ with warnings.catch_warnings():
 
 from protocol.signatures import SigningKey, libp2p_private_key, peer_id_from_public_key
 
+from .osutil import children_of
+
 log = logging.getLogger(__name__)
 
 StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -48,23 +50,8 @@ def dht_time() -> float:
     return get_dht_time()
 
 
-def _children_of(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
 def _kill_children_and_exit() -> None:
-    kids = _children_of(os.getpid())
+    kids = children_of(os.getpid())
     for pid in kids:
         try:
             os.kill(pid, signal.SIGTERM)
@@ -72,7 +59,7 @@ def _kill_children_and_exit() -> None:
             pass
     deadline = time.monotonic() + 2.0
     while kids and time.monotonic() < deadline:
-        kids = [p for p in kids if os.path.exists(f"/proc/{p}") and _children_of(os.getpid()).count(p)]
+        kids = [p for p in kids if os.path.exists(f"/proc/{p}") and children_of(os.getpid()).count(p)]
         time.sleep(0.05)
     for pid in kids:
         try:

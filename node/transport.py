@@ -17,6 +17,7 @@ after repeated offences; it is logged once, and everyone else keeps being served
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -314,47 +315,10 @@ class Transport:
         or RemoteProtocolError (the peer's reply was malformed; the peer is scored down)."""
         return await self.send(peer_id, request, (), timeout)
 
-    async def send(
-        self, peer_id: str, request: Message, more: Iterable[Message] | AsyncIterator[Message] = (), timeout: float | None = None
-    ) -> Message:
-        """A request followed by more frames (client streaming); one reply."""
-        timeout = self.config.call_timeout_s if timeout is None else timeout
-        writer = None
-        try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await self._open(peer_id)
-                frames = _FrameReader(reader, self.config.max_frame_size)
-                try:
-                    await _write(writer, request, self.config.max_frame_size)
-                    if hasattr(more, "__aiter__"):
-                        async for msg in more:  # type: ignore[union-attr]
-                            await _write(writer, msg, self.config.max_frame_size)
-                    else:
-                        for msg in more:  # type: ignore[union-attr]
-                            await _write(writer, msg, self.config.max_frame_size)
-                except (ConnectionError, BrokenPipeError) as e:
-                    # the server may have refused before reading everything: its reply says why
-                    try:
-                        reply = await asyncio.wait_for(frames.next(), 2.0)
-                    except (ConnectionError, TimeoutError, RemoteProtocolError):
-                        reply = None
-                    if isinstance(reply, Error):
-                        raise RemoteError(peer_id, reply.code, reply.message) from None
-                    raise e
-                reply = self._check_reply(peer_id, await frames.next())
-                self.stats["calls_made"] += 1
-                return reply
-        except TimeoutError:
-            raise CallTimeout(f"{type(request).__name__} to {peer_id} timed out after {timeout:.1f} s") from None
-        except RemoteProtocolError:
-            self.scores.penalize(peer_id, 2.0, time.monotonic())
-            raise
-        finally:
-            if writer is not None:
-                _close(writer)
-
-    async def stream(self, peer_id: str, request: Message, timeout: float | None = None) -> AsyncIterator[Message]:
-        """One request, replies until the server ends the stream. `timeout` bounds the whole call."""
+    @contextlib.asynccontextmanager
+    async def _exchange(self, peer_id: str, request: Message, timeout: float | None):
+        """A stream to `peer_id` with `request` written on it, under one deadline; yields the
+        reply reader. Timeouts become CallTimeout; a malformed reply scores the peer down."""
         timeout = self.config.call_timeout_s if timeout is None else timeout
         writer = None
         try:
@@ -362,19 +326,46 @@ class Transport:
                 reader, writer = await self._open(peer_id)
                 frames = _FrameReader(reader, self.config.max_frame_size)
                 await _write(writer, request, self.config.max_frame_size)
-                while True:
-                    msg = await frames.next()
-                    if msg is None:
-                        return
-                    yield self._check_reply(peer_id, msg)
+                yield frames, writer
         except TimeoutError:
-            raise CallTimeout(f"{type(request).__name__} stream from {peer_id} timed out after {timeout:.1f} s") from None
+            raise CallTimeout(f"{type(request).__name__} with {peer_id} timed out after {timeout:.1f} s") from None
         except RemoteProtocolError:
             self.scores.penalize(peer_id, 2.0, time.monotonic())
             raise
         finally:
             if writer is not None:
                 _close(writer)
+
+    async def send(
+        self, peer_id: str, request: Message, more: Iterable[Message] | AsyncIterator[Message] = (), timeout: float | None = None
+    ) -> Message:
+        """A request followed by more frames (client streaming); one reply."""
+        async with self._exchange(peer_id, request, timeout) as (frames, writer):
+            try:
+                if hasattr(more, "__aiter__"):
+                    async for msg in more:  # type: ignore[union-attr]
+                        await _write(writer, msg, self.config.max_frame_size)
+                else:
+                    for msg in more:  # type: ignore[union-attr]
+                        await _write(writer, msg, self.config.max_frame_size)
+            except (ConnectionError, BrokenPipeError) as e:
+                # the server may have refused before reading everything: its reply says why
+                try:
+                    reply = await asyncio.wait_for(frames.next(), 2.0)
+                except (ConnectionError, TimeoutError, RemoteProtocolError):
+                    reply = None
+                if isinstance(reply, Error):
+                    raise RemoteError(peer_id, reply.code, reply.message) from None
+                raise e
+            reply = self._check_reply(peer_id, await frames.next())
+            self.stats["calls_made"] += 1
+            return reply
+
+    async def stream(self, peer_id: str, request: Message, timeout: float | None = None) -> AsyncIterator[Message]:
+        """One request, replies until the server ends the stream. `timeout` bounds the whole call."""
+        async with self._exchange(peer_id, request, timeout) as (frames, _):
+            while (msg := await frames.next()) is not None:
+                yield self._check_reply(peer_id, msg)
 
     async def ping(self, peer_id: str, timeout: float = 5.0) -> float:
         """Round-trip time in seconds."""

@@ -51,7 +51,8 @@ def emit(**event) -> None:
 
 
 async def main() -> None:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("node.averaging").setLevel(logging.DEBUG)  # the test keeps this log for diagnosis
     initial = sys.argv[1:]
     host = await Host.start(SigningKey.generate(), HostConfig(initial_peers=tuple(initial)))
     transport = Transport(host)

@@ -5,6 +5,8 @@ import os
 import psutil
 import pytest
 
+from tests.swarm import Swarm
+
 
 def _name(p: psutil.Process) -> str:
     try:
@@ -35,3 +37,13 @@ def no_orphan_processes():
     psutil.wait_procs(alive, timeout=5)
     if names:
         pytest.fail(f"test left processes running: {', '.join(names)}")
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    """Daemons started from their console scripts (see tests/swarm.py); whatever is left of
+    them is killed afterwards, and a daemon whose children outlived it fails the test."""
+    s = Swarm(tmp_path)
+    yield s
+    orphans = s.close()
+    assert not orphans, orphans

@@ -18,6 +18,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from node.osutil import session_pids
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -40,21 +42,6 @@ def wait_for(cond, timeout: float, what: str, interval: float = 0.1):
             last_exc = e
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
-
-
-def session_pids(sid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != b"Z":
-                out.append(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
 
 
 class Proc:

@@ -29,19 +29,11 @@ from node.p2p import Host, HostConfig, PeerUnreachable
 from node.transport import CallTimeout, RemoteError, Transport
 from protocol import Heartbeat, Register, RemoteProtocolError, RoleAssignment, SigningKey
 from protocol.manifest import ManifestError
-from tests.swarm import Swarm, wait_for
+from tests.swarm import wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 CONFIG = {"arch": "tiny", "d_model": 64}
-
-
-@pytest.fixture
-def swarm(tmp_path):
-    s = Swarm(tmp_path)
-    yield s
-    orphans = s.close()
-    assert not orphans, orphans
 
 
 def make_state(seed: int, mb: float = 0.5) -> dict[str, dict[str, torch.Tensor]]:

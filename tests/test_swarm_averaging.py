@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.swarm import ROOT, session_pids, wait_for
+from tests.swarm import ROOT, session_pids
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 

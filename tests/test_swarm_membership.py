@@ -7,22 +7,14 @@ import msgpack
 import pytest
 
 from node.p2p import Host, HostConfig
-from node.transport import RPC_PROTOCOL, RemoteError, Transport
+from node.transport import RPC_PROTOCOL, Transport
 from protocol import PROTOCOL_VERSION, Decoder, Error, Ping, Pong, SigningKey
-from tests.swarm import Swarm, node_peer_id, wait_for
+from tests.swarm import node_peer_id, wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 FAST = ["--heartbeat-interval-s", "0.5", "--bandwidth-mbps", "100"]
 IDLE = ["--min-replicas", "99"]  # replicas wait for a quorum that never comes: membership only, no training load
-
-
-@pytest.fixture
-def swarm(tmp_path):
-    s = Swarm(tmp_path)
-    yield s
-    orphans = s.close()
-    assert not orphans, orphans
 
 
 def _frame(body) -> bytes:

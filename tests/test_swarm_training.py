@@ -19,14 +19,6 @@ RUN = [
 NODE = ["--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "0.5", "--num-shards", "4"]
 
 
-@pytest.fixture
-def swarm(tmp_path):
-    s = Swarm(tmp_path)
-    yield s
-    orphans = s.close()
-    assert not orphans, orphans
-
-
 def history(swarm: Swarm, name: str) -> list[dict]:
     path = Path(swarm.tmp) / name / "replica-stats.json"
     try:

@@ -1,0 +1,80 @@
+"""Small operating-system helpers shared by the node, the coordinator, tests and benchmarks:
+durable files (fsync, hashing, removal) and process bookkeeping through /proc (Linux)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+HASH_BLOCK = 4 << 20  # bytes read at a time when hashing a file
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory (a directory fsync makes renames and creates in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(HASH_BLOCK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a directory tree, missing or not; a symlink is unlinked, never followed."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stat_fields(entry: str) -> list[bytes] | None:
+    """Fields of /proc/<pid>/stat after the command name: [state, ppid, pgrp, session, ...]."""
+    try:
+        with open(f"/proc/{entry}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _pids_where(index: int, value: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _stat_fields(entry)
+        try:
+            if fields is not None and int(fields[index]) == value and fields[0] != b"Z":
+                out.append(int(entry))
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+def children_of(pid: int) -> list[int]:
+    """Live direct children of `pid`."""
+    return _pids_where(1, pid)
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes whose session id is `sid` (a process started with start_new_session and
+    everything it started, unless they moved to another session)."""
+    return _pids_where(3, sid)
