@@ -114,6 +114,7 @@ class AverageReport:
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
     bounds: tuple[int, ...] = ()  # slice bounds of the flat vector
+    late: bool = False  # failed because the group formed without us (others may still be averaging)
 
 
 class AveragingFailed(Exception):
@@ -125,7 +126,12 @@ class AveragingFailed(Exception):
 
 
 class _Fail(Exception):
-    """Internal: ends a round with a reason."""
+    """Internal: ends a round with a reason. `late`: the group formed without us (or nobody
+    came): the others may well be averaging right now."""
+
+    def __init__(self, reason: str, late: bool = False):
+        super().__init__(reason)
+        self.late = late
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +244,7 @@ class _Matchmaking:
     key: str
     numel: int
     codec: str
+    window: float  # seconds this peer, as leader, keeps the group open
     mode: str = "candidate"  # candidate | leader | follower | closed
     following: str = ""
     pending: dict[str, tuple[AvgJoin, asyncio.Future]] = field(default_factory=dict)
@@ -299,10 +306,12 @@ class Averager:
         weight: float = 1.0,
         expected_peers: int | None = None,
         state_key: str | None = None,
+        join_timeout_s: float | None = None,
     ) -> tuple[list[torch.Tensor], AverageReport]:
         """Average `tensors` with the peers averaging the same `key`. Returns new tensors and a
         report, or raises AveragingFailed (inputs and error-feedback state untouched).
-        `state_key` names the error-feedback residual that carries over between rounds."""
+        `state_key` names the error-feedback residual that carries over between rounds;
+        `join_timeout_s` overrides the config's wait for late peers for this round."""
         t0 = time.monotonic()
         report = AverageReport(key=key)
         if not (math.isfinite(weight) and weight > 0):
@@ -312,13 +321,15 @@ class Averager:
         # flattening, checking and snapshotting (seconds for big models) overlap matchmaking
         prepare = asyncio.get_running_loop().run_in_executor(None, self._prepare, key, tensors)
         try:
-            group = await self._matchmake(key, numel, weight, expected_peers, report)
+            window = self.config.join_timeout_s if join_timeout_s is None else join_timeout_s
+            group = await self._matchmake(key, numel, weight, expected_peers, report, window)
             report.phases["matchmaking"] = time.monotonic() - t0
             flat = await prepare
             result, new_residual = await self._run_round(group, flat, state_key, report)
         except (_Fail, *_NET_ERRORS) as e:
             # the residual of earlier rounds is untouched (this round wrote into a spare)
             report.ok, report.reason = False, str(e) or type(e).__name__
+            report.late = getattr(e, "late", False)
             report.seconds = time.monotonic() - t0
             await asyncio.gather(prepare, return_exceptions=True)
             raise AveragingFailed(report) from None
@@ -353,18 +364,18 @@ class Averager:
 
     # ---- matchmaking ---------------------------------------------------------------------------
 
-    async def _matchmake(self, key: str, numel: int, weight: float, expected: int | None, report: AverageReport) -> AvgGroup:
+    async def _matchmake(self, key: str, numel: int, weight: float, expected: int | None, report: AverageReport, window: float) -> AvgGroup:
         if key in self._matchmaking or key in self._closed_keys:
             raise _Fail(f"round {key} was already averaged or is in progress here")
-        mm = _Matchmaking(key, numel, self.config.codec)
+        mm = _Matchmaking(key, numel, self.config.codec, window)
         self._matchmaking[key] = mm
         me = self.peer_id
         join = AvgJoin(round_key=key, numel=numel, weight=weight, bandwidth=self.bandwidth, codec=self.config.codec)
-        deadline = time.monotonic() + self.config.join_timeout_s
+        deadline = time.monotonic() + window
         rec = MemberRecord(self.config.swarm_id, me, (), "averaging", 0, time.time()).sign(self.host.key)
         # announced in the background: peers that know the group from the last round do not
         # need the DHT at all, and the others find us there a moment later
-        self._spawn(self.host.dht_store(self._dht_key(key), rec.to_bytes(), time.time() + self.config.join_timeout_s + 60, subkey=me))
+        self._spawn(self.host.dht_store(self._dht_key(key), rec.to_bytes(), time.time() + window + 60, subkey=me))
         excluded: set[str] = set()
         # the leader of the last round is most likely the leader of this one
         target: str | None = min(self._last_members) if me in self._last_members else None
@@ -385,7 +396,8 @@ class Averager:
             mm.mode, mm.following = "follower", target
             self._redirect_pending(mm, target)
             try:
-                reply = await self.transport.call(target, join, timeout=self.config.join_timeout_s + 2 * self.config.decision_grace_s)
+                # a leader answers by the end of its own window, which may be longer than ours
+                reply = await self.transport.call(target, join, timeout=3 * window + 2 * self.config.decision_grace_s)
             except _NET_ERRORS as e:
                 log.debug("matchmaking %s: %s unusable as leader: %s", key, target[-8:], e)
                 excluded.add(target)
@@ -412,9 +424,9 @@ class Averager:
                 target, predicted = None, False  # a predicted leader may just not have arrived yet
                 await asyncio.sleep(0.05)
                 if time.monotonic() > deadline:
-                    raise _Fail("no group formed before the join deadline")
+                    raise _Fail("no group formed before the join deadline", late=True)
                 continue
-            raise _Fail(f"too late for round {key}: {reply.reason or 'the group formed without us'}")
+            raise _Fail(f"too late for round {key}: {reply.reason or 'the group formed without us'}", late=True)
 
     async def _candidates(self, key: str) -> set[str]:
         raw = await self.host.dht_get(self._dht_key(key))
@@ -454,7 +466,7 @@ class Averager:
             for _, fut in mm.pending.values():
                 if not fut.done():
                     fut.set_result(AvgGroup(status="closed", reason="too few peers for a group"))
-            raise _Fail(f"too late or alone: no other peer joined {mm.key} within {self.config.join_timeout_s:.1f} s")
+            raise _Fail(f"too late or alone: no other peer joined {mm.key} within {mm.window:.1f} s", late=True)
         bws = [joins[m].bandwidth or self.config.default_bandwidth for m in members]
         gather = self.config.resolved_gather_codec
         per_elem = max(_WIRE_BYTES.get(self.config.codec, 4.0), _WIRE_BYTES.get(gather, 4.0))
@@ -515,7 +527,7 @@ class Averager:
         mm.pending[ctx.peer_id] = (req, fut)
         mm.changed.set()
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout=self.config.join_timeout_s + self.config.decision_grace_s)
+            return await asyncio.wait_for(asyncio.shield(fut), timeout=mm.window + self.config.decision_grace_s)
         except TimeoutError:
             mm.pending.pop(ctx.peer_id, None)
             return AvgGroup(status="closed", reason="the leader did not form a group in time")

@@ -211,7 +211,8 @@ class Replica:
         self._publish_progress(val)
         while not self._stop:
             if self.run.max_outer_steps and self.round >= self.run.max_outer_steps:
-                log.info("replica: finished %d outer steps (val loss %.4f, hash %s)", self.round, self.history[-1]["val_loss"] if self.history else float("nan"), self.hash)
+                losses = [e["val_loss"] for e in self.history if "val_loss" in e]
+                log.info("replica: finished %d outer steps (val loss %.4f, hash %s)", self.round, losses[-1] if losses else float("nan"), self.hash)
                 await asyncio.gather(*self._uploads, return_exceptions=True)
                 await asyncio.Event().wait()  # keep serving our state and reporting until stopped
             await self._one_round()
@@ -235,11 +236,16 @@ class Replica:
         expected = await self._count_replicas()
         key = f"outer-{self.round}-{self.hash[:8]}"
         t1 = time.monotonic()
+        # wait for slower replicas up to one inner phase: replicas differ in speed, and a
+        # window shorter than that difference would leave the fast and the slow ones alone
+        window = max(self.run.join_timeout_s, t_inner)
         try:
-            avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=expected, state_key="outer")
+            avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=expected, state_key="outer", join_timeout_s=window)
         except AveragingFailed as e:
             log.warning("outer step %d: averaging failed (%s)", self.round, e.report.reason)
-            if not await self._catch_up(wait_s=self.run.join_timeout_s + 5):
+            # late: the others may be averaging without us right now; wait for their result.
+            # Otherwise the round failed for everyone: a quick look, then move on together.
+            if not await self._catch_up(wait_s=window + t_inner + 5 if e.report.late else 3.0):
                 # nobody got further: the round failed for everyone; keep our local progress
                 # and move on together (the next pseudo-gradient covers both rounds' steps)
                 self.round += 1

@@ -1,0 +1,137 @@
+"""The settings every arm of bench/convergence.py shares, and the warm-start checkpoint file.
+
+Kept apart from the CLI so that the arm (a) workers (one process per rank) import only this,
+torch and node/, never argparse wiring or the other arms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from node.diloco import TrainConfig
+from node.model import PRESETS, GPTConfig
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One convergence comparison. Steps are inner (optimizer) steps of one replica."""
+
+    preset: str = "small"  # model shape, a key of node.model.PRESETS
+    warmup_steps: int = 600  # steps of the shared synchronous warm start (one stream, before any arm)
+    steps: int = 800  # steps every arm trains after the warm start (per replica / per rank)
+    inner_steps: int = 50  # H: inner steps between two outer steps; also the evaluation interval
+    replicas: int = 4  # DiLoCo replicas / data-parallel ranks
+    batch_size: int = 16  # sequences per step per replica (the sync arm's global batch is replicas·this)
+    inner_lr: float = 3e-3  # peak AdamW lr, in the warm start and in every arm
+    lr_warmup: int = 50  # linear lr warmup steps at the start of the warm start and of each arm (fresh AdamW)
+    outer_lr: float = 1.0  # DiLoCo outer Nesterov SGD lr
+    outer_momentum: float = 0.9  # DiLoCo outer Nesterov momentum
+    codec: str = "int8"  # pseudo-gradient codec of (b)/(c): int8 | fp16 | none
+    block_size: int = 1024  # int8 codec: elements per absmax block
+    eval_batches: int = 16  # validation batches of batch_size windows each, every evaluation
+    eval_seed: int = 1234  # which validation windows: the same for every arm and every evaluation
+    seed: int = 0  # data sampling seed (rank/replica r samples with seed + r)
+    threads: int = 1  # torch intra-op threads per process
+    join_timeout_s: float = 60.0  # (b): how long an averaging round waits for late replicas (stragglers on shared cores)
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r} (one of {', '.join(PRESETS)})")
+        for name in ("steps", "inner_steps", "batch_size", "eval_batches", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.warmup_steps < 0 or self.lr_warmup < 0 or self.seed < 0:
+            raise ValueError("warmup_steps, lr_warmup and seed must be ≥ 0")
+        if self.replicas < 2:
+            raise ValueError(f"replicas must be ≥ 2 (an all-reduce needs peers), got {self.replicas}")
+        if self.steps % self.inner_steps:
+            raise ValueError(f"steps ({self.steps}) must be a multiple of inner_steps ({self.inner_steps})")
+        if not self.join_timeout_s > 0:
+            raise ValueError(f"join_timeout_s must be > 0, got {self.join_timeout_s}")
+        if self.codec not in ("int8", "fp16", "none"):
+            raise ValueError(f"codec must be int8, fp16 or none, got {self.codec!r}")
+
+    @property
+    def outer_steps(self) -> int:
+        return self.steps // self.inner_steps
+
+    def model_config(self) -> GPTConfig:
+        return PRESETS[self.preset]
+
+    def train_config(self) -> TrainConfig:
+        """What each arm trains with after the warm start: a fresh AdamW whose lr warms up again
+        and decays (cosine) over `steps`."""
+        return TrainConfig(
+            batch_size=self.batch_size, inner_lr=self.inner_lr, warmup_steps=self.lr_warmup,
+            total_steps=self.steps, inner_steps=self.inner_steps, outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum, seed=self.seed,
+        )  # fmt: skip
+
+    def warm_train_config(self) -> TrainConfig:
+        return TrainConfig(
+            batch_size=self.batch_size, inner_lr=self.inner_lr, warmup_steps=min(self.lr_warmup, self.warmup_steps),
+            total_steps=max(1, self.warmup_steps), seed=self.seed,
+        )  # fmt: skip
+
+    def warm_key(self) -> dict[str, Any]:
+        """The settings the warm-start checkpoint depends on (to reuse one from an earlier run)."""
+        keys = ("preset", "warmup_steps", "batch_size", "inner_lr", "lr_warmup", "seed")
+        return {k: getattr(self, k) for k in keys}
+
+    @staticmethod
+    def comparable(d: dict[str, Any]) -> dict[str, Any]:
+        """The fields that decide an arm's losses and bytes (not how fast or how patiently it ran):
+        arms of runs with equal comparable settings can be put side by side."""
+        return {k: v for k, v in d.items() if k not in ("threads", "join_timeout_s")}
+
+    def codec_params(self) -> dict[str, Any]:
+        return {"block_size": self.block_size} if self.codec == "int8" else {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Settings:
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown Settings field(s): {', '.join(unknown)}")
+        return cls(**d)
+
+
+def ring_allreduce_bytes(numel: int, n: int, bytes_per_elem: float = 4.0) -> float:
+    """Bytes one member sends in a ring (or butterfly) all-reduce of `numel` elements among n:
+    (n−1)/n of the vector in the reduce-scatter, as much again in the all-gather."""
+    return 2 * (n - 1) / n * numel * bytes_per_elem
+
+
+def set_threads(n: int) -> None:
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # only settable before the first parallel work; harmless if too late
+        pass
+
+
+def thread_env(n: int) -> dict[str, str]:
+    """Environment for a child process that should use n threads (OpenMP/MKL read these at start)."""
+    return {**os.environ, "OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write through a temp file and rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)

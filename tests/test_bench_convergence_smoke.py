@@ -1,0 +1,73 @@
+"""bench/convergence.py runs arms (a) and (c) end to end at a tiny size and reports sane numbers."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_convergence_quick_sync_and_simulation(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.convergence", "--quick", "--arms", "a,c", "--json", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
+    result = json.loads(out.stdout)
+    st = result["settings"]
+    assert (st["preset"], st["replicas"], st["inner_steps"]) == ("tiny", 2, 10)
+    warm = result["warm_start"]["val_loss"]
+    assert math.isfinite(warm) and warm < math.log(256)  # the warm start learned something
+    assert (tmp_path / "warm_start.safetensors").exists()
+
+    steps = list(range(0, st["steps"] + 1, st["inner_steps"]))
+    for arm in ("a", "c"):
+        r = result["arms"][arm]
+        assert r["status"] == "ok", r
+        assert [p["step"] for p in r["curve"]] == steps
+        losses = [p["val_loss"] for p in r["curve"]]
+        assert all(math.isfinite(v) for v in losses), losses
+        assert losses[0] == pytest.approx(warm)  # both start from the one warm-start checkpoint
+        assert losses[-1] < warm, losses  # and train from there
+        assert len(r["bytes_sent_per_node"]) == st["replicas"] and r["bytes_per_node"] > 0
+        assert json.loads((tmp_path / f"arm_{arm}.json").read_text())["final_val_loss"] == r["final_val_loss"]
+
+    a, c = result["arms"]["a"], result["arms"]["c"]
+    # (a): 2(N-1)/N·numel·4 per step; tiny preset ≈ 0.14M params
+    assert a["bytes_per_node"] == int(2 * (st["replicas"] - 1) / st["replicas"] * a["numel"] * 4 * st["steps"])
+    summary = result["summary"]
+    assert summary["bytes_ratio"] == summary["bytes_ratio_a_over_c"] > 10
+    assert summary["final_val_loss"]["a"] == pytest.approx(a["final_val_loss"], abs=1e-5)
+    assert summary["final_val_loss"]["c"] == pytest.approx(c["final_val_loss"], abs=1e-5)
+    assert "c_vs_a_rel_diff" in summary and "b" not in result["arms"]
+
+
+@pytest.mark.swarm
+def test_convergence_quick_swarm_matches_simulation(tmp_path):
+    """Arm (b), real coordinator + replicas on loopback, against the one-process simulation (c)."""
+    from bench.convergence_swarm import unavailable
+
+    if why := unavailable():
+        pytest.skip(why)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.convergence", "--quick", "--arms", "b,c", "--json", "--out", str(tmp_path), "--timeout", "240"],
+        cwd=ROOT, capture_output=True, text=True, timeout=290, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
+    result = json.loads(out.stdout)
+    st, b, c = result["settings"], result["arms"]["b"], result["arms"]["c"]
+    assert b["status"] == "ok", b
+    # every round averaged every replica, as in (c); the logs of the swarm are in tmp_path/swarm
+    assert b["members_per_round"] == [st["replicas"]] * (st["steps"] // st["inner_steps"]), b
+    assert [p["step"] for p in b["curve"]] == [p["step"] for p in c["curve"]]
+    assert b["final_state_hashes_agree"] and "hash_disagreements" not in b
+    assert b["clean_shutdown"], "a swarm process had to be killed"
+    assert b["final_val_loss"] < result["warm_start"]["val_loss"]
+    assert abs(result["summary"]["b_vs_c_rel_diff"]) < 0.01
+    # measured bytes of the butterfly all-reduce vs the simulation's 2(N-1)/N·encoded estimate
+    assert b["bytes_per_node"] == pytest.approx(c["bytes_per_node"], rel=0.05)
