@@ -1,0 +1,8 @@
+"""Benchmarks (not tests): each prints JSON with --json, ours side by side with the anchors.
+
+    codecs.py       our tensor codecs vs hivemind compression classes
+    allreduce.py    our all-reduce vs hivemind DecentralizedAverager vs torch.distributed gloo
+                    (allreduce_peer.py: one peer process; netns.py: emulated links; workers.py)
+    convergence.py  DiLoCo over the swarm vs sync data parallelism vs the one-process simulation
+                    (convergence_sync.py, convergence_swarm.py, convergence_settings.py)
+"""
