@@ -181,7 +181,7 @@ def previous_arms(out_dir: Path, settings: Settings, warm_hash: str, skip: list[
             r = json.loads(path.read_text())
         except ValueError:
             continue
-        if r.get("status") == "ok" and Settings.comparable(r.get("settings") or {}) == Settings.comparable(settings.to_dict()) and r.get("warm_start_hash") == warm_hash:
+        if r.get("status") == "ok" and Settings.comparable(r.get("settings") or {}, arm) == Settings.comparable(settings.to_dict(), arm) and r.get("warm_start_hash") == warm_hash:
             out[arm] = {**r, "reused": True}
     return out
 

@@ -86,10 +86,14 @@ class Settings:
         return {k: getattr(self, k) for k in keys}
 
     @staticmethod
-    def comparable(d: dict[str, Any]) -> dict[str, Any]:
+    def comparable(d: dict[str, Any], arm: str | None = None) -> dict[str, Any]:
         """The fields that decide an arm's losses and bytes (not how fast or how patiently it ran):
-        arms of runs with equal comparable settings can be put side by side."""
-        return {k: v for k, v in d.items() if k not in ("threads", "join_timeout_s")}
+        arms of runs with equal comparable settings can be put side by side. The synchronous arm
+        (a) has no outer optimizer and no codec, so a DiLoCo sweep can reuse one run of it."""
+        ignored = {"threads", "join_timeout_s"}
+        if arm == "a":
+            ignored |= {"outer_lr", "outer_momentum", "codec", "block_size"}
+        return {k: v for k, v in d.items() if k not in ignored}
 
     def codec_params(self) -> dict[str, Any]:
         return {"block_size": self.block_size} if self.codec == "int8" else {}

@@ -71,3 +71,14 @@ def test_convergence_quick_swarm_matches_simulation(tmp_path):
     assert abs(result["summary"]["b_vs_c_rel_diff"]) < 0.01
     # measured bytes of the butterfly all-reduce vs the simulation's 2(N-1)/N·encoded estimate
     assert b["bytes_per_node"] == pytest.approx(c["bytes_per_node"], rel=0.05)
+
+
+def test_an_outer_lr_sweep_reuses_the_sync_arm_but_not_the_diloco_arms():
+    from bench.convergence_settings import Settings
+
+    base, swept = Settings().to_dict(), Settings(outer_lr=1.2, codec="fp16").to_dict()
+    assert Settings.comparable(base, "a") == Settings.comparable(swept, "a")
+    for arm in ("b", "c"):
+        assert Settings.comparable(base, arm) != Settings.comparable(swept, arm)
+    # the sync arm's evaluation points follow H: another H is another curve
+    assert Settings.comparable(base, "a") != Settings.comparable(Settings(inner_steps=40).to_dict(), "a")
