@@ -259,7 +259,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     p.add_argument("--inner-steps", type=int, help=f"H, inner steps per outer step and between evaluations (default {d.inner_steps})")
     p.add_argument("--replicas", type=int, help=f"replicas / ranks (default {d.replicas})")
     p.add_argument("--batch-size", type=int, help=f"sequences per step per replica (default {d.batch_size})")
-    p.add_argument("--inner-lr", type=float, help=f"peak AdamW lr (default {d.inner_lr})")
+    p.add_argument("--inner-lr", type=float, help=f"peak AdamW lr of the arms (default {d.inner_lr})")
+    p.add_argument("--warm-lr", type=float, help=f"peak AdamW lr of the warm start (default {d.warm_lr})")
     p.add_argument("--lr-warmup-steps", type=int, dest="lr_warmup", help=f"linear lr warmup of each phase (default {d.lr_warmup})")
     p.add_argument("--outer-lr", type=float, help=f"outer Nesterov lr (default {d.outer_lr})")
     p.add_argument("--outer-momentum", type=float, help=f"outer momentum (default {d.outer_momentum})")
@@ -272,7 +273,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     p.add_argument("--timeout", type=float, help="seconds an arm may take before it is failed (default 300 with --quick, else 7200)")
     p.add_argument("--out", metavar="DIR", help="keep artifacts here (default: a temporary directory, removed)")
     args = p.parse_args(argv)
-    names = ("preset", "warmup_steps", "steps", "inner_steps", "replicas", "batch_size", "inner_lr", "lr_warmup", "outer_lr",
+    names = ("preset", "warmup_steps", "steps", "inner_steps", "replicas", "batch_size", "inner_lr", "warm_lr", "lr_warmup", "outer_lr",
              "outer_momentum", "codec", "block_size", "eval_batches", "seed", "threads", "join_timeout_s")  # fmt: skip
     values = dict(QUICK) if args.quick else {}
     values.update({k: getattr(args, k) for k in names if getattr(args, k) is not None})

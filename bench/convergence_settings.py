@@ -29,7 +29,8 @@ class Settings:
     inner_steps: int = 50  # H: inner steps between two outer steps; also the evaluation interval
     replicas: int = 4  # DiLoCo replicas / data-parallel ranks
     batch_size: int = 16  # sequences per step per replica (the sync arm's global batch is replicas·this)
-    inner_lr: float = 3e-3  # peak AdamW lr, in the warm start and in every arm
+    inner_lr: float = 3e-3  # peak AdamW lr of every arm
+    warm_lr: float = 3e-3  # peak AdamW lr of the warm start
     lr_warmup: int = 50  # linear lr warmup steps at the start of the warm start and of each arm (fresh AdamW)
     outer_lr: float = 1.0  # DiLoCo outer Nesterov SGD lr
     outer_momentum: float = 0.9  # DiLoCo outer Nesterov momentum
@@ -47,6 +48,8 @@ class Settings:
         for name in ("steps", "inner_steps", "batch_size", "eval_batches", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if not (self.inner_lr > 0 and self.warm_lr > 0):
+            raise ValueError(f"inner_lr and warm_lr must be > 0, got {self.inner_lr} and {self.warm_lr}")
         if self.warmup_steps < 0 or self.lr_warmup < 0 or self.seed < 0:
             raise ValueError("warmup_steps, lr_warmup and seed must be ≥ 0")
         if self.replicas < 2:
@@ -76,13 +79,13 @@ class Settings:
 
     def warm_train_config(self) -> TrainConfig:
         return TrainConfig(
-            batch_size=self.batch_size, inner_lr=self.inner_lr, warmup_steps=min(self.lr_warmup, self.warmup_steps),
+            batch_size=self.batch_size, inner_lr=self.warm_lr, warmup_steps=min(self.lr_warmup, self.warmup_steps),
             total_steps=max(1, self.warmup_steps), seed=self.seed,
         )  # fmt: skip
 
     def warm_key(self) -> dict[str, Any]:
         """The settings the warm-start checkpoint depends on (to reuse one from an earlier run)."""
-        keys = ("preset", "warmup_steps", "batch_size", "inner_lr", "lr_warmup", "seed")
+        keys = ("preset", "warmup_steps", "batch_size", "warm_lr", "lr_warmup", "seed")
         return {k: getattr(self, k) for k in keys}
 
     @staticmethod

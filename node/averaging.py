@@ -474,7 +474,11 @@ class Averager:
                 pass
             if expected and len(mm.pending) + 1 >= expected:
                 break
-            smaller = sorted(c for c in (await self._candidates(mm.key)) - excluded if c < self.peer_id)
+            try:  # a slow DHT must not hold the group past the window: joiners stop waiting
+                found = await asyncio.wait_for(self._candidates(mm.key), timeout=max(0.05, deadline - time.monotonic()))
+            except TimeoutError:
+                found = set()
+            smaller = sorted(c for c in found - excluded if c < self.peer_id)
             if smaller:
                 return smaller[0]
         mm.mode = "closed"
