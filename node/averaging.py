@@ -600,9 +600,11 @@ class Averager:
         encoded, decoded, sends, prev = {}, {}, [], None
         n = len(g.members)
         for j in [(my_index + 1 + k) % n for k in range(n)]:  # each member starts with a different owner
+            t_enc = time.monotonic()
             encoded[j], decoded[j] = await loop.run_in_executor(
                 None, self._encode_part, codec, flat, residual, new_residual, state_key, g.bounds[j], g.bounds[j + 1]
             )
+            log.debug("encoded scatter %d in %.3f s", j, time.monotonic() - t_enc)
             if j != my_index:  # sending starts while the next part is being encoded
                 prev = self._send_in_turn(rnd, prev, "scatter", j, encoded[j], g.members[j])
                 sends.append(prev[0])
