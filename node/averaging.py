@@ -433,8 +433,17 @@ class Averager:
                 report.leader = target
                 mm.group = reply
                 return reply
-            if reply.status == "redirect" and reply.redirect and reply.redirect not in excluded and reply.redirect != target:
-                target, predicted = reply.redirect, False
+            if reply.status == "redirect":
+                if reply.redirect and reply.redirect not in excluded and reply.redirect != target:
+                    target, predicted = reply.redirect, False
+                    continue
+                # a redirect we cannot follow (to nowhere, back to the same peer, or to a peer
+                # that already failed us) says nothing about a group: look again in the DHT
+                excluded.add(target)
+                target, predicted = None, False
+                if time.monotonic() > deadline:
+                    raise _Fail("no usable leader before the join deadline", late=True)
+                await asyncio.sleep(0.05)
                 continue
             if reply.reason == "not averaging this key":
                 if not predicted:  # found in the DHT, yet not averaging: finished or restarted
@@ -444,7 +453,7 @@ class Averager:
                 if time.monotonic() > deadline:
                     raise _Fail("no group formed before the join deadline", late=True)
                 continue
-            raise _Fail(f"too late for round {key}: {reply.reason or 'the group formed without us'}", late=True)
+            raise _Fail(f"too late for round {key}: {target[-8:]} answered {reply.status}: {reply.reason or 'the group formed without us'}", late=True)
 
     async def _candidates(self, key: str) -> set[str]:
         raw = await self.host.dht_get(self._dht_key(key))
