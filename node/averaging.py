@@ -395,6 +395,7 @@ class Averager:
         # need the DHT at all, and the others find us there a moment later
         self._spawn(self.host.dht_store(self._dht_key(key), rec.to_bytes(), time.time() + window + 60, subkey=me))
         excluded: set[str] = set()
+        redirects, failures = 0, {}
         # the leader of the last round is most likely the leader of this one
         target: str | None = min(self._last_members) if me in self._last_members else None
         predicted = target is not None
@@ -418,6 +419,10 @@ class Averager:
                 reply = await self.transport.call(target, join, timeout=3 * window + 2 * self.config.decision_grace_s)
             except _NET_ERRORS as e:
                 log.debug("matchmaking %s: %s unusable as leader: %s", key, target[-8:], e)
+                failures[target] = failures.get(target, 0) + 1
+                if failures[target] == 1 and not isinstance(e, CallTimeout) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)  # one retry: a stream can close under load
+                    continue
                 excluded.add(target)
                 target, predicted = None, False
                 if time.monotonic() > deadline:
@@ -434,11 +439,15 @@ class Averager:
                 mm.group = reply
                 return reply
             if reply.status == "redirect":
-                if reply.redirect and reply.redirect not in excluded and reply.redirect != target:
+                if reply.redirect and reply.redirect != target and redirects < 16:
+                    # the redirect names the peer the others follow: worth another try even if
+                    # an earlier call to it failed (a stream closed under load, say)
+                    redirects += 1
+                    excluded.discard(reply.redirect)
                     target, predicted = reply.redirect, False
                     continue
-                # a redirect we cannot follow (to nowhere, back to the same peer, or to a peer
-                # that already failed us) says nothing about a group: look again in the DHT
+                # a redirect we cannot follow (to nowhere, back to the same peer, or in circles)
+                # says nothing about a group: look again in the DHT
                 excluded.add(target)
                 target, predicted = None, False
                 if time.monotonic() > deadline:
