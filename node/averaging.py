@@ -4,18 +4,20 @@ One round, as each member sees it:
 
 1. **Matchmaking.** Publish a signed record under the round's DHT key, then join the group of
    the smallest peer id that wants the same key (it leads; a leader that sees a smaller id
-   later hands its joiners over). The leader closes the group when `expected_peers` have
+   later hands its joiners over; a joiner follows such redirects). The leader closes the group when `expected_peers` have
    joined or its join window ends, and tells everyone the members, their order, the slice
-   bounds (sized by bandwidth), the codec, and phase deadlines derived from bandwidth. A peer
+   bounds (sized by bandwidth, in half-octave steps), the codec, and phase deadlines derived from bandwidth. A peer
    that arrives after the group closed is told so and waits for the next round.
 2. **Scatter.** The flat vector is cut into one slice per member. Every member sends each owner
-   its part, compressed with error feedback, streamed in chunks, all owners at once.
+   its part, compressed with error feedback, streamed in chunks, one owner at a time starting
+   after its own index (so each link carries one flow at a time; see `_send_in_turn`).
 3. **Decision.** Every member reports to the leader whose parts it received intact and whom it
-   blames (dead, late, NaN, wrong shape). The leader decides who survives; a failed member's
+   blames (dead, late, NaN, wrong shape). The leader decides who survives (an accuser of half
+   the group whom nobody corroborates is the one excluded); a failed member's
    contribution is dropped everywhere and its slice is re-owned by a survivor (its part is
    re-sent there). Fewer survivors than `min_group_size`: the round aborts.
 4. **Aggregate + gather.** Owners aggregate their slices over the survivors (mean, or a robust
-   aggregator) and send the result to every survivor; the owner keeps the decoded copy of what
+   aggregator) and send the result to every survivor, in turn as in the scatter; the owner keeps the decoded copy of what
    it sent, so every member holds the same bits.
 5. **Commit.** Members report that they hold every slice; the leader commits only if all
    survivors do, else aborts. Only on commit is the result applied.

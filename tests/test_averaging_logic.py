@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from node.averaging import decide_survivors, reassign, slice_bounds, slice_shares
@@ -22,7 +24,7 @@ def test_noisy_equal_bandwidths_get_equal_slices():
     shares = slice_shares([10.9e6, 12.5e6, 9.8e6, 11.6e6])
     assert shares == [1.0, 1.0, 1.0, 1.0]
     bounds = slice_bounds(6_553_600, shares, 1024)
-    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    sizes = [b - a for a, b in pairwise(bounds)]
     assert max(sizes) - min(sizes) <= 1024
 
 
@@ -30,7 +32,7 @@ def test_much_faster_peers_get_proportionally_bigger_slices():
     shares = slice_shares([10e6, 10e6, 40e6, 2.5e6])
     assert shares == [1.0, 1.0, 4.0, 0.25]
     bounds = slice_bounds(1 << 20, shares, 1024)
-    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    sizes = [b - a for a, b in pairwise(bounds)]
     assert sizes[2] == pytest.approx(4 * sizes[0], rel=0.01)
     assert sizes[3] == pytest.approx(sizes[0] / 4, rel=0.02)
 
