@@ -29,6 +29,8 @@ import re
 import subprocess
 from dataclasses import dataclass, field
 
+from node.osutil import pid_alive
+
 PREFIX = "stb"
 SUBNET = "10.77.0"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-")
@@ -72,22 +74,12 @@ def check_available() -> None:
         raise NetnsUnavailable(f"ip netns / tc do not work here: {e}") from None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale() -> list[str]:
     """Delete namespaces left by earlier runs whose process is gone; return their names."""
     removed = []
     for ns in list_namespaces():
         m = _NAME.match(ns)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             try:
                 _ip("netns", "del", ns)
                 removed.append(ns)
