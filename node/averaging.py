@@ -4,21 +4,22 @@ One round, as each member sees it:
 
 1. **Matchmaking.** Publish a signed record under the round's DHT key, then join the group of
    the smallest peer id that wants the same key (it leads; a leader that sees a smaller id
-   later hands its joiners over; a joiner follows such redirects). The leader closes the group when `expected_peers` have
-   joined or its join window ends, and tells everyone the members, their order, the slice
-   bounds (sized by bandwidth, in half-octave steps), the codec, and phase deadlines derived from bandwidth. A peer
-   that arrives after the group closed is told so and waits for the next round.
+   later hands its joiners over; a joiner follows such redirects). The leader closes the group
+   when `expected_peers` have joined or its join window ends, and tells everyone the members,
+   their order, the slice bounds (sized by bandwidth, in half-octave steps), the codec, and
+   phase deadlines derived from bandwidth. A peer that arrives after the group closed is told
+   so and waits for the next round.
 2. **Scatter.** The flat vector is cut into one slice per member. Every member sends each owner
    its part, compressed with error feedback, streamed in chunks, one owner at a time starting
    after its own index (so each link carries one flow at a time; see `_send_in_turn`).
 3. **Decision.** Every member reports to the leader whose parts it received intact and whom it
    blames (dead, late, NaN, wrong shape). The leader decides who survives (an accuser of half
-   the group whom nobody corroborates is the one excluded); a failed member's
-   contribution is dropped everywhere and its slice is re-owned by a survivor (its part is
-   re-sent there). Fewer survivors than `min_group_size`: the round aborts.
+   the group whom nobody corroborates is the one excluded); a failed member's contribution is
+   dropped everywhere and its slice is re-owned by a survivor (its part is re-sent there).
+   Fewer survivors than `min_group_size`: the round aborts.
 4. **Aggregate + gather.** Owners aggregate their slices over the survivors (mean, or a robust
-   aggregator) and send the result to every survivor, in turn as in the scatter; the owner keeps the decoded copy of what
-   it sent, so every member holds the same bits.
+   aggregator) and send the result to every survivor, in turn as in the scatter; the owner
+   keeps the decoded copy of what it sent, so every member holds the same bits.
 5. **Commit.** Members report that they hold every slice; the leader commits only if all
    survivors do, else aborts. Only on commit is the result applied.
 
@@ -746,8 +747,8 @@ class Averager:
         return split(enc, f"{rnd.group.group_id}|{phase}|{j}", self.config.chunk_bytes)
 
     def _send_in_turn(self, rnd: _Round, prev: tuple[asyncio.Task, int] | None, phase: str, j: int, enc, peer: str, parts=None):
-        """(task, bytes): a task sending a part once `prev` (the send before it, and its size) is done, or has run longer than
-        it should have. Every member sends its parts in the order of member indices starting
+        """(task, bytes): a task sending a part once `prev` (the send before it, and its size) is
+        done, or has run longer than it should have. Every member sends its parts in the order of member indices starting
         after its own, so at any moment each peer uploads to one receiver and each receiver
         downloads from one sender: on a shaped link, N-1 concurrent flows per peer fight in both
         bottlenecks (measured: ~1.3x the bound for raw TCP all-to-all vs ~1.05x one flow at a
