@@ -131,29 +131,39 @@ def watch(http: int, args, run_dir: Path, t0: float, procs: Procs) -> int:
     shown = -1
     first_loss = None
     print(f"{'outer step':>10} {'val loss':>9} {'replicas':>8}  outer-state hash")
+    seen: dict[str, dict[int, str]] = {}  # replica -> outer step -> the hash it reported there
     while time.monotonic() - t0 < args.timeout_s:
         for name, p in procs.procs:
             if p.poll() is not None:
                 print(f"{name} exited with code {p.returncode}; see {run_dir}/{name}.log")
                 return 1
         status = get_status(http)
-        time.sleep(1.0)
+        time.sleep(0.25)
         if status is None:
             continue
         replicas = [m for m in status["members"] if m["role"] == "replica"]
+        for m in replicas:
+            if m["step"] is not None and m["state_hash"]:
+                seen.setdefault(m["peer_id"], {})[m["step"]] = m["state_hash"]
         steps = [m["step"] or 0 for m in replicas]
         if not replicas or min(steps) <= shown:
             continue
         step = min(steps)
         at_step = [m for m in replicas if m["step"] == step]
-        hashes = {m["state_hash"] for m in at_step}
         losses = [m["loss"] for m in at_step if m["loss"] is not None]
         if not losses:
             continue
+        # a replica may be one step ahead already: compare what each reported at this step
+        hashes = [seen[m["peer_id"]][step] for m in replicas if step in seen.get(m["peer_id"], {})]
         loss = losses[0]
         first_loss = loss if first_loss is None else first_loss
-        same = "identical" if len(hashes) == 1 and len(at_step) == len(replicas) else f"{len(hashes)} different"
-        print(f"{step:>10} {loss:>9.4f} {len(replicas):>8}  {next(iter(hashes))} ({same})", flush=True)
+        if len(set(hashes)) > 1:
+            same = f"{len(set(hashes))} different"
+        elif len(hashes) == len(replicas):
+            same = "identical"
+        else:
+            same = f"identical in the {len(hashes)} replicas seen at this step"
+        print(f"{step:>10} {loss:>9.4f} {len(replicas):>8}  {hashes[0]} ({same})", flush=True)
         shown = step
         if step >= args.outer_steps:
             ckpts = [c["step"] for c in status["checkpoints"]]
