@@ -19,7 +19,11 @@ One round, as each member sees it:
    Fewer survivors than `min_group_size`: the round aborts.
 4. **Aggregate + gather.** Owners aggregate their slices over the survivors (mean, or a robust
    aggregator) and send the result to every survivor, in turn as in the scatter; the owner
-   keeps the decoded copy of what it sent, so every member holds the same bits.
+   keeps the decoded copy of what it sent, so every member holds the same bits. An owner that
+   holds every member's part does not wait for the decision: it aggregates over all members
+   and sends at once ("early" slices). If the decision then excludes nobody, those are the
+   gather; if it excludes someone, they are void everywhere and sent again over the survivors
+   (a per-slice lock makes the post-decision copy the one that stays in the result).
 5. **Commit.** Members report that they hold every slice; the leader commits only if all
    survivors do, else aborts. Only on commit is the result applied.
 
@@ -90,6 +94,7 @@ class AveragerConfig:
     slice_align: int = 1024  # slice bounds are multiples of this (int8 blocks stay whole)
     decision_grace_s: float = 2.0  # extra wait for reports / decisions beyond a phase deadline
     staggered: bool = True  # send a phase's parts one receiver at a time (see `_send_in_turn`)
+    optimistic_gather: bool = True  # an owner holding every part sends its slice before the decision
 
     def __post_init__(self):
         make_codec(self.codec, **self.codec_params)  # fail early on a bad codec
@@ -120,6 +125,8 @@ class AverageReport:
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
     bounds: tuple[int, ...] = ()  # slice bounds of the flat vector
     late: bool = False  # failed because the group formed without us (others may still be averaging)
+    early_used: int = 0  # slices received before the decision and kept (optimistic gather)
+    early_discarded: int = 0  # slices received before a decision that excluded someone: sent again
 
 
 class AveragingFailed(Exception):
@@ -248,6 +255,12 @@ class _Round:
     owners: tuple[str, ...] = ()
     sends: list[asyncio.Task] = field(default_factory=list)  # our outgoing parts, finishing in the background
     result: torch.Tensor | None = None  # the averaged flat vector being assembled
+    # optimistic gather: slices sent before the decision, over every member
+    early_ok: bool | None = None  # None: no decision yet; True: nobody failed, early slices count
+    early_got: set[tuple[int, str]] = field(default_factory=set)  # (slice, sender) kept before the decision
+    early_sends: list[asyncio.Task] = field(default_factory=list)
+    final: set[int] = field(default_factory=set)  # slices written from their post-decision source
+    locks: dict[int, asyncio.Lock] = field(default_factory=dict)  # one writer of a result slice at a time
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -255,6 +268,9 @@ class _Round:
 
     def slice_len(self, j: int) -> int:
         return self.group.bounds[j + 1] - self.group.bounds[j]
+
+    def lock(self, j: int) -> asyncio.Lock:
+        return self.locks.setdefault(j, asyncio.Lock())
 
 
 @dataclass
@@ -635,9 +651,10 @@ class Averager:
         await self._wait_parts(rnd, [("scatter", my_index)], g.members, deadline)
         weights = {m: w for m, w in zip(g.members, g.weights)}
         # while the leader decides, aggregate our slice assuming nobody failed (the usual case)
+        # and start sending it: the decision costs a round trip and the slowest member's scatter
         early = None
         if all(m in rnd.received.get(("scatter", my_index), {}) for m in g.members):
-            early = loop.run_in_executor(None, self._aggregate_encode, rnd, my_index, weights, g.members, gather_codec)
+            early = asyncio.create_task(self._early_gather(rnd, my_index, weights, gather_codec))
         report.phases["scatter"] = time.monotonic() - t
         self._phase(report.key, "scattered")
         t = time.monotonic()
@@ -652,14 +669,19 @@ class Averager:
             reasons=tuple(rnd.blamed.values()),
         )
         try:
+            if self.faults.active:
+                await self.faults.before_report()
             decision = await self._decide(rnd, "scatter", scatter_report, deadline)
         except BaseException:
             if early is not None:
                 await asyncio.gather(early, return_exceptions=True)
             raise
         self._phase(report.key, "decided")
-        if early is not None and tuple(decision.survivors) != g.members:
-            await asyncio.gather(early, return_exceptions=True)  # computed over the wrong members
+        if decision.commit and tuple(decision.survivors) == g.members:
+            rnd.early_ok = True
+            report.early_used = len(rnd.early_got)
+        else:  # slices aggregated before the decision include a failed member: void
+            await self._discard_early(rnd, early)
             early = None
         if not decision.commit:
             raise _Fail(f"round aborted after scatter: {decision.reason}")
@@ -692,17 +714,14 @@ class Averager:
         result = rnd.result
         for j in mine:
             if j == my_index and early is not None:
-                enc = await early
+                enc, sent = await early
+                if sent:
+                    continue  # on its way since before the decision
             else:
-                enc = await loop.run_in_executor(None, self._aggregate_encode, rnd, j, weights, rnd.survivors, gather_codec)
-            parts = self._parts(rnd, "gather", j, enc)
-            n_surv, start = len(rnd.survivors), rnd.survivors.index(g.members[j]) if g.members[j] in rnd.survivors else 0
-            prev = None
-            for k in range(1, n_surv + 1):  # from the slice's next member on, as in the scatter
-                m = rnd.survivors[(start + k) % n_surv]
-                if m != me:
-                    prev = self._send_in_turn(rnd, prev, "gather", j, enc, m, parts)
-                    rnd.sends.append(prev[0])
+                async with rnd.lock(j):
+                    enc = await loop.run_in_executor(None, self._aggregate_encode, rnd, j, weights, rnd.survivors, gather_codec)
+                    rnd.final.add(j)
+            self._send_gather(rnd, "gather", j, enc, rnd.survivors)
         report.phases["aggregate"] = time.monotonic() - t
         t = time.monotonic()
         others = [j for j in range(len(g.members)) if rnd.owners[j] != me]
@@ -724,6 +743,45 @@ class Averager:
         if not decision.commit:
             raise _Fail(f"round aborted after gather: {decision.reason}")
         return result, new_residual
+
+    async def _early_gather(self, rnd: _Round, j: int, weights: dict[str, float], codec) -> tuple[object, bool]:
+        """Our slice aggregated over every member and, unless a decision already excluded
+        someone, sent as an "early" gather: (encoded slice, whether it was sent)."""
+        enc = await asyncio.get_running_loop().run_in_executor(None, self._aggregate_encode, rnd, j, weights, rnd.group.members, codec)
+        if not self.config.optimistic_gather or rnd.early_ok is False:
+            return enc, False
+        rnd.early_sends += self._send_gather(rnd, "early", j, enc, rnd.group.members)
+        return enc, True
+
+    async def _discard_early(self, rnd: _Round, early: asyncio.Task | None) -> None:
+        """The decision excluded someone: stop our early sends, forget the early slices we got
+        (their owners send them again, aggregated over the survivors). A slice still being
+        decoded holds its lock, so whatever is written after it is the right one."""
+        rnd.early_ok = False
+        if early is not None:
+            await asyncio.gather(early, return_exceptions=True)
+        for task in rnd.early_sends:
+            task.cancel()
+        for j, sender in rnd.early_got:
+            if j not in rnd.final:
+                rnd.received.get(("gather", j), {}).pop(sender, None)
+        rnd.report.early_discarded = len(rnd.early_got)
+        rnd.early_got.clear()
+
+    def _send_gather(self, rnd: _Round, phase: str, j: int, enc, members: Sequence[str]) -> list[asyncio.Task]:
+        """Send slice j to every other of `members`, in turn, from the slice's next member on
+        (as in the scatter)."""
+        parts = self._parts(rnd, phase, j, enc)
+        n, owner = len(members), rnd.group.members[j]
+        start = members.index(owner) if owner in members else 0
+        prev, tasks = None, []
+        for k in range(1, n + 1):
+            m = members[(start + k) % n]
+            if m != rnd.me:
+                prev = self._send_in_turn(rnd, prev, phase, j, enc, m, parts)
+                tasks.append(prev[0])
+        rnd.sends += tasks
+        return tasks
 
     def _encode_part(self, codec, flat, residual, new_residual, state_key, a, b):
         """(encoded part, what its owner will decode from it); this round's residual goes to `new_residual`."""
@@ -769,7 +827,7 @@ class Averager:
     async def _send_part(self, rnd: _Round, phase: str, j: int, enc, peer: str, parts: list[TensorPart] | None = None) -> None:
         if self.faults.active:
             await self.faults.before_send()
-            enc, parts = self.faults.outgoing(enc), None
+            enc, parts = self.faults.outgoing(enc, peer), None
         parts = parts or self._parts(rnd, phase, j, enc)
         rnd.report.bytes_sent += enc.nbytes
         log.debug("send %s %d to %s: %d bytes", phase, j, peer[-6:], enc.nbytes)
@@ -844,6 +902,7 @@ class Averager:
                 continue
             if isinstance(reply, AvgDecision) and reply.group_id == rnd.group.group_id and reply.phase == phase:
                 rnd.decisions[phase] = reply
+                rnd.decided[phase].set()
                 return reply
         raise _Fail(f"no decision for {phase}: leader {rnd.leader[-8:]} unreachable ({leader_error})")
 
@@ -892,8 +951,10 @@ class Averager:
         g, sender = rnd.group, ctx.peer_id
         if sender not in g.members:
             raise RPCError("unauthorized", "not a member of this group")
-        if phase not in ("scatter", "gather") or not 0 <= j < len(g.members):
+        if phase not in ("scatter", "gather", "early") or not 0 <= j < len(g.members):
             raise RemoteProtocolError(f"no slice {phase} {j} in this group", "key")
+        if phase == "early" and sender != g.members[j]:
+            raise RPCError("unauthorized", f"slice {j} is not this sender's to send")
         n = rnd.slice_len(j)
         expected_codec = g.codec if phase == "scatter" else g.gather_codec
         asm = TensorAssembler(max_total_size=max(64, n * 8 + 4096))
@@ -910,18 +971,52 @@ class Averager:
                 raise RemoteProtocolError(f"codec {enc.codec}, this group uses {expected_codec}", "codec")
             if enc.dtype != "float32" or enc.shape != (n,):
                 raise RemoteProtocolError(f"expected float32 of shape ({n},), got {enc.dtype} {enc.shape}", "shape")
-            # gathered slices land straight in the result; scatter parts are kept per sender
-            out = rnd.result[g.bounds[j] : g.bounds[j + 1]] if phase == "gather" else None
-            tensor = await asyncio.get_running_loop().run_in_executor(None, self._decode_checked, enc, out)
+            if phase == "scatter":  # kept per sender until the slice is aggregated
+                tensor = await asyncio.get_running_loop().run_in_executor(None, self._decode_checked, enc)
+            elif not await self._decode_slice(rnd, phase, j, sender, enc):
+                return Ack()  # an early slice the decision voided: its owner sends it again
         except RemoteProtocolError as e:
-            rnd.blamed.setdefault(sender, f"bad {phase} part: {e}")
-            rnd.arrived.set()
+            if phase != "early":  # a broken early slice is just not used: the commit says if it is missing
+                rnd.blamed.setdefault(sender, f"bad {phase} part: {e}")
+                rnd.arrived.set()
             raise
-        rnd.received.setdefault((phase, j), {})[sender] = tensor
+        if phase == "scatter":
+            rnd.received.setdefault((phase, j), {})[sender] = tensor
         rnd.report.bytes_received += enc.nbytes
         log.debug("got %s %d from %s: %d bytes", phase, j, sender[-6:], enc.nbytes)
         rnd.arrived.set()
         return Ack()
+
+    async def _decode_slice(self, rnd: _Round, phase: str, j: int, sender: str, enc) -> bool:
+        """Decode an averaged slice straight into the result; whether it counts. A gather slice
+        comes from the slice's owner after the decision; an early one from its first owner
+        before it, and counts only if the decision excluded nobody."""
+        g = rnd.group
+        if phase == "gather":
+            decided = rnd.decisions.get("scatter")
+            if decided is None:  # who owns what is not known here yet: wait for the decision
+                try:
+                    await asyncio.wait_for(rnd.decided["scatter"].wait(), timeout=g.deadline_s + 2 * self.config.decision_grace_s)
+                except TimeoutError:
+                    raise RPCError("timeout", "no decision here in time for this slice") from None
+                decided = rnd.decisions["scatter"]
+            if not decided.commit or sender != decided.owners[j]:
+                raise RPCError("unauthorized", f"slice {j} is not this sender's to send")
+        out = rnd.result[g.bounds[j] : g.bounds[j + 1]]
+        async with rnd.lock(j):
+            if phase == "early" and (rnd.early_ok is False or j in rnd.final):
+                return False
+            await asyncio.get_running_loop().run_in_executor(None, self._decode_checked, enc, out)
+            if phase == "gather":
+                rnd.final.add(j)
+            elif rnd.early_ok is False:  # voided while decoding: what comes after overwrites it
+                return False
+            else:
+                rnd.early_got.add((j, sender))
+                if rnd.early_ok:
+                    rnd.report.early_used += 1
+        rnd.received.setdefault(("gather", j), {})[sender] = out
+        return True
 
     def _decode_checked(self, enc, out=None) -> torch.Tensor:
         """Decode a part; refuse NaN, Inf and values beyond `max_abs` (a poisoning guard)."""

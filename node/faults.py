@@ -21,24 +21,34 @@ CORRUPTIONS = ("", "nan", "shape", "huge")
 class Faults:
     corrupt_parts: str = ""  # outgoing averaging parts: "nan" (NaN values), "shape" (wrong shape), "huge" (1e30 values)
     delay_parts_s: float = 0.0  # sleep before sending each averaging part: a straggler
+    delay_reports_s: float = 0.0  # sleep before reporting a scatter to the leader: slow between phases
+    corrupt_only_to: tuple[str, ...] = ()  # peer ids: corrupt only parts sent to these (a selective liar)
 
     def __post_init__(self):
         if self.corrupt_parts not in CORRUPTIONS:
             raise ValueError(f"corrupt_parts must be one of {CORRUPTIONS}, got {self.corrupt_parts!r}")
-        if not (math.isfinite(self.delay_parts_s) and self.delay_parts_s >= 0):
-            raise ValueError("delay_parts_s must be >= 0")
+        for name in ("delay_parts_s", "delay_reports_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be >= 0")
+        object.__setattr__(self, "corrupt_only_to", tuple(self.corrupt_only_to))
 
     @property
     def active(self) -> bool:
-        return bool(self.corrupt_parts or self.delay_parts_s)
+        return bool(self.corrupt_parts or self.delay_parts_s or self.delay_reports_s)
 
     async def before_send(self) -> None:
         if self.delay_parts_s:
             await asyncio.sleep(self.delay_parts_s)
 
-    def outgoing(self, enc: EncodedTensor) -> EncodedTensor:
-        """What we send instead of `enc` (the same, unless corrupting)."""
+    async def before_report(self) -> None:
+        if self.delay_reports_s:
+            await asyncio.sleep(self.delay_reports_s)
+
+    def outgoing(self, enc: EncodedTensor, peer: str = "") -> EncodedTensor:
+        """What we send to `peer` instead of `enc` (the same, unless corrupting)."""
         kind = self.corrupt_parts
+        if self.corrupt_only_to and peer not in self.corrupt_only_to:
+            return enc
         if kind == "shape":
             return replace(enc, shape=(*enc.shape[:-1], enc.shape[-1] + 1) if enc.shape else (2,))
         if kind in ("nan", "huge") and enc.codec == "none" and enc.dtype == "float32":

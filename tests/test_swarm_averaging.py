@@ -128,6 +128,8 @@ def test_groups_of_every_size_and_codec(peers, size):
         shas = {r["sha"] for r in results.values() if r["ok"]}
         assert all(r["ok"] for r in results.values()), results
         assert len(shas) == 1, f"{name}: results differ across peers"
+        # owners send their slices before the decision (optimistic gather), and those count
+        assert sum(r["early_used"] for r in results.values()) > 0, results
         for r in results.values():
             assert sorted(r["members"]) == sorted(p.peer_id for p in group) and r["failed"] == []
             assert r["shapes_kept"]
@@ -160,6 +162,33 @@ def test_nan_and_wrong_shape_senders_are_excluded_and_named(peers, size):
             assert r["equals_reference"]  # the mean of the good peers, exactly
         assert not results[bad.name]["ok"]
         assert results[bad.name]["unchanged"]
+
+
+def test_selective_liar_voids_the_slices_sent_before_the_decision(peers):
+    """A member sends NaN to one owner only: the other owners hold every part, average over all
+    four and send their slices before the decision (optimistic gather). The decision excludes
+    the liar, so those slices must be thrown away and sent again over the three survivors.
+    The accuser reports late, so the early slices have surely arrived by then."""
+    group = peers[:4]
+    leader = min(group, key=lambda p: p.peer_id)
+    liar, victim = [p for p in group if p is not leader][:2]
+    for p in group:
+        faults = {}
+        if p is liar:
+            faults = {"corrupt_parts": "nan", "corrupt_only_to": [victim.peer_id]}
+        elif p is victim:
+            faults = {"delay_reports_s": 1.5}
+        p.configure(faults=faults, codec="none", join_timeout_s=10)
+    results = run_round(group, "liar-1", numel=20_000)
+    good = [results[p.name] for p in group if p is not liar]
+    assert all(r["ok"] for r in good), [(r["ok"], r.get("reason"), r.get("failed")) for r in good]
+    assert len({r["sha"] for r in good}) == 1
+    for r in good:
+        assert [f[0] for f in r["failed"]] == [liar.peer_id] and "NaN" in r["failed"][0][1]
+        assert r["equals_reference"]  # the mean of the three honest peers, not of all four
+        assert r["early_used"] == 0
+    assert sum(r["early_discarded"] for r in good) >= 2, good
+    assert not results[liar.name]["ok"] and results[liar.name]["unchanged"]
 
 
 def test_late_peer_joins_the_next_round(peers):
