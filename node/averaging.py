@@ -95,6 +95,7 @@ class AveragerConfig:
     decision_grace_s: float = 2.0  # extra wait for reports / decisions beyond a phase deadline
     staggered: bool = True  # send a phase's parts one receiver at a time (see `_send_in_turn`)
     optimistic_gather: bool = True  # an owner holding every part sends its slice before the decision
+    gather_feedback: bool = True  # a lossy gather codec's error is carried into the owner's next round
 
     def __post_init__(self):
         make_codec(self.codec, **self.codec_params)  # fail early on a bad codec
@@ -261,6 +262,8 @@ class _Round:
     early_sends: list[asyncio.Task] = field(default_factory=list)
     final: set[int] = field(default_factory=set)  # slices written from their post-decision source
     locks: dict[int, asyncio.Lock] = field(default_factory=dict)  # one writer of a result slice at a time
+    state_key: str = ""
+    gather_residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # owned slice -> this round's gather error
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -302,6 +305,7 @@ class Averager:
         self._residuals: dict[str, torch.Tensor] = {}  # state_key -> error-feedback residual (flat)
         self._spare_residuals: dict[str, torch.Tensor | None] = {}  # where the next round writes its residual
         self._codec_state: dict[tuple, dict] = {}
+        self._gather_residuals: dict[tuple[str, int, int], torch.Tensor] = {}  # (state_key, a, b) -> what the gather lost
         self._measured_bandwidth: float | None = None
         self._flow_rate: float | None = None  # bytes/s one send achieved lately
         self._last_members: tuple[str, ...] = ()  # the last group we completed a round with
@@ -603,7 +607,7 @@ class Averager:
 
     async def _run_round(self, group: AvgGroup, flat: torch.Tensor, state_key: str, report: AverageReport) -> torch.Tensor:
         me = self.peer_id
-        rnd = _Round(group=group, me=me, leader=report.leader, started=time.monotonic(), report=report)
+        rnd = _Round(group=group, me=me, leader=report.leader, started=time.monotonic(), report=report, state_key=state_key)
         rnd.result = torch.empty_like(flat)  # gathered slices are decoded straight into it
         report.group_id, report.members, report.bounds = group.group_id, list(group.members), group.bounds
         self._phase(report.key, "matched")
@@ -742,6 +746,11 @@ class Averager:
         decision = await self._decide(rnd, "gather", done, deadline)
         if not decision.commit:
             raise _Fail(f"round aborted after gather: {decision.reason}")
+        # what this round's gather lost, per slice we own now (slices we no longer own: dropped)
+        for k in [k for k in self._gather_residuals if k[0] == state_key]:
+            del self._gather_residuals[k]
+        for j, r in rnd.gather_residuals.items():
+            self._gather_residuals[(state_key, g.bounds[j], g.bounds[j + 1])] = r
         return result, new_residual
 
     async def _early_gather(self, rnd: _Round, j: int, weights: dict[str, float], codec) -> tuple[object, bool]:
@@ -797,8 +806,18 @@ class Averager:
         w = torch.tensor([weights[m] for m in members], dtype=torch.float64)
         agg = aggregators.get(self.config.aggregator)
         avg = agg([parts[m] for m in members], w, **self.config.aggregator_params).contiguous()
-        enc, decoded = codec.encode_with_error(avg) if codec.lossy else (codec.encode(avg), avg)
-        rnd.result[rnd.group.bounds[j] : rnd.group.bounds[j + 1]] = decoded
+        a, b = rnd.group.bounds[j], rnd.group.bounds[j + 1]
+        if not codec.lossy:
+            enc, decoded = codec.encode(avg), avg
+        elif not self.config.gather_feedback:
+            enc, decoded = codec.encode_with_error(avg)
+        else:  # error feedback at the owner: what earlier gathers of this slice lost is sent now
+            carry = self._gather_residuals.get((rnd.state_key, a, b))
+            if carry is None or carry.numel() != avg.numel():
+                carry = torch.zeros_like(avg)
+            rnd.gather_residuals[j] = torch.empty_like(avg)  # kept only if the round commits
+            enc, decoded = codec.encode_with_feedback(avg, carry, out=rnd.gather_residuals[j])
+        rnd.result[a:b] = decoded
         return enc
 
     def _parts(self, rnd: _Round, phase: str, j: int, enc) -> list[TensorPart]:

@@ -75,6 +75,22 @@ async def main() -> None:
                 await avg.start()
                 avg.on_phase = lambda key, phase: emit(event="phase", key=key, phase=phase)
                 emit(event="configured")
+            elif cmd["op"] == "repeat":  # K rounds of the same inputs: how close the running mean gets
+                seeds, numel = cmd["seeds"], cmd["numel"]
+                mine = make_tensors(seeds[host.peer_id], numel)
+                exact = torch.stack([flat(make_tensors(s, numel)) for s in seeds.values()]).mean(dim=0)
+                total, errors, ok = torch.zeros(numel), [], True
+                for t in range(cmd["rounds"]):
+                    try:
+                        result, _ = await avg.average(f"{cmd['key']}-{t}", mine, expected_peers=len(seeds))
+                    except AveragingFailed as e:
+                        ok = False
+                        emit(event="result", key=cmd["key"], ok=False, reason=e.report.reason)
+                        break
+                    total += flat(result)
+                    errors.append(float((total / (t + 1) - exact).abs().max()))
+                if ok:
+                    emit(event="result", key=cmd["key"], ok=True, errors=errors, sha=hashlib.sha256(total.numpy().tobytes()).hexdigest())
             elif cmd["op"] == "average":
                 seeds: dict[str, int] = cmd["seeds"]
                 numel = cmd["numel"]

@@ -191,6 +191,28 @@ def test_selective_liar_voids_the_slices_sent_before_the_decision(peers):
     assert not results[liar.name]["ok"] and results[liar.name]["unchanged"]
 
 
+@pytest.mark.parametrize("feedback", [True, False])
+def test_error_feedback_on_both_sides_makes_the_running_mean_converge(peers, feedback):
+    """int8 both ways, the same inputs every round. With error feedback at the senders and at
+    the slice owners, the mean of K results is the exact mean up to two residuals over K; with
+    the owners' feedback off, every gather's rounding error stays in (the reference here)."""
+    group = peers[:3]
+    for p in group:
+        p.configure(codec="int8", codec_params={"block_size": 256}, join_timeout_s=10, gather_feedback=feedback)
+    seeds = {p.peer_id: i + 1 for i, p in enumerate(group)}
+    for p in group:
+        p.send(op="repeat", key=f"ef-{feedback}", seeds=seeds, numel=20_000, rounds=8)
+    results = [p.next("result", 120, f"ef-{feedback}") for p in group]
+    assert all(r["ok"] for r in results), results
+    assert len({r["sha"] for r in results}) == 1
+    first, last = results[0]["errors"][0], results[0]["errors"][-1]
+    print("errors of the running mean, round by round:", results[0]["errors"])
+    if feedback:
+        assert last < 0.25 * first, results[0]["errors"]  # measured: ~0.12
+    else:
+        assert last > 0.3 * first, results[0]["errors"]  # measured: ~0.40; what the line above catches
+
+
 def test_late_peer_joins_the_next_round(peers):
     group, late = peers[:2], peers[2]
     for p in peers[:3]:
