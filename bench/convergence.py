@@ -272,6 +272,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     p.add_argument("--join-timeout-s", type=float, help=f"(b): seconds a round waits for late replicas (default {d.join_timeout_s})")
     p.add_argument("--timeout", type=float, help="seconds an arm may take before it is failed (default 300 with --quick, else 7200)")
     p.add_argument("--out", metavar="DIR", help="keep artifacts here (default: a temporary directory, removed)")
+    p.add_argument("--reuse", action="store_true", help="with --out: arms already finished there with the same settings and warm start are not run again")
     args = p.parse_args(argv)
     names = ("preset", "warmup_steps", "steps", "inner_steps", "replicas", "batch_size", "inner_lr", "warm_lr", "lr_warmup", "outer_lr",
              "outer_momentum", "codec", "block_size", "eval_batches", "seed", "threads", "join_timeout_s")  # fmt: skip
@@ -281,6 +282,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
         settings = Settings(**values)
     except ValueError as e:
         p.error(str(e))
+    if args.reuse and not args.out:
+        p.error("--reuse needs --out DIR (where the finished arms are)")
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not args.arms or any(a not in ARMS for a in args.arms):
         p.error(f"--arms must be a comma-separated subset of {','.join(ARMS)}, got {','.join(args.arms)!r}")
@@ -297,7 +300,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     set_threads(settings.threads)
     t0 = time.monotonic()
-    reference = Settings.comparable(Settings().to_dict())  # the issue's targets are for these
+    reference = Settings.comparable(Settings().to_dict())  # the defaults: what the targets are claimed for
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="convergence-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -307,8 +310,12 @@ def main(argv=None) -> int:
         corpus = load_corpus()
         warm = warm_start(settings, corpus, out_dir)
         arms: dict[str, dict] = {}
+        done = previous_arms(out_dir, settings, warm["state_hash"], skip=[]) if args.reuse else {}
         for arm in ARMS:  # one after another: arms must not compete for the cores they are timed on
-            if arm in args.arms:
+            if arm in done and arm in args.arms:
+                log(f"[{arm}] reusing {out_dir / f'arm_{arm}.json'}")
+                arms[arm] = done[arm]
+            elif arm in args.arms:
                 r = run_arm(arm, settings, corpus, warm, out_dir, args.timeout)
                 r.update(settings=settings.to_dict(), warm_start_hash=warm["state_hash"])
                 arms[arm] = r

@@ -46,6 +46,17 @@ def test_convergence_quick_sync_and_simulation(tmp_path):
     assert summary["final_val_loss"]["c"] == pytest.approx(c["final_val_loss"], abs=1e-5)
     assert "c_vs_a_rel_diff" in summary and "b" not in result["arms"]
 
+    # --reuse: finished arms are read back, not run again (the same numbers, in no time)
+    again = subprocess.run(
+        [sys.executable, "-m", "bench.convergence", "--quick", "--arms", "a,c", "--json", "--out", str(tmp_path), "--reuse"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    reused = json.loads(again.stdout)
+    for arm in ("a", "c"):
+        assert reused["arms"][arm]["reused"] and reused["arms"][arm]["final_val_loss"] == result["arms"][arm]["final_val_loss"]
+    assert "reusing" in again.stderr
+
 
 @pytest.mark.swarm
 def test_convergence_quick_swarm_matches_simulation(tmp_path):
@@ -81,4 +92,4 @@ def test_an_outer_lr_sweep_reuses_the_sync_arm_but_not_the_diloco_arms():
     for arm in ("b", "c"):
         assert Settings.comparable(base, arm) != Settings.comparable(swept, arm)
     # the sync arm's evaluation points follow H: another H is another curve
-    assert Settings.comparable(base, "a") != Settings.comparable(Settings(inner_steps=40).to_dict(), "a")
+    assert Settings.comparable(base, "a") != Settings.comparable(Settings(inner_steps=50).to_dict(), "a")
