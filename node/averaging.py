@@ -94,6 +94,7 @@ class AveragerConfig:
     slice_align: int = 1024  # slice bounds are multiples of this (int8 blocks stay whole)
     decision_grace_s: float = 2.0  # extra wait for reports / decisions beyond a phase deadline
     staggered: bool = True  # send a phase's parts one receiver at a time (see `_send_in_turn`)
+    stagger_overlap: float = 0.7  # the next send starts when the previous one is this far along (by its expected time)
     optimistic_gather: bool = True  # an owner holding every part sends its slice before the decision
     gather_feedback: bool = True  # a lossy gather codec's error is carried into the owner's next round
 
@@ -823,25 +824,35 @@ class Averager:
     def _parts(self, rnd: _Round, phase: str, j: int, enc) -> list[TensorPart]:
         return split(enc, f"{rnd.group.group_id}|{phase}|{j}", self.config.chunk_bytes)
 
-    def _send_in_turn(self, rnd: _Round, prev: tuple[asyncio.Task, int] | None, phase: str, j: int, enc, peer: str, parts=None):
-        """(task, bytes): a task sending a part once `prev` (the send before it, and its size) is
-        done, or has run longer than it should have. Every member sends its parts in the order of member indices starting
+    def _send_in_turn(self, rnd: _Round, prev: tuple | None, phase: str, j: int, enc, peer: str, parts=None):
+        """(task, bytes, started): a task sending a part once `prev` (the send before it, its
+        size, when it started) is done, or has run longer than it should have. Every member sends its parts in the order of member indices starting
         after its own, so at any moment each peer uploads to one receiver and each receiver
         downloads from one sender: on a shaped link, N-1 concurrent flows per peer fight in both
         bottlenecks (measured: ~1.3x the bound for raw TCP all-to-all vs ~1.05x one flow at a
         time). A receiver that stalls holds the next send up for less than one part's time."""
-        if prev is None or not self.config.staggered:
-            return asyncio.create_task(self._send_part(rnd, phase, j, enc, peer, parts)), enc.nbytes
-        prev_task, prev_bytes = prev
-        # the next send starts a little before the previous should end: opening a stream and
-        # waiting for the receiver's ack leave the link idle for round trips otherwise
-        patience = 0.7 * prev_bytes / (self._flow_rate or self.bandwidth / 2)
+        loop = asyncio.get_running_loop()
+        started = loop.create_future()  # when this send began (for the patience of the next)
 
-        async def after() -> None:
-            await asyncio.wait([prev_task], timeout=patience)
+        async def go() -> None:
+            try:
+                if prev is not None and self.config.staggered:
+                    prev_task, prev_bytes, prev_started = prev
+                    # the next send starts a little before the previous should end: opening a
+                    # stream and waiting for the receiver's ack leave the link idle otherwise.
+                    # Patience counts from when the previous send began, not from now.
+                    await asyncio.wait([prev_started, prev_task], return_when=asyncio.FIRST_COMPLETED)
+                    since = prev_started.result() if prev_started.done() and not prev_started.cancelled() else loop.time()
+                    patience = self.config.stagger_overlap * prev_bytes / (self._flow_rate or self.bandwidth / 2)
+                    left = since + patience - loop.time()
+                    if left > 0 and not prev_task.done():
+                        await asyncio.wait([prev_task], timeout=left)
+            finally:
+                if not started.done():
+                    started.set_result(loop.time())
             await self._send_part(rnd, phase, j, enc, peer, parts)
 
-        return asyncio.create_task(after()), enc.nbytes
+        return asyncio.create_task(go()), enc.nbytes, started
 
     async def _send_part(self, rnd: _Round, phase: str, j: int, enc, peer: str, parts: list[TensorPart] | None = None) -> None:
         if self.faults.active:
