@@ -826,11 +826,12 @@ class Averager:
 
     def _send_in_turn(self, rnd: _Round, prev: tuple | None, phase: str, j: int, enc, peer: str, parts=None):
         """(task, bytes, started): a task sending a part once `prev` (the send before it, its
-        size, when it started) is done, or has run longer than it should have. Every member sends its parts in the order of member indices starting
-        after its own, so at any moment each peer uploads to one receiver and each receiver
-        downloads from one sender: on a shaped link, N-1 concurrent flows per peer fight in both
-        bottlenecks (measured: ~1.3x the bound for raw TCP all-to-all vs ~1.05x one flow at a
-        time). A receiver that stalls holds the next send up for less than one part's time."""
+        size, when it started) is done, or has run longer than it should have. Every member
+        sends its parts in the order of member indices starting after its own, so at any
+        moment each peer uploads to one receiver and each receiver downloads from one sender:
+        on a shaped link, N-1 concurrent flows per peer fight in both bottlenecks (measured:
+        ~1.3x the bound for raw TCP all-to-all vs ~1.05x one flow at a time). A receiver that
+        stalls holds the next send up for less than one part's time."""
         loop = asyncio.get_running_loop()
         started = loop.create_future()  # when this send began (for the patience of the next)
 
