@@ -615,15 +615,15 @@ class Averager:
         self._rounds[group.group_id] = rnd
         self._round_ready.setdefault(group.group_id, asyncio.Event()).set()
         try:
-            return await self._phases(rnd, flat, state_key)
+            return await self._phases(rnd, flat)
         finally:
             # after a commit every survivor holds every slice, so nothing still in flight is
             # needed; after a failure nothing is. Either way: stop sending.
             await _settle(rnd.sends, time.monotonic())
             self._schedule_cleanup(group.group_id)
 
-    async def _phases(self, rnd: _Round, flat: torch.Tensor, state_key: str) -> torch.Tensor:
-        g, me, report = rnd.group, rnd.me, rnd.report
+    async def _phases(self, rnd: _Round, flat: torch.Tensor) -> torch.Tensor:
+        g, me, report, state_key = rnd.group, rnd.me, rnd.report, rnd.state_key
         t = time.monotonic()
         loop = asyncio.get_running_loop()
         codec = make_codec(g.codec, **g.codec_params)
@@ -684,7 +684,6 @@ class Averager:
         self._phase(report.key, "decided")
         if decision.commit and tuple(decision.survivors) == g.members:
             rnd.early_ok = True
-            report.early_used = len(rnd.early_got)
         else:  # slices aggregated before the decision include a failed member: void
             await self._discard_early(rnd, early)
             early = None
@@ -734,6 +733,7 @@ class Averager:
         await self._wait_parts(rnd, [("gather", j) for j in others], None, deadline)
         missing = [j for j in others if rnd.owners[j] not in rnd.received.get(("gather", j), {})]
         report.phases["gather"] = time.monotonic() - t
+        report.early_used = len(rnd.early_got)  # kept: a decision that excluded someone emptied it
         self._phase(report.key, "gathered")
 
         # -- commit: the leader applies the round only if every survivor holds every slice
@@ -1044,8 +1044,6 @@ class Averager:
                 return False
             else:
                 rnd.early_got.add((j, sender))
-                if rnd.early_ok:
-                    rnd.report.early_used += 1
         rnd.received.setdefault(("gather", j), {})[sender] = out
         return True
 
