@@ -40,7 +40,7 @@ import math
 import secrets
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -346,14 +346,17 @@ class Averager:
         key: str,
         tensors: Sequence[torch.Tensor],
         weight: float = 1.0,
-        expected_peers: int | None = None,
+        expected_peers: int | Collection[str] | None = None,
         state_key: str | None = None,
         join_timeout_s: float | None = None,
     ) -> tuple[list[torch.Tensor], AverageReport]:
         """Average `tensors` with the peers averaging the same `key`. Returns new tensors and a
         report, or raises AveragingFailed (inputs and error-feedback state untouched).
         `state_key` names the error-feedback residual that carries over between rounds;
-        `join_timeout_s` overrides the config's wait for late peers for this round."""
+        `join_timeout_s` overrides the config's wait for late peers for this round.
+        `expected_peers`: a leader closes its group early once this many peers joined, or, given
+        peer ids, once every one of them joined (a peer nobody counted on does not take the
+        place of one that is still on its way)."""
         t0 = time.monotonic()
         report = AverageReport(key=key)
         if not (math.isfinite(weight) and weight > 0):
@@ -406,7 +409,7 @@ class Averager:
 
     # ---- matchmaking ---------------------------------------------------------------------------
 
-    async def _matchmake(self, key: str, numel: int, weight: float, expected: int | None, report: AverageReport, window: float) -> AvgGroup:
+    async def _matchmake(self, key: str, numel: int, weight: float, expected: int | Collection[str] | None, report: AverageReport, window: float) -> AvgGroup:
         if key in self._matchmaking or key in self._closed_keys:
             raise _Fail(f"round {key} was already averaged or is in progress here")
         mm = _Matchmaking(key, numel, self.config.codec, window)
@@ -501,10 +504,10 @@ class Averager:
                     out.add(rec.peer_id)
         return out
 
-    async def _lead(self, mm: _Matchmaking, own: AvgJoin, deadline: float, expected: int | None, excluded: set[str]) -> str | None:
+    async def _lead(self, mm: _Matchmaking, own: AvgJoin, deadline: float, expected: int | Collection[str] | None, excluded: set[str]) -> str | None:
         """Lead until the window closes (form the group) or a smaller peer shows up (return it)."""
         while True:
-            if expected and len(mm.pending) + 1 >= expected:
+            if self._all_joined(mm, expected):
                 break
             left = deadline - time.monotonic()
             if left <= 0:
@@ -514,7 +517,7 @@ class Averager:
                 await asyncio.wait_for(mm.changed.wait(), timeout=min(0.3, left))
             except TimeoutError:
                 pass
-            if expected and len(mm.pending) + 1 >= expected:
+            if self._all_joined(mm, expected):
                 break
             try:  # a slow DHT must not hold the group past the window: joiners stop waiting
                 found = await asyncio.wait_for(self._candidates(mm.key), timeout=max(0.05, deadline - time.monotonic()))
@@ -554,6 +557,12 @@ class Averager:
                 fut.set_result(group)
         log.debug("matchmaking %s: formed group %s of %s", mm.key, group.group_id, ", ".join(m[-8:] for m in members))
         return None
+
+    def _all_joined(self, mm: _Matchmaking, expected: int | Collection[str] | None) -> bool:
+        if not expected:
+            return False
+        joined = {self.peer_id, *mm.pending}
+        return len(joined) >= expected if isinstance(expected, int) else joined >= set(expected)
 
     def _redirect_pending(self, mm: _Matchmaking, target: str) -> None:
         for _, fut in mm.pending.values():

@@ -233,7 +233,7 @@ class Replica:
             return
         t_inner = time.monotonic() - t0
         pseudo = self.outer.pseudo_gradient(self.model.parameters())
-        expected = await self._count_replicas()
+        expected = await self._replica_ids()
         key = f"outer-{self.round}-{self.hash[:8]}"
         t1 = time.monotonic()
         # wait for slower replicas up to one inner phase: replicas differ in speed, and a
@@ -428,12 +428,16 @@ class Replica:
             await asyncio.sleep(1.0)
         return False
 
-    async def _count_replicas(self) -> int:
+    async def _replica_ids(self) -> set[str]:
+        """The replicas alive as far as the DHT shows, this one included."""
         members = await read_members(self.host, self.node_config.swarm_id)
         # records are re-published every ttl/3 s: an older one is most likely from a dead replica
         max_age = self.membership.config.record_ttl_s / 3 * 1.5
         fresh = [r for r in members.values() if r.role == "replica" and time.time() - r.issued_at < max_age]
-        return max(1, len({r.peer_id for r in fresh} | {self.host.peer_id}))
+        return {r.peer_id for r in fresh} | {self.host.peer_id}
+
+    async def _count_replicas(self) -> int:
+        return len(await self._replica_ids())
 
     async def _wait_for_replicas(self) -> None:
         if self.run.min_replicas <= 1:

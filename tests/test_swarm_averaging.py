@@ -213,6 +213,24 @@ def test_error_feedback_on_both_sides_makes_the_running_mean_converge(peers, fee
         assert last > 0.3 * first, results[0]["errors"]  # measured: ~0.40; what the line above catches
 
 
+def test_an_unexpected_joiner_does_not_take_the_place_of_an_expected_one(peers):
+    """The leader counts on itself and x. y, whom it did not know about, joins first: with a
+    count the group would close at two and leave x out; with ids it waits for x as well."""
+    leader, x, y = sorted(peers[:3], key=lambda p: p.peer_id)
+    for p in (leader, x, y):
+        p.configure(codec="none", join_timeout_s=10)
+    seeds = {p.peer_id: i + 1 for i, p in enumerate((leader, x, y))}
+    expected = [leader.peer_id, x.peer_id]
+    for p in (leader, y):
+        p.send(op="average", key="ids-1", seeds=seeds, numel=20_000, expected=expected)
+    time.sleep(1.5)  # x is on its way, a little behind
+    x.send(op="average", key="ids-1", seeds=seeds, numel=20_000, expected=expected)
+    results = [p.next("result", 60, "ids-1") for p in (leader, x, y)]
+    assert all(r["ok"] for r in results), results
+    assert all(sorted(r["members"]) == sorted(seeds) for r in results), results
+    assert len({r["sha"] for r in results}) == 1
+
+
 def test_late_peer_joins_the_next_round(peers):
     group, late = peers[:2], peers[2]
     for p in peers[:3]:
