@@ -61,8 +61,17 @@ def exact_mean(seed: int, n_peers: int, numel: int, n_tensors: int):
 
 
 def rel_error(result, reference) -> float:
-    num = sum(float((r.float() - m).double().pow(2).sum()) for r, m in zip(result, reference))
-    den = sum(float(m.double().pow(2).sum()) for m in reference)
+    """||result - reference|| / ||reference||, summed in float64, a slice at a time (cheap on
+    CPU and memory: peers still finishing their round share these cores)."""
+    num = den = 0.0
+    step = 1 << 18
+    for r, m in zip(result, reference):
+        r, m = r.reshape(-1), m.reshape(-1)
+        for a in range(0, m.numel(), step):
+            d = (r[a : a + step].float() - m[a : a + step]).double()
+            md = m[a : a + step].double()
+            num += float(d.dot(d))
+            den += float(md.dot(md))
     return (num / den) ** 0.5
 
 
@@ -317,9 +326,12 @@ class SwarmtrainArm(Arm):
 
     async def _average(self, rnd: int):
         key = f"{self.cfg['run_id']}-{self.cfg['codec']}-round-{rnd}"
-        # A fresh error-feedback state per round: each round averages fresh data and is measured
-        # against its exact mean, so no residual of an earlier round may leak into it.
-        return await self.avg.average(key=key, tensors=self.work, weight=1.0, expected_peers=self.n, state_key=key)
+        # Zeroed error feedback each round: each round averages the same data afresh and is
+        # measured against its exact mean, so no residual of an earlier round may leak into it.
+        # One state key, zeroed in place: the buffers are reused, as in training.
+        state_key = f"{self.cfg['run_id']}-{self.cfg['codec']}"
+        self.avg.reset_feedback(state_key)
+        return await self.avg.average(key=key, tensors=self.work, weight=1.0, expected_peers=self.n, state_key=state_key)
 
     def close(self) -> None:
         if getattr(self, "loop", None) is None:
@@ -347,6 +359,10 @@ ARMS = {"gloo": GlooArm, "hivemind": HivemindArm, "swarmtrain": SwarmtrainArm}
 
 
 def main() -> None:
+    if os.environ.get("STB_ALLOCATOR", "keep") == "keep":
+        from node.osutil import keep_freed_memory
+
+        keep_freed_memory()  # before any thread allocates (see its docstring); every arm gets it
     # The protocol gets its own descriptors; 0 and 1 become /dev/null and stderr. Stray prints
     # from libraries land in the log, and processes forked by hivemind (whose multiprocessing
     # closes sys.stdin in the child) never touch a file object our reader thread holds locked.

@@ -19,9 +19,9 @@ import torch
 
 
 def mean(parts: Sequence[torch.Tensor], weights: torch.Tensor, **_) -> torch.Tensor:
-    w = weights / weights.sum()
-    out = torch.zeros_like(parts[0])
-    for p, wi in zip(parts, w.tolist()):  # a fixed order: bitwise reproducible
+    w = (weights / weights.sum()).tolist()
+    out = torch.mul(parts[0], w[0])
+    for p, wi in zip(parts[1:], w[1:]):  # a fixed order: bitwise reproducible
         out.add_(p, alpha=wi)
     return out
 

@@ -35,6 +35,7 @@ reach the leader asks the other members for the leader's decision before giving 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import secrets
@@ -52,6 +53,7 @@ from protocol import (
     AvgGroup,
     AvgJoin,
     AvgReport,
+    EncodedTensor,
     Message,
     RemoteProtocolError,
     TensorAssembler,
@@ -264,6 +266,8 @@ class _Round:
     final: set[int] = field(default_factory=set)  # slices written from their post-decision source
     locks: dict[int, asyncio.Lock] = field(default_factory=dict)  # one writer of a result slice at a time
     state_key: str = ""
+    tail: tuple | None = None  # our last queued send (see `_send_in_turn`): the next one follows it
+    done: bool = False  # returned or failed: parts that still arrive are refused, never written
     gather_residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # owned slice -> this round's gather error
 
     @property
@@ -312,6 +316,7 @@ class Averager:
         self._last_members: tuple[str, ...] = ()  # the last group we completed a round with
         self.on_phase = None  # optional callable(key, phase): progress for logs and tests
         self._tasks: set[asyncio.Task] = set()
+        self._replies_to_lose = faults.lose_decision_replies
 
     async def start(self) -> None:
         for msg_type, handler in [
@@ -326,6 +331,18 @@ class Averager:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def reset_feedback(self, state_key: str | None = None) -> None:
+        """Zero the error feedback of `state_key` (None: of every key), in place: its buffers
+        are kept for the next round (fresh memory costs a page fault per 4 KiB on first touch)."""
+        for k, r in self._residuals.items():
+            if state_key is None or k == state_key:
+                r.zero_()
+        for k, r in self._gather_residuals.items():
+            if state_key is None or k[0] == state_key:
+                r.zero_()
+        for k in [k for k in self._codec_state if state_key is None or k[0] == state_key]:
+            del self._codec_state[k]
 
     def _phase(self, key: str, phase: str) -> None:
         log.debug("averaging %s: %s", key, phase)
@@ -394,7 +411,8 @@ class Averager:
     def _prepare(self, key: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The flat fp32 vector to average."""
         flat = _flatten(tensors)
-        if not torch.isfinite(flat).all():
+        lo, hi = torch.aminmax(flat) if flat.numel() else (torch.zeros(()), torch.zeros(()))
+        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):  # one pass, no temporaries
             raise ValueError(f"averaging {key}: local tensors contain NaN or Inf")
         return flat
 
@@ -624,10 +642,17 @@ class Averager:
         self._rounds[group.group_id] = rnd
         self._round_ready.setdefault(group.group_id, asyncio.Event()).set()
         try:
-            return await self._phases(rnd, flat)
+            result = await self._phases(rnd, flat)
+            if self.faults.replay_gather_s:
+                self._spawn(self._replay_gather(rnd))
+            return result
         finally:
             # after a commit every survivor holds every slice, so nothing still in flight is
             # needed; after a failure nothing is. Either way: stop sending.
+            rnd.done = True
+            for lock in list(rnd.locks.values()):  # a slice still being decoded into the result
+                async with lock:
+                    pass
             await _settle(rnd.sends, time.monotonic())
             self._schedule_cleanup(group.group_id)
 
@@ -660,6 +685,7 @@ class Averager:
                 prev = self._send_in_turn(rnd, prev, "scatter", j, encoded[j], g.members[j])
                 sends.append(prev[0])
         rnd.received.setdefault(("scatter", my_index), {})[me] = decoded[my_index]
+        rnd.tail = prev  # our gather sends queue up behind these, not beside them
         rnd.sends += sends  # they finish in the background; the owners report what arrived
         deadline = rnd.started + g.deadline_s
         await self._wait_parts(rnd, [("scatter", my_index)], g.members, deadline)
@@ -793,14 +819,27 @@ class Averager:
         parts = self._parts(rnd, phase, j, enc)
         n, owner = len(members), rnd.group.members[j]
         start = members.index(owner) if owner in members else 0
-        prev, tasks = None, []
+        prev, tasks = rnd.tail, []  # after our scatter sends: an early gather must not race them
         for k in range(1, n + 1):
             m = members[(start + k) % n]
             if m != rnd.me:
                 prev = self._send_in_turn(rnd, prev, phase, j, enc, m, parts)
                 tasks.append(prev[0])
+        rnd.tail = prev
         rnd.sends += tasks
         return tasks
+
+    async def _replay_gather(self, rnd: _Round) -> None:
+        """Fault injection: after the round, send the slices we own again, zeroed."""
+        await asyncio.sleep(self.faults.replay_gather_s)
+        for j in [j for j, owner in enumerate(rnd.owners) if owner == rnd.me]:
+            enc = EncodedTensor("float32", (rnd.slice_len(j),), rnd.group.gather_codec, bytes(4 * rnd.slice_len(j)))
+            parts = self._parts(rnd, "gather", j, enc)
+            for peer in rnd.survivors:
+                if peer != rnd.me:
+                    with contextlib.suppress(*_NET_ERRORS):
+                        await self.transport.send(peer, parts[0], parts[1:], timeout=10)
+        self._phase(rnd.report.key, "replayed")
 
     def _encode_part(self, codec, flat, residual, new_residual, state_key, a, b):
         """(encoded part, what its owner will decode from it); this round's residual goes to `new_residual`."""
@@ -932,10 +971,9 @@ class Averager:
             raise RemoteProtocolError("the leader's reply is not this round's decision", "decision")
         except _NET_ERRORS as e:
             leader_error = e
-        # the leader is gone or confused: maybe another member got its decision
-        for peer in rnd.members:
-            if peer in (rnd.me, rnd.leader):
-                continue
+        # the leader is gone, confused, or its reply was lost: ask it once more (it keeps its
+        # decisions for a minute), then the other members, who may have it
+        for peer in [rnd.leader, *(m for m in rnd.members if m not in (rnd.me, rnd.leader))]:
             try:
                 reply = await self.transport.call(peer, AvgDecisionQuery(group_id=rnd.group.group_id, phase=phase), timeout=grace)
             except _NET_ERRORS:
@@ -991,6 +1029,8 @@ class Averager:
         g, sender = rnd.group, ctx.peer_id
         if sender not in g.members:
             raise RPCError("unauthorized", "not a member of this group")
+        if rnd.done:
+            raise RPCError("not_found", f"round {group_id} is over here")
         if phase not in ("scatter", "gather", "early") or not 0 <= j < len(g.members):
             raise RemoteProtocolError(f"no slice {phase} {j} in this group", "key")
         if phase == "early" and sender != g.members[j]:
@@ -1044,7 +1084,7 @@ class Averager:
                 raise RPCError("unauthorized", f"slice {j} is not this sender's to send")
         out = rnd.result[g.bounds[j] : g.bounds[j + 1]]
         async with rnd.lock(j):
-            if phase == "early" and (rnd.early_ok is False or j in rnd.final):
+            if rnd.done or (phase == "early" and (rnd.early_ok is False or j in rnd.final)):
                 return False
             await asyncio.get_running_loop().run_in_executor(None, self._decode_checked, enc, out)
             if phase == "gather":
@@ -1073,6 +1113,9 @@ class Averager:
             await asyncio.wait_for(rnd.decided[rep.phase].wait(), timeout=rnd.group.deadline_s + 4 * self.config.decision_grace_s)
         except TimeoutError:
             raise RPCError("timeout", "no decision in time") from None
+        if self._replies_to_lose > 0:  # fault injection: the member never hears back from us
+            self._replies_to_lose -= 1
+            raise ConnectionError("fault injection: decision reply lost")
         return rnd.decisions[rep.phase]
 
     async def _on_decision_query(self, ctx: CallContext) -> AvgDecision:

@@ -89,6 +89,9 @@ def run_daemon(node_factory, fatal_errors=()) -> int:
 
 
 def main(argv=None) -> int:
+    from .osutil import keep_freed_memory
+
+    keep_freed_memory()  # before any thread exists: averaging reuses its buffers' pages every round
     args = build_parser().parse_args(argv)
     cli = {k: v for k, v in vars(args).items() if k != "config"}
     try:

@@ -78,3 +78,25 @@ def session_pids(sid: int) -> list[int]:
     """Live processes whose session id is `sid` (a process started with start_new_session and
     everything it started, unless they moved to another session)."""
     return _pids_where(3, sid)
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to keep freed memory for reuse instead of handing it back to the
+    kernel. Averaging allocates and frees buffers of the same sizes every round; returned pages
+    come back zero-filled on their next touch, and that zeroing was a third of all CPU time in
+    a 4-peer all-reduce on 2 cores (measured with perf: `clear_page`). After this call the
+    process's footprint stays at its peak. One arena, no mmap'd chunks, no trimming. Returns
+    whether it applied (False where the C library is not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+    ok = mallopt(M_ARENA_MAX, 1) == 1
+    ok &= mallopt(M_MMAP_MAX, 0) == 1
+    ok &= mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1) == 1  # an int: the largest it takes
+    return bool(ok)

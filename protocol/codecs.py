@@ -131,10 +131,41 @@ class Fp16Codec(Codec):
         half.clamp_(-FP16_MAX, FP16_MAX)  # inf -> ±max; NaN stays NaN for the receiver to see
         return EncodedTensor(dtype, tuple(x.shape), self.name, tensor_bytes(half))
 
+    def encode_with_error(self, x, state=None):
+        return self.encode_with_feedback(x, None)
+
+    def encode_with_feedback(self, x, residual, state=None, out=None):
+        """One pass over memory: each slice is corrected, rounded to half, widened back and
+        differenced while in cache (the generic path makes five passes and three copies)."""
+        x = x.detach().cpu().contiguous()
+        if dtype_name(x.dtype) not in FLOAT_DTYPES:
+            raise LocalProtocolError(f"codec {self.name} needs a floating-point tensor, got {dtype_name(x.dtype)}")
+        flat, n = x.reshape(-1), x.numel()
+        half = torch.empty(n, dtype=torch.float16)
+        decoded = torch.empty(n, dtype=torch.float32)
+        residual_out = residual if out is None else out
+        for start in range(0, n, _SLICE):
+            end = min(n, start + _SLICE)
+            chunk = flat[start:end]
+            if residual is not None:
+                chunk = chunk.to(torch.float32) + residual[start:end]
+            h = half[start:end]
+            h.copy_(chunk).clamp_(-FP16_MAX, FP16_MAX)
+            decoded[start:end].copy_(h)
+            if residual is not None:
+                torch.sub(chunk, decoded[start:end], out=residual_out[start:end])
+        return EncodedTensor(dtype_name(x.dtype), tuple(x.shape), self.name, tensor_bytes(half)), decoded
+
     @classmethod
     def _decode(cls, enc, dtype):
         _expect_size(enc, enc.numel * 2)
         return tensor_from_bytes(enc.payload, torch.float16, enc.numel).to(dtype)
+
+    @classmethod
+    def _decode_into(cls, enc, out):
+        _expect_size(enc, enc.numel * 2)
+        out.copy_(tensor_from_bytes(enc.payload, torch.float16, enc.numel))
+        return out
 
 
 class Int8Codec(Codec):
@@ -384,7 +415,8 @@ def decode_tensor(
     else:
         decoded = cls._decode(enc, dtype).reshape(enc.shape)
     if max_abs is not None and bound is None and enc.dtype in FLOAT_DTYPES and decoded.numel():
-        _check_bound(float(decoded.abs().max()), max_abs)
+        lo, hi = (float(v) for v in torch.aminmax(decoded))  # one pass, no |x| copy
+        _check_bound(max(-lo, hi) if math.isfinite(lo) and math.isfinite(hi) else math.nan, max_abs)
     return decoded
 
 

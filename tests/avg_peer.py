@@ -91,6 +91,8 @@ async def main() -> None:
                     errors.append(float((total / (t + 1) - exact).abs().max()))
                 if ok:
                     emit(event="result", key=cmd["key"], ok=True, errors=errors, sha=hashlib.sha256(total.numpy().tobytes()).hexdigest())
+            elif cmd["op"] == "recheck":  # the sha of the last result's tensors, as they are now
+                emit(event="recheck", sha=hashlib.sha256(flat(last).numpy().tobytes()).hexdigest())
             elif cmd["op"] == "average":
                 seeds: dict[str, int] = cmd["seeds"]
                 numel = cmd["numel"]
@@ -102,6 +104,7 @@ async def main() -> None:
                          unchanged=bool(torch.equal(flat(mine), flat(make_tensors(seeds[host.peer_id], numel)))))
                     continue
                 out = flat(result)
+                last = result  # the caller's tensors: nothing may write into them after the round
                 survivors = [p for p in report.members if p in report.survivors]
                 idx_seeds = [seeds[p] for p in survivors]
                 exact = torch.stack([flat(make_tensors(s, numel)) for s in idx_seeds]).mean(dim=0)

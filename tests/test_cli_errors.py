@@ -163,3 +163,17 @@ def test_bad_input_is_one_line_naming_the_problem(results, name):
     assert r.stdout.strip() == "", f"{name}: stdout:\n{r.stdout}"
     assert not r.leftovers, f"{name}: {len(r.leftovers)} processes outlived the daemon"
 
+
+
+def test_the_allocator_setting_applies_in_a_fresh_process():
+    """The node daemon asks glibc's malloc to keep freed pages (node/osutil.py); on this
+    platform (Linux, glibc) every option must be accepted."""
+    import platform
+
+    from tests.swarm import ROOT
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    code = "from node.osutil import keep_freed_memory; print(keep_freed_memory())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout.strip() == "True", out.stderr

@@ -234,3 +234,35 @@ def test_encode_with_feedback_matches_the_two_step_form(name, params):
     ref_enc, ref_decoded = codec.encode_with_error(corrected, {})
     assert bytes(memoryview(enc.payload)) == bytes(memoryview(ref_enc.payload))
     assert torch.equal(decoded, ref_decoded) and torch.equal(r1, corrected - ref_decoded)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_fp16_one_pass_feedback_matches_the_generic_path_bit_for_bit(with_residual):
+    """fp16's fused encode (slice by slice, in cache) must send, decode and remember exactly
+    what the plain five-pass version does, across slice boundaries and beyond the fp16 range."""
+    from protocol.codecs import _SLICE, Codec
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2 * _SLICE + 777, generator=gen) * 100
+    x[3], x[_SLICE + 1] = 1e6, -1e6  # clamped to ±65504
+    codec = make_codec("fp16")
+    r1 = torch.randn(x.numel(), generator=gen) * 1e-3 if with_residual else torch.zeros(x.numel())
+    r2 = r1.clone()
+    enc1, dec1 = codec.encode_with_feedback(x, r1)
+    enc2, dec2 = Codec.encode_with_feedback(codec, x, r2)
+    assert bytes(enc1.payload) == bytes(enc2.payload)
+    assert torch.equal(dec1, dec2) and torch.equal(r1, r2)
+    out = torch.empty(x.numel())
+    decode_tensor(enc1, out=out)
+    assert torch.equal(out, dec1)  # what a receiver decodes is what the sender kept
+
+
+@pytest.mark.parametrize("where", [0, -1])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_the_bound_check_finds_a_non_finite_value_anywhere(where, bad):
+    x = torch.randn(10_000)
+    x[where] = bad
+    with pytest.raises(RemoteProtocolError, match="NaN or Inf"):
+        decode_tensor(make_codec("none").encode(x), max_abs=1e3)
+    with pytest.raises(RemoteProtocolError, match="NaN or Inf" if math.isnan(bad) else "exceed the bound"):
+        decode_tensor(make_codec("fp16").encode(x), max_abs=1e3)  # fp16 clamps ±inf to ±65504

@@ -191,6 +191,38 @@ def test_selective_liar_voids_the_slices_sent_before_the_decision(peers):
     assert not results[liar.name]["ok"] and results[liar.name]["unchanged"]
 
 
+def test_a_lost_decision_reply_is_asked_for_again(peers):
+    """The leader decides and commits, but its replies to both followers' reports are lost
+    (the stream closes without an answer), in both phases. Neither follower can learn the
+    decision from the other, who lacks it too: each must ask the leader again, or the leader
+    would commit a round that its members report as failed."""
+    group = peers[:3]
+    leader = min(group, key=lambda p: p.peer_id)
+    for p in group:
+        p.configure(faults={"lose_decision_replies": 4} if p is leader else {}, codec="none", join_timeout_s=10)
+    results = run_round(group, "lost-reply-1", numel=20_000)
+    assert all(r["ok"] for r in results.values()), [(r["ok"], r.get("reason")) for r in results.values()]
+    assert len({r["sha"] for r in results.values()}) == 1
+    assert all(r["equals_reference"] for r in results.values())
+
+
+def test_a_part_arriving_after_the_round_never_touches_the_result(peers):
+    """Once `average` has returned, the tensors are the caller's: a member that sends its slice
+    again (here zeroed, a second after the round) is refused, and the result stays as returned."""
+    group = peers[:3]
+    replayer = group[1]
+    for p in group:
+        p.configure(faults={"replay_gather_s": 1.0} if p is replayer else {}, codec="none", join_timeout_s=10)
+    results = run_round(group, "replay-1", numel=20_000)
+    assert all(r["ok"] for r in results.values()), [(r["ok"], r.get("reason")) for r in results.values()]
+    while replayer.next("phase", 30, "replay-1")["phase"] != "replayed":
+        pass  # the round's own phases, if not read yet; then every replayed part was answered
+    for p in group:
+        if p is not replayer:
+            p.send(op="recheck")
+            assert p.next("recheck", 30)["sha"] == results[p.name]["sha"]
+
+
 @pytest.mark.parametrize("feedback", [True, False])
 def test_error_feedback_on_both_sides_makes_the_running_mean_converge(peers, feedback):
     """int8 both ways, the same inputs every round. With error feedback at the senders and at
