@@ -33,6 +33,7 @@ from .p2p import Host, PeerUnreachable
 log = logging.getLogger(__name__)
 
 RPC_PROTOCOL = "/swarmtrain/rpc/1"
+PIPE_PROTOCOL = "/swarmtrain/pipe/1"  # calls one after another on a stream kept open (`send(..., reuse=True)`)
 READ_SIZE = 4 << 20
 LINGER_BYTES = 16 << 20  # what a refused caller may still send us before we close on it
 
@@ -67,6 +68,8 @@ class TransportConfig:
     max_bytes_in_flight_per_peer: int = 256 << 20  # request bytes of one peer held in our memory at once (received, not yet handled)
     ban_score: float = -10.0  # a peer at or below this score is refused for `ban_s`
     ban_s: float = 60.0  # first ban; doubles with each further ban
+    pipe_idle_s: float = 300.0  # a pipe with no call for this long is closed (by the server; callers reuse one for half of it)
+    pipes_per_peer: int = 4  # idle pipes kept open to one peer
 
 
 @dataclass
@@ -166,6 +169,17 @@ def _close(writer: asyncio.StreamWriter) -> None:
         pass
 
 
+@dataclass
+class _Pipe:
+    """Our end of a pipe (see `Transport._pipe_call`)."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    frames: _FrameReader
+    next_id: int = 1
+    used: float = 0.0
+
+
 class Transport:
     def __init__(self, host: Host, config: TransportConfig = TransportConfig()):
         self.host = host
@@ -174,6 +188,7 @@ class Transport:
         self.handlers: dict[type[Message], Handler] = {Ping: self._on_ping, Probe: self._on_probe}
         self.stats: dict[str, int] = defaultdict(int)
         self._tasks: set[asyncio.Task] = set()
+        self._pipes: dict[str, list[_Pipe]] = defaultdict(list)  # peer -> idle pipes to it
 
     @property
     def peer_id(self) -> str:
@@ -184,6 +199,7 @@ class Transport:
 
     async def start(self) -> None:
         await self.host.add_stream_handler(RPC_PROTOCOL, self._serve)
+        await self.host.add_stream_handler(PIPE_PROTOCOL, self._serve_pipe)
 
     async def _on_ping(self, ctx: CallContext) -> Message:
         return Pong(nonce=ctx.request.nonce, sent_at=ctx.request.sent_at)
@@ -194,6 +210,15 @@ class Transport:
     # ---- server side ---------------------------------------------------------------------
 
     async def _serve(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve_calls(peer_id, reader, writer, pipe=False)
+
+    async def _serve_pipe(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._serve_calls(peer_id, reader, writer, pipe=True)
+
+    async def _serve_calls(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pipe: bool) -> None:
+        """Serve one call (an RPC stream) or calls one after another until the caller closes
+        (a pipe). On a pipe, a call that ends in an error ends the pipe: its caller may still
+        be writing frames that belong to it."""
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
@@ -207,63 +232,83 @@ class Transport:
             if n > 0 and st.bytes_in_flight > self.config.max_bytes_in_flight_per_peer:
                 raise RPCError("overloaded", f"more than {self.config.max_bytes_in_flight_per_peer} bytes in flight")
 
-        st.active += 1
-        request_id = 0
+        frames = _FrameReader(reader, self.config.max_frame_size, on_bytes)
+
+        async def receive() -> Message:
+            async with asyncio.timeout(self.config.request_read_timeout_s):
+                msg = await frames.next()
+            if msg is None:
+                raise RemoteProtocolError("stream ended before the request was complete", "frame")
+            return msg
+
         linger = False
         try:
-            now = time.monotonic()
-            left = self.scores.banned(peer_id, now)
-            if left:
-                raise RPCError("unauthorized", f"banned for {left:.0f} more seconds after repeated bad frames")
-            if st.active > self.config.max_concurrent_per_peer:
-                raise RPCError("overloaded", f"more than {self.config.max_concurrent_per_peer} concurrent calls")
-            frames = _FrameReader(reader, self.config.max_frame_size, on_bytes)
-
-            async def receive() -> Message:
-                async with asyncio.timeout(self.config.request_read_timeout_s):
-                    msg = await frames.next()
-                if msg is None:
-                    raise RemoteProtocolError("stream ended before the request was complete", "frame")
-                return msg
-
-            request = await receive()
-            request_id = request.request_id
-            handler = self.handlers.get(type(request))
-            if handler is None:
-                raise RPCError("unsupported", f"no handler for {type(request).__name__} here")
-            self.stats["calls_served"] += 1
-            async with asyncio.timeout(self.config.handler_timeout_s):
-                result = await handler(CallContext(peer_id, request, receive))
-                if isinstance(result, Message):
-                    await _write(writer, _with_id(result, request_id), self.config.max_frame_size)
-                else:
-                    async for msg in result:
-                        await _write(writer, _with_id(msg, request_id), self.config.max_frame_size)
-            self.scores.reward(peer_id)
-        except RemoteProtocolError as e:
-            self.stats["bad_frames"] += 1
-            self.scores.penalize(peer_id, 2.0, time.monotonic())
-            self._log_peer(peer_id, st, f"refused bad input from {peer_id}: {e}")
-            await self._reply_error(writer, "bad_request", str(e), request_id)
-            linger = True
-        except RPCError as e:
-            await self._reply_error(writer, e.code, e.message, request_id)
-            linger = True
-        except TimeoutError:
-            await self._reply_error(writer, "timeout", "request or handler passed its deadline", request_id)
-        except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError):
-            pass  # the caller hung up; nothing to answer
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("handler failed on a request from %s", peer_id)
-            await self._reply_error(writer, "internal", "the handler failed; see the server's log", request_id)
+            while True:
+                request_id = 0
+                ok = False
+                if pipe:  # between calls a pipe may idle, for up to pipe_idle_s
+                    try:
+                        async with asyncio.timeout(self.config.pipe_idle_s):
+                            first = await frames.next()
+                    except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+                        return
+                    except (RPCError, RemoteProtocolError) as e:
+                        code = e.code if isinstance(e, RPCError) else "bad_request"
+                        await self._reply_error(writer, code, str(getattr(e, "message", e)), 0)
+                        linger = True
+                        return
+                    if first is None:
+                        return
+                st.active += 1
+                try:
+                    now = time.monotonic()
+                    left = self.scores.banned(peer_id, now)
+                    if left:
+                        raise RPCError("unauthorized", f"banned for {left:.0f} more seconds after repeated bad frames")
+                    if st.active > self.config.max_concurrent_per_peer:
+                        raise RPCError("overloaded", f"more than {self.config.max_concurrent_per_peer} concurrent calls")
+                    request = first if pipe else await receive()
+                    request_id = request.request_id
+                    handler = self.handlers.get(type(request))
+                    if handler is None:
+                        raise RPCError("unsupported", f"no handler for {type(request).__name__} here")
+                    self.stats["calls_served"] += 1
+                    async with asyncio.timeout(self.config.handler_timeout_s):
+                        result = await handler(CallContext(peer_id, request, receive))
+                        if isinstance(result, Message):
+                            await _write(writer, _with_id(result, request_id), self.config.max_frame_size)
+                        else:
+                            async for msg in result:
+                                await _write(writer, _with_id(msg, request_id), self.config.max_frame_size)
+                    self.scores.reward(peer_id)
+                    ok = True
+                except RemoteProtocolError as e:
+                    self.stats["bad_frames"] += 1
+                    self.scores.penalize(peer_id, 2.0, time.monotonic())
+                    self._log_peer(peer_id, st, f"refused bad input from {peer_id}: {e}")
+                    await self._reply_error(writer, "bad_request", str(e), request_id)
+                    linger = True
+                except RPCError as e:
+                    await self._reply_error(writer, e.code, e.message, request_id)
+                    linger = True
+                except TimeoutError:
+                    await self._reply_error(writer, "timeout", "request or handler passed its deadline", request_id)
+                except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError):
+                    pass  # the caller hung up; nothing to answer
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("handler failed on a request from %s", peer_id)
+                    await self._reply_error(writer, "internal", "the handler failed; see the server's log", request_id)
+                finally:
+                    st.active -= 1
+                if not (pipe and ok):
+                    return
         finally:
             st.bytes_in_flight -= counted
             counted = 0
             if linger:
                 await self._linger(reader)
-            st.active -= 1
             _close(writer)
             if task is not None:
                 self._tasks.discard(task)
@@ -310,6 +355,70 @@ class Transport:
             raise RemoteError(peer_id, reply.code, reply.message)
         return reply
 
+    async def _pipe_call(self, peer_id: str, request: Message, more: Iterable[Message], timeout: float) -> Message:
+        """`send` on a pipe: a stream to the peer that outlives the call, so the next call skips
+        opening a stream and starts with the flow-control window this one grew (a fresh libp2p
+        stream starts at 256 KiB and takes round trips to widen). A pipe carries one call at a
+        time; concurrent calls take other pipes. Frames carry the call's id; the reply must too."""
+        deadline = time.monotonic() + timeout
+        idle = self._pipes[peer_id]
+        pipe = None
+        while idle and pipe is None:
+            candidate = idle.pop()
+            if time.monotonic() - candidate.used < self.config.pipe_idle_s / 2:
+                pipe = candidate
+            else:
+                _close(candidate.writer)
+        reused = pipe is not None
+        try:
+            async with asyncio.timeout(timeout):
+                if pipe is None:
+                    reader, writer = await self.host.open_stream(peer_id, PIPE_PROTOCOL)
+                    pipe = _Pipe(reader, writer, _FrameReader(reader, self.config.max_frame_size))
+                    self.stats["pipes_opened"] += 1
+                rid = pipe.next_id
+                pipe.next_id += 1
+                try:
+                    for msg in (request, *more):
+                        await _write(pipe.writer, _with_id(msg, rid), self.config.max_frame_size)
+                    reply = await pipe.frames.next()
+                except (ConnectionError, BrokenPipeError) as e:
+                    reply = None
+                    with contextlib.suppress(ConnectionError, TimeoutError, RemoteProtocolError):
+                        reply = await asyncio.wait_for(pipe.frames.next(), 2.0)  # a refusal says why
+                    if reply is None:
+                        raise ConnectionError(f"{peer_id} closed the pipe: {e}") from None
+                if reply is None:
+                    raise ConnectionError(f"{peer_id} closed the pipe without a reply")
+                if reply.request_id != rid:
+                    raise RemoteProtocolError(f"reply to call {reply.request_id} on call {rid}'s turn", "request_id")
+        except TimeoutError:
+            if pipe is not None:
+                _close(pipe.writer)
+            raise CallTimeout(f"{type(request).__name__} with {peer_id} timed out after {timeout:.1f} s") from None
+        except ConnectionError:
+            if pipe is not None:
+                _close(pipe.writer)
+            if reused and deadline - time.monotonic() > 0:  # the peer closed an idle pipe, or restarted: once more, on a fresh one
+                return await self._pipe_call(peer_id, request, more, deadline - time.monotonic())
+            raise
+        except BaseException as e:
+            if pipe is not None:
+                _close(pipe.writer)
+            if isinstance(e, RemoteProtocolError):
+                self.scores.penalize(peer_id, 2.0, time.monotonic())
+            raise
+        if isinstance(reply, Error):  # the server ends a pipe after an error
+            _close(pipe.writer)
+            raise RemoteError(peer_id, reply.code, reply.message)
+        pipe.used = time.monotonic()
+        if len(idle) < self.config.pipes_per_peer:
+            idle.append(pipe)
+        else:
+            _close(pipe.writer)
+        self.stats["calls_made"] += 1
+        return reply
+
     async def call(self, peer_id: str, request: Message, timeout: float | None = None) -> Message:
         """One request, one reply. Raises RemoteError, CallTimeout, PeerUnreachable, ConnectionError,
         or RemoteProtocolError (the peer's reply was malformed; the peer is scored down)."""
@@ -337,9 +446,17 @@ class Transport:
                 _close(writer)
 
     async def send(
-        self, peer_id: str, request: Message, more: Iterable[Message] | AsyncIterator[Message] = (), timeout: float | None = None
+        self,
+        peer_id: str,
+        request: Message,
+        more: Iterable[Message] | AsyncIterator[Message] = (),
+        timeout: float | None = None,
+        reuse: bool = False,
     ) -> Message:
-        """A request followed by more frames (client streaming); one reply."""
+        """A request followed by more frames (client streaming); one reply. `reuse`: on a pipe
+        kept open to the peer (bulk transfers; `more` must then be a plain iterable)."""
+        if reuse:
+            return await self._pipe_call(peer_id, request, list(more), self.config.call_timeout_s if timeout is None else timeout)  # type: ignore[arg-type]
         async with self._exchange(peer_id, request, timeout) as (frames, writer):
             try:
                 if hasattr(more, "__aiter__"):
@@ -374,6 +491,10 @@ class Transport:
         return time.monotonic() - t0
 
     async def close(self) -> None:
+        for pipes in self._pipes.values():
+            for pipe in pipes:
+                _close(pipe.writer)
+        self._pipes.clear()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -394,4 +515,5 @@ __all__ = [
     "Transport",
     "TransportConfig",
     "RPC_PROTOCOL",
+    "PIPE_PROTOCOL",
 ]

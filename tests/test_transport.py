@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from node.p2p import Host, HostConfig
-from node.transport import RPC_PROTOCOL, CallTimeout, RemoteError, Transport, TransportConfig
+from node.transport import RPC_PROTOCOL, CallTimeout, RemoteError, RPCError, Transport, TransportConfig
 from protocol import Ack, Decoder, Error, Ping, Pong, SigningKey, StateChunk
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,3 +117,77 @@ def test_every_call_has_a_deadline():
         assert info.value.code == "timeout"
 
     run(scenario, handler_timeout_s=1.5)
+
+
+def _parts(n: int, size: int = 300_000):
+    from protocol import make_codec, split
+
+    enc = make_codec("none").encode(__import__("torch").zeros(size))
+    return split(enc, f"k{n}", chunk_size=64 << 10)
+
+
+def test_pipes_carry_calls_one_after_another_and_recover_from_errors():
+    """Sends with reuse=True go over one stream kept open: sequential calls share it, concurrent
+    ones take more, a refusal closes the one it happened on and the next call gets a fresh one,
+    and what the handler reads is exactly what each call sent."""
+
+    async def scenario(server, clients):
+        from protocol import TensorAssembler, TensorPart
+
+        seen, refuse = [], set()
+
+        async def on_part(ctx):
+            asm, part = TensorAssembler(), ctx.request
+            while (enc := asm.add(part)) is None:
+                part = await ctx.receive()
+            if ctx.request.key in refuse:
+                raise RPCError("not_found", "refused on purpose")
+            seen.append((ctx.request.key, enc.nbytes))
+            return Ack()
+
+        server.on(TensorPart, on_part)
+        c = clients[0]
+        for i in range(5):
+            parts = _parts(i)
+            assert isinstance(await c.send(server.peer_id, parts[0], parts[1:], timeout=20, reuse=True), Ack)
+        assert c.stats["pipes_opened"] == 1
+        assert seen == [(f"k{i}", 1_200_000) for i in range(5)]
+        batch = [_parts(10 + i) for i in range(3)]
+        await asyncio.gather(*(c.send(server.peer_id, p[0], p[1:], timeout=20, reuse=True) for p in batch))
+        assert 2 <= c.stats["pipes_opened"] <= 4  # the idle one, plus new ones for the others
+        opened = c.stats["pipes_opened"]
+        refuse.add("k20")
+        parts = _parts(20)
+        with pytest.raises(RemoteError, match="refused on purpose"):
+            await c.send(server.peer_id, parts[0], parts[1:], timeout=20, reuse=True)
+        parts = _parts(21)
+        assert isinstance(await c.send(server.peer_id, parts[0], parts[1:], timeout=20, reuse=True), Ack)
+        assert ("k21", 1_200_000) in seen and ("k20", 1_200_000) not in seen
+        assert c.stats["pipes_opened"] <= opened + 1
+        assert server.scores.peers[c.peer_id].bytes_in_flight == 0
+
+    run(scenario)
+
+
+def test_a_pipe_the_server_closed_while_idle_is_replaced_on_the_next_call():
+    async def scenario(server, clients):
+        from protocol import TensorPart
+
+        async def on_part(ctx):
+            part = ctx.request
+            while part.index < part.count - 1:
+                part = await ctx.receive()
+            return Ack()
+
+        server.on(TensorPart, on_part)
+        c = clients[0]
+        parts = _parts(0)
+        await c.send(server.peer_id, parts[0], parts[1:], timeout=20, reuse=True)
+        deadline = asyncio.get_running_loop().time() + 20
+        while not c._pipes[server.peer_id][0].reader.at_eof():  # the server's idle timeout (1 s) closed it
+            assert asyncio.get_running_loop().time() < deadline, "the server never closed the idle pipe"
+            await asyncio.sleep(0.1)
+        assert isinstance(await c.send(server.peer_id, parts[0], parts[1:], timeout=20, reuse=True), Ack)
+        assert c.stats["pipes_opened"] == 2
+
+    run(scenario, pipe_idle_s=1.0)
