@@ -655,6 +655,14 @@ class Averager:
                 async with lock:
                     pass
             await _settle(rnd.sends, time.monotonic())
+            # the round stays a minute for members asking for its decisions: without its tensors
+            # (kept, they pinned every round's parts for that minute: GBs in a tight loop, and
+            # each new round faulted in fresh pages instead of reusing freed ones)
+            rnd.received.clear()
+            rnd.gather_residuals.clear()
+            rnd.result = None
+            rnd.sends.clear()
+            rnd.early_sends.clear()
             self._schedule_cleanup(group.group_id)
 
     async def _phases(self, rnd: _Round, flat: torch.Tensor) -> torch.Tensor:
@@ -1083,10 +1091,10 @@ class Averager:
                 decided = rnd.decisions["scatter"]
             if not decided.commit or sender != decided.owners[j]:
                 raise RPCError("unauthorized", f"slice {j} is not this sender's to send")
-        out = rnd.result[g.bounds[j] : g.bounds[j + 1]]
         async with rnd.lock(j):
             if rnd.done or (phase == "early" and (rnd.early_ok is False or j in rnd.final)):
                 return False
+            out = rnd.result[g.bounds[j] : g.bounds[j + 1]]
             await asyncio.get_running_loop().run_in_executor(None, self._decode_checked, enc, out)
             if phase == "gather":
                 rnd.final.add(j)
