@@ -318,6 +318,7 @@ class Averager:
         self.on_phase = None  # optional callable(key, phase): progress for logs and tests
         self._tasks: set[asyncio.Task] = set()
         self._replies_to_lose = faults.lose_decision_replies
+        self._joins_to_lose = faults.lose_join_replies
 
     async def start(self) -> None:
         for msg_type, handler in [
@@ -606,6 +607,8 @@ class Averager:
             return AvgGroup(status="closed", reason="not averaging this key")
         if mm.mode == "follower":
             return AvgGroup(status="redirect", redirect=mm.following)
+        if mm.group is not None and ctx.peer_id in mm.group.members:
+            return mm.group  # a member asking again: our first answer was lost on the way
         if mm.mode == "closed" or mm.group is not None:
             return AvgGroup(status="closed", reason="the group already formed")
         if req.numel != mm.numel:
@@ -619,10 +622,14 @@ class Averager:
         mm.pending[ctx.peer_id] = (req, fut)
         mm.changed.set()
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout=mm.window + self.config.decision_grace_s)
+            answer = await asyncio.wait_for(asyncio.shield(fut), timeout=mm.window + self.config.decision_grace_s)
         except TimeoutError:
             mm.pending.pop(ctx.peer_id, None)
             return AvgGroup(status="closed", reason="the leader did not form a group in time")
+        if answer.status == "group" and self._joins_to_lose > 0:  # fault injection: the answer never arrives
+            self._joins_to_lose -= 1
+            raise ConnectionError("fault injection: join reply lost")
+        return answer
 
     def _forget_key_later(self, key: str) -> None:
         self._matchmaking.pop(key, None)

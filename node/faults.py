@@ -24,6 +24,7 @@ class Faults:
     delay_reports_s: float = 0.0  # sleep before reporting a scatter to the leader: slow between phases
     corrupt_only_to: tuple[str, ...] = ()  # peer ids: corrupt only parts sent to these (a selective liar)
     replay_gather_s: float = 0.0  # this long after a committed round, send our slices again, zeroed (a late or replayed part)
+    lose_join_replies: int = 0  # as a leader: hang up on this many joins after counting them in the group (lost replies)
     lose_decision_replies: int = 0  # as a round's leader: hang up on this many reports instead of answering (lost replies)
 
     def __post_init__(self):
@@ -32,8 +33,8 @@ class Faults:
         for name in ("delay_parts_s", "delay_reports_s", "replay_gather_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be >= 0")
-        if self.lose_decision_replies < 0:
-            raise ValueError("lose_decision_replies must be >= 0")
+        if self.lose_decision_replies < 0 or self.lose_join_replies < 0:
+            raise ValueError("lose_decision_replies and lose_join_replies must be >= 0")
         object.__setattr__(self, "corrupt_only_to", tuple(self.corrupt_only_to))
 
     @property

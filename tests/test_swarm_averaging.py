@@ -206,6 +206,20 @@ def test_a_lost_decision_reply_is_asked_for_again(peers):
     assert all(r["equals_reference"] for r in results.values())
 
 
+def test_a_member_whose_join_reply_was_lost_is_answered_again(peers):
+    """The leader counts both followers into the group, but its answers are lost; each follower
+    asks once more and must get the same group back, not "the group already formed" (which
+    left the leader waiting for a member that had given up)."""
+    group = peers[:3]
+    leader = min(group, key=lambda p: p.peer_id)
+    for p in group:
+        p.configure(faults={"lose_join_replies": 2} if p is leader else {}, codec="none", join_timeout_s=10)
+    results = run_round(group, "lost-join-1", numel=20_000)
+    assert all(r["ok"] for r in results.values()), [(r["ok"], r.get("reason")) for r in results.values()]
+    assert len({r["sha"] for r in results.values()}) == 1
+    assert all(len(r["members"]) == 3 for r in results.values())
+
+
 def test_a_part_arriving_after_the_round_never_touches_the_result(peers):
     """Once `average` has returned, the tensors are the caller's: a member that sends its slice
     again (here zeroed, a second after the round) is refused, and the result stays as returned."""
