@@ -191,18 +191,24 @@ def test_selective_liar_voids_the_slices_sent_before_the_decision(peers):
     assert not results[liar.name]["ok"] and results[liar.name]["unchanged"]
 
 
+def _round_with_a_faulty_leader(group: list[Peer], faults: dict, key: str) -> dict[str, dict]:
+    """One round in which the group's leader (the smallest peer id) runs with `faults`; every
+    member must succeed with the same result."""
+    leader = min(group, key=lambda p: p.peer_id)
+    for p in group:
+        p.configure(faults=faults if p is leader else {}, codec="none", join_timeout_s=10)
+    results = run_round(group, key, numel=20_000)
+    assert all(r["ok"] for r in results.values()), [(r["ok"], r.get("reason")) for r in results.values()]
+    assert len({r["sha"] for r in results.values()}) == 1
+    return results
+
+
 def test_a_lost_decision_reply_is_asked_for_again(peers):
     """The leader decides and commits, but its replies to both followers' reports are lost
     (the stream closes without an answer), in both phases. Neither follower can learn the
     decision from the other, who lacks it too: each must ask the leader again, or the leader
     would commit a round that its members report as failed."""
-    group = peers[:3]
-    leader = min(group, key=lambda p: p.peer_id)
-    for p in group:
-        p.configure(faults={"lose_decision_replies": 4} if p is leader else {}, codec="none", join_timeout_s=10)
-    results = run_round(group, "lost-reply-1", numel=20_000)
-    assert all(r["ok"] for r in results.values()), [(r["ok"], r.get("reason")) for r in results.values()]
-    assert len({r["sha"] for r in results.values()}) == 1
+    results = _round_with_a_faulty_leader(peers[:3], {"lose_decision_replies": 4}, "lost-reply-1")
     assert all(r["equals_reference"] for r in results.values())
 
 
@@ -210,13 +216,7 @@ def test_a_member_whose_join_reply_was_lost_is_answered_again(peers):
     """The leader counts both followers into the group, but its answers are lost; each follower
     asks once more and must get the same group back, not "the group already formed" (which
     left the leader waiting for a member that had given up)."""
-    group = peers[:3]
-    leader = min(group, key=lambda p: p.peer_id)
-    for p in group:
-        p.configure(faults={"lose_join_replies": 2} if p is leader else {}, codec="none", join_timeout_s=10)
-    results = run_round(group, "lost-join-1", numel=20_000)
-    assert all(r["ok"] for r in results.values()), [(r["ok"], r.get("reason")) for r in results.values()]
-    assert len({r["sha"] for r in results.values()}) == 1
+    results = _round_with_a_faulty_leader(peers[:3], {"lose_join_replies": 2}, "lost-join-1")
     assert all(len(r["members"]) == 3 for r in results.values())
 
 
