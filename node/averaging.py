@@ -62,6 +62,7 @@ from protocol import (
     make_codec,
     split,
 )
+from protocol.codecs import finite_max_abs
 from protocol.records import MemberRecord
 
 from . import aggregators
@@ -413,8 +414,7 @@ class Averager:
     def _prepare(self, key: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The flat fp32 vector to average."""
         flat = _flatten(tensors)
-        lo, hi = torch.aminmax(flat) if flat.numel() else (torch.zeros(()), torch.zeros(()))
-        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):  # one pass, no temporaries
+        if not math.isfinite(finite_max_abs(flat)):
             raise ValueError(f"averaging {key}: local tensors contain NaN or Inf")
         return flat
 

@@ -415,9 +415,17 @@ def decode_tensor(
     else:
         decoded = cls._decode(enc, dtype).reshape(enc.shape)
     if max_abs is not None and bound is None and enc.dtype in FLOAT_DTYPES and decoded.numel():
-        lo, hi = (float(v) for v in torch.aminmax(decoded))  # one pass, no |x| copy
-        _check_bound(max(-lo, hi) if math.isfinite(lo) and math.isfinite(hi) else math.nan, max_abs)
+        _check_bound(finite_max_abs(decoded), max_abs)
     return decoded
+
+
+def finite_max_abs(t: torch.Tensor) -> float:
+    """max |x| over a tensor, NaN if any value is NaN or ±Inf (0 for an empty one). One
+    `aminmax` pass, no |x| copy."""
+    if not t.numel():
+        return 0.0
+    lo, hi = (float(v) for v in torch.aminmax(t))
+    return max(-lo, hi) if math.isfinite(lo) and math.isfinite(hi) else math.nan
 
 
 def _check_bound(observed: float, max_abs: float) -> None:
