@@ -245,22 +245,18 @@ class Transport:
         try:
             while True:
                 request_id = 0
-                ok = False
-                if pipe:  # between calls a pipe may idle, for up to pipe_idle_s
-                    try:
-                        async with asyncio.timeout(self.config.pipe_idle_s):
-                            first = await frames.next()
-                    except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
-                        return
-                    except (RPCError, RemoteProtocolError) as e:
-                        code = e.code if isinstance(e, RPCError) else "bad_request"
-                        await self._reply_error(writer, code, str(getattr(e, "message", e)), 0)
-                        linger = True
-                        return
-                    if first is None:
-                        return
-                st.active += 1
+                ok = active = False
                 try:
+                    if pipe:  # between calls a pipe may idle, for up to pipe_idle_s
+                        try:
+                            async with asyncio.timeout(self.config.pipe_idle_s):
+                                first = await frames.next()
+                        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+                            return
+                        if first is None:
+                            return
+                    st.active += 1
+                    active = True
                     now = time.monotonic()
                     left = self.scores.banned(peer_id, now)
                     if left:
@@ -301,7 +297,8 @@ class Transport:
                     log.exception("handler failed on a request from %s", peer_id)
                     await self._reply_error(writer, "internal", "the handler failed; see the server's log", request_id)
                 finally:
-                    st.active -= 1
+                    if active:
+                        st.active -= 1
                 if not (pipe and ok):
                     return
         finally:
@@ -388,8 +385,9 @@ class Transport:
                         reply = await asyncio.wait_for(pipe.frames.next(), 2.0)  # a refusal says why
                     if reply is None:
                         raise ConnectionError(f"{peer_id} closed the pipe: {e}") from None
-                if reply is None:
-                    raise ConnectionError(f"{peer_id} closed the pipe without a reply")
+                if reply is None or isinstance(reply, Error):  # the server ends a pipe after an error
+                    _close(pipe.writer)
+                    self._check_reply(peer_id, reply)
                 if reply.request_id != rid:
                     raise RemoteProtocolError(f"reply to call {reply.request_id} on call {rid}'s turn", "request_id")
         except TimeoutError:
@@ -408,9 +406,6 @@ class Transport:
             if isinstance(e, RemoteProtocolError):
                 self.scores.penalize(peer_id, 2.0, time.monotonic())
             raise
-        if isinstance(reply, Error):  # the server ends a pipe after an error
-            _close(pipe.writer)
-            raise RemoteError(peer_id, reply.code, reply.message)
         pipe.used = time.monotonic()
         if len(idle) < self.config.pipes_per_peer:
             idle.append(pipe)
