@@ -14,8 +14,8 @@ monotonic time ("go"). Per row, medians over `--rounds`:
 
 Implementations:
 - swarmtrain: node/averaging.py's Averager, one `average()` per round (matchmaking included;
-  its phases from the report). Bytes: payload bytes_sent from its report. A fresh
-  error-feedback state per round, so each round is measured against its own exact mean;
+  its phases from the report). Bytes: payload bytes_sent from its report. Error
+  feedback zeroed in "prepare" (untimed), so each round is measured against its own exact mean;
 - hivemind: DecentralizedAverager set up as hivemind's benchmarks/benchmark_averaging.py does,
   with the matching compression (none/fp16/int8 -> NoCompression/Float16Compression/
   Uniform8BitQuantization). One `step()` per round, split at hivemind's own trigger: prepare
@@ -26,7 +26,8 @@ Implementations:
 A failed round is reported under `failed_rounds` and retried (up to --max-failed-rounds).
 
 rel_error = ‖result − exact mean‖ / ‖exact mean‖ (max over peers and rounds; with independent
-inputs ‖mean‖ ≈ ‖x‖/√N, so a codec's error here is ≈ √N times its error on one tensor).
+inputs ‖mean‖ ≈ ‖x‖/√N, so a codec's error here is ≈ √N times its error on one tensor),
+measured by a "check" after every peer has answered "go", outside the timed window.
 A peer whose result is far off while the others' are fine is listed under `bad_results`
 (hivemind can report success with part of its vector never averaged).
 
@@ -185,6 +186,12 @@ class Bench:
                 if errors := [str(p) for p in res if isinstance(p, PeerFailed)]:
                     failures.append({"attempt": attempt, "phase": "go", "errors": errors})
                     continue
+                # measured once every peer is done: no peer's check runs beside another's round
+                checks = group.gather_all([{"cmd": "check"}] * self.n, timeout)
+                if errors := [str(c) for c in checks if isinstance(c, PeerFailed)]:
+                    failures.append({"attempt": attempt, "phase": "check", "errors": errors})
+                    continue
+                res = [{**r, **c} for r, c in zip(res, checks)]
                 rounds.append(self.summarize_round(impl, res, preps, tx0, tx1))
             self.fill_row(row, impl, setups, rounds[self.args.warmup:])
         except PeerFailed as e:

@@ -7,7 +7,8 @@ which the parent keeps as this peer's log.
 
     {"cmd": "setup", "impl": "gloo"|"hivemind"|"swarmtrain", ...}  -> {"ok": true, "maddrs": [...]}
     {"cmd": "prepare", "round": r}   reset the tensors (hivemind: also find the group) -> {"ok": true}
-    {"cmd": "go", "round": r, "at": t}   at monotonic time t, average -> {"seconds", "rel_error", ...}
+    {"cmd": "go", "round": r, "at": t}   at monotonic time t, average -> {"seconds", "start_lag", ...}
+    {"cmd": "check"}                 the last result against the exact mean -> {"rel_error": e}
     {"cmd": "exit"}                  shut down cleanly -> {"ok": true, "leftover": [...]}, exit 0
 
 Peer i's tensors are N(0, 1) from seed `seed + i`; every peer rebuilds the exact mean of all
@@ -106,7 +107,14 @@ class Arm:
         return {}
 
     def go(self, rnd: int, at: float) -> dict:
+        """Average, timed; keep the result in `self.result` for `check`."""
         raise NotImplementedError
+
+    def check(self) -> dict:
+        """The last result against the exact mean. A command of its own, sent once every peer
+        has answered `go`: a peer that finished first must not spend the cores the others are
+        still finishing their round on (measuring 100 MB in float64 is ~0.1 s of CPU)."""
+        return {"rel_error": rel_error(self.result, self.reference)}
 
     def abort(self) -> dict:
         """Undo a `prepare` whose round will not run (another peer failed to prepare)."""
@@ -144,7 +152,8 @@ class GlooArm(Arm):
         for t in self.work:
             t.div_(self.n)
         seconds = time.monotonic() - t0
-        return {"seconds": seconds, "start_lag": t0 - at, "rel_error": rel_error(self.work, self.reference), "members": self.n}
+        self.result = self.work
+        return {"seconds": seconds, "start_lag": t0 - at, "members": self.n}
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -248,9 +257,11 @@ class HivemindArm(Arm):
         seconds = time.monotonic() - t0
         if gathered is None:
             raise RuntimeError("averager.step returned None (round failed)")
+        return {"seconds": seconds, "start_lag": t0 - at, "members": len(gathered)}
+
+    def check(self) -> dict:
         with self.averager.get_tensors() as tensors:
-            err = rel_error(tensors, self.reference)
-        return {"seconds": seconds, "start_lag": t0 - at, "rel_error": err, "members": len(gathered)}
+            return {"rel_error": rel_error(tensors, self.reference)}
 
     def close(self) -> None:
         if getattr(self, "averager", None) is not None:
@@ -308,13 +319,12 @@ class SwarmtrainArm(Arm):
     def go(self, rnd: int, at: float) -> dict:
         wait_until(at)
         t0 = time.monotonic()
-        result, report = self._run(self._average(rnd), self.cfg["timeout"])
+        self.result, report = self._run(self._average(rnd), self.cfg["timeout"])
         seconds = time.monotonic() - t0
         failed = [[str(p)[-8:], str(r)] for p, r in (getattr(report, "failed", None) or [])]
         return {
             "seconds": seconds,
             "start_lag": t0 - at,
-            "rel_error": rel_error(result, self.reference),
             "members": len(getattr(report, "members", ()) or ()),
             "bytes_sent": getattr(report, "bytes_sent", None),
             "bytes_received": getattr(report, "bytes_received", None),
@@ -324,14 +334,25 @@ class SwarmtrainArm(Arm):
             "failed": failed,
         }
 
-    async def _average(self, rnd: int):
-        key = f"{self.cfg['run_id']}-{self.cfg['codec']}-round-{rnd}"
+    def prepare(self, rnd: int) -> dict:
+        out = super().prepare(rnd)
+        self._run(self._reset_feedback(), 30)
+        return out
+
+    @property
+    def _state_key(self) -> str:
+        return f"{self.cfg['run_id']}-{self.cfg['codec']}"
+
+    async def _reset_feedback(self) -> None:
         # Zeroed error feedback each round: each round averages the same data afresh and is
         # measured against its exact mean, so no residual of an earlier round may leak into it.
-        # One state key, zeroed in place: the buffers are reused, as in training.
-        state_key = f"{self.cfg['run_id']}-{self.cfg['codec']}"
-        self.avg.reset_feedback(state_key)
-        return await self.avg.average(key=key, tensors=self.work, weight=1.0, expected_peers=self.n, state_key=state_key)
+        # One state key, zeroed in place (untimed, like the tensors' reset): the buffers are
+        # reused, as in training.
+        self.avg.reset_feedback(self._state_key)
+
+    async def _average(self, rnd: int):
+        key = f"{self.cfg['run_id']}-{self.cfg['codec']}-round-{rnd}"
+        return await self.avg.average(key=key, tensors=self.work, weight=1.0, expected_peers=self.n, state_key=self._state_key)
 
     def close(self) -> None:
         if getattr(self, "loop", None) is None:
@@ -426,6 +447,8 @@ def main() -> None:
                 reply({"ok": True, **(arm.abort() if arm else {})})
             elif cmd == "go":
                 reply({"ok": True, **arm.go(msg["round"], msg["at"])})
+            elif cmd == "check":
+                reply({"ok": True, **arm.check()})
             else:
                 reply({"error": f"unknown command {cmd!r}"})
         except Exception as e:
