@@ -691,16 +691,19 @@ class Averager:
                 new_residual = torch.empty_like(flat)
         encoded, decoded, sends, prev = {}, {}, [], None
         n = len(g.members)
-        for j in [(my_index + 1 + k) % n for k in range(n)]:  # each member starts with a different owner
+        for j in [(my_index + 1 + k) % n for k in range(n - 1)]:  # each member starts with a different owner
             t_enc = time.monotonic()
             encoded[j], decoded[j] = await loop.run_in_executor(
                 None, self._encode_part, codec, flat, residual, new_residual, state_key, g.bounds[j], g.bounds[j + 1]
             )
             log.debug("encoded scatter %d in %.3f s", j, time.monotonic() - t_enc)
-            if j != my_index:  # sending starts while the next part is being encoded
-                prev = self._send_in_turn(rnd, prev, "scatter", j, encoded[j], g.members[j])
-                sends.append(prev[0])
-        rnd.received.setdefault(("scatter", my_index), {})[me] = decoded[my_index]
+            # sending starts while the next part is being encoded
+            prev = self._send_in_turn(rnd, prev, "scatter", j, encoded[j], g.members[j])
+            sends.append(prev[0])
+        # our own part never travels (the decision never moves a survivor's slice), so it counts
+        # exactly, without the codec's error
+        own = await loop.run_in_executor(None, self._own_part, flat, residual, new_residual, g.bounds[my_index], g.bounds[my_index + 1])
+        rnd.received.setdefault(("scatter", my_index), {})[me] = own
         rnd.tail = prev  # our gather sends queue up behind these, not beside them
         rnd.sends += sends  # they finish in the background; the owners report what arrived
         deadline = rnd.started + g.deadline_s
@@ -856,6 +859,15 @@ class Averager:
                     with contextlib.suppress(*_NET_ERRORS):
                         await self.transport.send(peer, parts[0], parts[1:], timeout=10)
         self._phase(rnd.report.key, "replayed")
+
+    @staticmethod
+    def _own_part(flat, residual, new_residual, a, b) -> torch.Tensor:
+        """Our contribution to the slice we own: exact, with what compression lost in earlier
+        rounds (when other members owned these elements) added back, so nothing is lost."""
+        if residual is None:
+            return flat[a:b]
+        new_residual[a:b].zero_()
+        return flat[a:b] + residual[a:b]
 
     def _encode_part(self, codec, flat, residual, new_residual, state_key, a, b):
         """(encoded part, what its owner will decode from it); this round's residual goes to `new_residual`."""

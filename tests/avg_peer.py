@@ -30,14 +30,15 @@ def flat(ts) -> torch.Tensor:
 
 def reference(cfg: AveragerConfig, seeds: list[int], numel: int, bounds, survivors_idx) -> torch.Tensor:
     """The first round's result, computed locally: per slice, the mean of each survivor's
-    decoded part, then through the gather codec. Equal weights."""
+    decoded part (the owner's own part exact: it never travels), then through the gather
+    codec. Equal weights; member j owns slice j."""
     xs = [flat(make_tensors(s, numel)) for s in seeds]
     codec = make_codec(cfg.codec, **cfg.codec_params)
     gather = make_codec(cfg.resolved_gather_codec)
     out = torch.empty(numel)
     for j in range(len(bounds) - 1):
         a, b = bounds[j], bounds[j + 1]
-        parts = [decode_tensor(codec.encode(xs[i][a:b], {})).reshape(-1) for i in survivors_idx]
+        parts = [xs[i][a:b] if i == j else decode_tensor(codec.encode(xs[i][a:b], {})).reshape(-1) for i in survivors_idx]
         acc = torch.zeros(b - a)
         for p in parts:
             acc.add_(p, alpha=1.0 / len(parts))
