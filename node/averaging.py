@@ -11,7 +11,8 @@ One round, as each member sees it:
    so and waits for the next round.
 2. **Scatter.** The flat vector is cut into one slice per member. Every member sends each owner
    its part, compressed with error feedback, streamed in chunks, one owner at a time starting
-   after its own index (so each link carries one flow at a time; see `_send_in_turn`).
+   after its own index (so each link carries one flow at a time; see `_send_in_turn`). An
+   owner's own part never travels and counts exactly.
 3. **Decision.** Every member reports to the leader whose parts it received intact and whom it
    blames (dead, late, NaN, wrong shape). The leader decides who survives (an accuser of half
    the group whom nobody corroborates is the one excluded); a failed member's contribution is
@@ -689,11 +690,11 @@ class Averager:
             new_residual = self._spare_residuals.pop(state_key, None)
             if new_residual is None or new_residual.numel() != flat.numel():
                 new_residual = torch.empty_like(flat)
-        encoded, decoded, sends, prev = {}, {}, [], None
+        encoded, sends, prev = {}, [], None
         n = len(g.members)
         for j in [(my_index + 1 + k) % n for k in range(n - 1)]:  # each member starts with a different owner
             t_enc = time.monotonic()
-            encoded[j], decoded[j] = await loop.run_in_executor(
+            encoded[j] = await loop.run_in_executor(
                 None, self._encode_part, codec, flat, residual, new_residual, state_key, g.bounds[j], g.bounds[j + 1]
             )
             log.debug("encoded scatter %d in %.3f s", j, time.monotonic() - t_enc)
@@ -759,7 +760,7 @@ class Averager:
         mine = [j for j in range(len(g.members)) if rnd.owners[j] == me]
         for j in mine:
             if g.members[j] != me:  # re-owned: our own part counts too
-                rnd.received.setdefault(("scatter", j), {})[me] = decoded[j]
+                rnd.received.setdefault(("scatter", j), {})[me] = await loop.run_in_executor(None, self._inherited_part, encoded[j])
         rnd.sends += resend
         deadline = time.monotonic() + g.deadline_s
         await self._wait_parts(rnd, [("scatter", j) for j in mine], rnd.survivors, deadline)
@@ -870,11 +871,18 @@ class Averager:
         return flat[a:b] + residual[a:b]
 
     def _encode_part(self, codec, flat, residual, new_residual, state_key, a, b):
-        """(encoded part, what its owner will decode from it); this round's residual goes to `new_residual`."""
-        if residual is None:  # lossless: the part itself
-            return codec.encode(flat[a:b]), flat[a:b]
+        """The encoded part; this round's residual goes to `new_residual`. What its owner will
+        decode is not kept (needed only if we inherit the slice: `_inherited_part`)."""
+        if residual is None:  # lossless
+            return codec.encode(flat[a:b])
         state = self._codec_state.setdefault((state_key, a, b), {})
-        return codec.encode_with_feedback(flat[a:b], residual[a:b], state, out=new_residual[a:b])
+        return codec.encode_with_feedback(flat[a:b], residual[a:b], state, out=new_residual[a:b], keep_decoded=False)[0]
+
+    @staticmethod
+    def _inherited_part(enc) -> torch.Tensor:
+        """Our part of a slice whose owner failed and which we own now: what the owner would
+        have decoded from it, bit for bit (encoders compute their residual from the same decode)."""
+        return decode_tensor(enc, max_numel=max(enc.numel, 1)).reshape(-1).to(torch.float32)
 
     def _aggregate_encode(self, rnd: _Round, j: int, weights: dict[str, float], members: Sequence[str], codec):
         """Slice j aggregated over `members` (in member order: the same sum, bit for bit, on any
@@ -893,7 +901,7 @@ class Averager:
             if carry is None or carry.numel() != avg.numel():
                 carry = torch.zeros_like(avg)
             rnd.gather_residuals[j] = torch.empty_like(avg)  # kept only if the round commits
-            enc, decoded = codec.encode_with_feedback(avg, carry, out=rnd.gather_residuals[j])
+            return codec.encode_with_feedback(avg, carry, out=rnd.gather_residuals[j], decoded=rnd.result[a:b])[0]
         rnd.result[a:b] = decoded
         return enc
 

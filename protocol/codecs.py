@@ -57,15 +57,25 @@ class Codec:
         return enc, decode_tensor(enc, max_numel=max(enc.numel, 1)).reshape(-1).to(torch.float32)
 
     def encode_with_feedback(
-        self, x: torch.Tensor, residual: torch.Tensor, state: dict[str, Any] | None = None, out: torch.Tensor | None = None
-    ) -> tuple[EncodedTensor, torch.Tensor]:
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        state: dict[str, Any] | None = None,
+        out: torch.Tensor | None = None,
+        decoded: torch.Tensor | None = None,
+        keep_decoded: bool = True,
+    ) -> tuple[EncodedTensor, torch.Tensor | None]:
         """Error feedback in one call: encode x + residual; write what that loses into `out`
         (flat fp32; default: `residual`, in place); return the encoding and what the receiver
-        will decode. With a separate `out` the old residual survives for a rollback."""
+        will decode (written into `decoded` if given; None with `keep_decoded=False`, for a
+        sender that only needs the residual: codecs that can then skip the full-size copy do).
+        With a separate `out` the old residual survives for a rollback."""
         corrected = x.reshape(-1).to(torch.float32) + residual
-        enc, decoded = self.encode_with_error(corrected, state)
-        torch.sub(corrected, decoded, out=residual if out is None else out)
-        return enc, decoded
+        enc, dec = self.encode_with_error(corrected, state)
+        torch.sub(corrected, dec, out=residual if out is None else out)
+        if decoded is not None:
+            return enc, _decoded_buffer(dec.numel(), decoded, True).copy_(dec)
+        return enc, dec if keep_decoded else None
 
     @classmethod
     def _max_abs(cls, enc: EncodedTensor) -> float | None:
@@ -134,7 +144,7 @@ class Fp16Codec(Codec):
     def encode_with_error(self, x, state=None):
         return self.encode_with_feedback(x, None)
 
-    def encode_with_feedback(self, x, residual, state=None, out=None):
+    def encode_with_feedback(self, x, residual, state=None, out=None, decoded=None, keep_decoded=True):
         """One pass over memory: each slice is corrected, rounded to half, widened back and
         differenced while in cache (the generic path makes five passes and three copies)."""
         x = x.detach().cpu().contiguous()
@@ -142,7 +152,8 @@ class Fp16Codec(Codec):
             raise LocalProtocolError(f"codec {self.name} needs a floating-point tensor, got {dtype_name(x.dtype)}")
         flat, n = x.reshape(-1), x.numel()
         half = torch.empty(n, dtype=torch.float16)
-        decoded = torch.empty(n, dtype=torch.float32)
+        decoded = _decoded_buffer(n, decoded, keep_decoded)
+        scratch = torch.empty(min(n, _SLICE)) if decoded is None else None
         residual_out = residual if out is None else out
         for start in range(0, n, _SLICE):
             end = min(n, start + _SLICE)
@@ -151,9 +162,10 @@ class Fp16Codec(Codec):
                 chunk = chunk.to(torch.float32) + residual[start:end]
             h = half[start:end]
             h.copy_(chunk).clamp_(-FP16_MAX, FP16_MAX)
-            decoded[start:end].copy_(h)
+            dec = decoded[start:end] if decoded is not None else scratch[: end - start]
+            dec.copy_(h)
             if residual is not None:
-                torch.sub(chunk, decoded[start:end], out=residual_out[start:end])
+                torch.sub(chunk, dec, out=residual_out[start:end])
         return EncodedTensor(dtype_name(x.dtype), tuple(x.shape), self.name, tensor_bytes(half)), decoded
 
     @classmethod
@@ -190,16 +202,16 @@ class Int8Codec(Codec):
         decoded = torch.empty(x.numel(), dtype=torch.float32)
         return self._encode_int8(x, dtype_name(x.dtype), decoded), decoded
 
-    def encode_with_feedback(self, x, residual, state=None, out=None):
+    def encode_with_feedback(self, x, residual, state=None, out=None, decoded=None, keep_decoded=True):
         x = x.detach().cpu().contiguous()
         if dtype_name(x.dtype) not in FLOAT_DTYPES:
             raise LocalProtocolError(f"codec {self.name} needs a floating-point tensor, got {dtype_name(x.dtype)}")
-        decoded = torch.empty(x.numel(), dtype=torch.float32)
+        decoded = _decoded_buffer(x.numel(), decoded, keep_decoded)
         return self._encode_int8(x, dtype_name(x.dtype), decoded, residual, residual if out is None else out), decoded
 
     def _encode_int8(self, x, dtype, decoded, residual=None, residual_out=None):
         """Encode x (+ residual); with `decoded`, also write there exactly what `_decode` will
-        produce; with `residual`, update it in place to what was lost. One pass over memory:
+        produce; with `residual`, write what was lost into `residual_out`. One pass over memory:
         each slice is corrected, quantized, dequantized and differenced while in cache."""
         flat = x.reshape(-1)
         n, bs = flat.numel(), self.block_size
@@ -208,6 +220,7 @@ class Int8Codec(Codec):
         absmax_out = out[: nblocks * 4].view(torch.float32)
         codes_out = out[nblocks * 4 :].view(torch.int8)
         step = max(1, _SLICE // bs) * bs  # whole blocks per slice
+        scratch = torch.empty(min(n, step)) if decoded is None and residual is not None else None
         for start in range(0, n, step):
             chunk = flat[start : start + step].to(torch.float32)
             if residual is not None:
@@ -221,11 +234,12 @@ class Int8Codec(Codec):
             inv = torch.where(absmax > 0, 127.0 / absmax, 0.0)
             blocks = blocks.mul(inv.unsqueeze(1)).round_().clamp_(-127, 127)
             codes_out[start : start + m].copy_(blocks.view(-1)[:m])
-            if decoded is not None:  # what the receiver gets: _decode's own arithmetic, on our codes
+            if decoded is not None or residual is not None:  # what the receiver gets: _decode's own arithmetic, on our codes
                 end = start + m
-                _dequantize(codes_out[start:end], absmax_out[b0 : b0 + nb] / 127.0, m, bs, decoded[start:end])
+                dec = decoded[start:end] if decoded is not None else scratch[:m]
+                _dequantize(codes_out[start:end], absmax_out[b0 : b0 + nb] / 127.0, m, bs, dec)
                 if residual is not None:
-                    torch.sub(chunk[:m], decoded[start:end], out=residual_out[start:end])
+                    torch.sub(chunk[:m], dec, out=residual_out[start:end])
         return EncodedTensor(dtype, tuple(x.shape), self.name, tensor_bytes(out), {"block_size": bs})
 
     @classmethod
@@ -252,6 +266,16 @@ class Int8Codec(Codec):
         raw = tensor_from_bytes(enc.payload, torch.uint8, enc.nbytes)
         _dequantize(raw[nblocks * 4 :].view(torch.int8), raw[: nblocks * 4].view(torch.float32) / 127.0, n, bs, out)
         return out
+
+
+def _decoded_buffer(n: int, given: torch.Tensor | None, keep: bool) -> torch.Tensor | None:
+    """Where an encoder writes what the receiver will decode: the caller's buffer, a new one,
+    or none at all (then the encoder works slice by slice in a small scratch)."""
+    if given is not None:
+        if given.dtype != torch.float32 or given.numel() != n or not given.is_contiguous():
+            raise LocalProtocolError(f"decoded must be a contiguous fp32 buffer of {n} elements")
+        return given if given.dim() == 1 else given.view(-1)
+    return torch.empty(n, dtype=torch.float32) if keep else None
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, n: int, bs: int, out: torch.Tensor) -> None:

@@ -29,9 +29,10 @@ def flat(ts) -> torch.Tensor:
 
 
 def reference(cfg: AveragerConfig, seeds: list[int], numel: int, bounds, survivors_idx) -> torch.Tensor:
-    """The first round's result, computed locally: per slice, the mean of each survivor's
-    decoded part (the owner's own part exact: it never travels), then through the gather
-    codec. Equal weights; member j owns slice j."""
+    """The first round's result, computed locally from every member's seed (in member order):
+    per slice, the mean over the surviving members of their decoded parts (member j's own part
+    of slice j exact: it never travels; a slice re-owned after a failure gets the new owner's
+    part as encoded for the old one), then through the gather codec. Equal weights."""
     xs = [flat(make_tensors(s, numel)) for s in seeds]
     codec = make_codec(cfg.codec, **cfg.codec_params)
     gather = make_codec(cfg.resolved_gather_codec)
@@ -109,7 +110,8 @@ async def main() -> None:
                 survivors = [p for p in report.members if p in report.survivors]
                 idx_seeds = [seeds[p] for p in survivors]
                 exact = torch.stack([flat(make_tensors(s, numel)) for s in idx_seeds]).mean(dim=0)
-                ref = reference(cfg, idx_seeds, numel, report.bounds, range(len(idx_seeds)))
+                ref = reference(cfg, [seeds[p] for p in report.members], numel, report.bounds,
+                                [i for i, p in enumerate(report.members) if p in report.survivors])
                 emit(
                     event="result", key=cmd["key"], ok=True, sha=hashlib.sha256(out.numpy().tobytes()).hexdigest(),
                     max_err=float((out - exact).abs().max()), rel_err=float((out - exact).norm() / exact.norm()),

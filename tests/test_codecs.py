@@ -236,6 +236,29 @@ def test_encode_with_feedback_matches_the_two_step_form(name, params):
     assert torch.equal(decoded, ref_decoded) and torch.equal(r1, corrected - ref_decoded)
 
 
+@pytest.mark.parametrize("name,params", CODECS[1:], ids=[c[0] for c in CODECS[1:]])
+def test_feedback_without_keeping_the_decoded_copy_or_into_a_given_buffer(name, params):
+    """A sender that only needs the residual (keep_decoded=False) gets the same encoding and
+    residual, across slice boundaries; a given `decoded` buffer receives the same bits."""
+    from protocol.codecs import _SLICE
+
+    g = torch.Generator().manual_seed(8)
+    n = _SLICE + 4099
+    x, r = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1
+    codec = make_codec(name, **params)
+    r_ref, r_lean, r_buf = r.clone(), r.clone(), r.clone()
+    enc, decoded = codec.encode_with_feedback(x, r_ref, {})
+    lean, none = codec.encode_with_feedback(x, r_lean, {}, keep_decoded=False)
+    buf = torch.full((n,), float("nan"))
+    into, got = codec.encode_with_feedback(x, r_buf, {}, decoded=buf)
+    assert none is None and got is buf
+    for e in (lean, into):
+        assert bytes(memoryview(e.payload)) == bytes(memoryview(enc.payload))
+    assert torch.equal(r_lean, r_ref) and torch.equal(r_buf, r_ref) and torch.equal(buf, decoded)
+    with pytest.raises(LocalProtocolError, match="decoded must be"):
+        codec.encode_with_feedback(x, r.clone(), {}, decoded=torch.empty(n - 1))
+
+
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_fp16_one_pass_feedback_matches_the_generic_path_bit_for_bit(with_residual):
     """fp16's fused encode (slice by slice, in cache) must send, decode and remember exactly
