@@ -326,6 +326,14 @@ def ratios(rows: list[dict], topo: bool) -> dict:
     ours_none, ours_int8 = ok.get(("swarmtrain", "none")), ok.get(("swarmtrain", "int8"))
     if ours_none and ours_int8:
         out["swarmtrain_int8_speedup_vs_none"] = round(ours_none["seconds_per_round"] / ours_int8["seconds_per_round"], 3)
+    if not topo:  # the loopback targets: fp32 at most hivemind's fp32 time; fp16 and int8 at most half its fp16 time
+        hm_none, hm_fp16 = ok.get(("hivemind", "none")), ok.get(("hivemind", "fp16"))
+        for codec in ("fp16", "int8"):
+            if (ours := ok.get(("swarmtrain", codec))) and hm_fp16:
+                add("swarmtrain/hivemind_fp16", codec, ours["seconds_per_round"], hm_fp16["seconds_per_round"])
+                out[f"target_{codec}_within_0.5x_hivemind_fp16"] = out["swarmtrain/hivemind_fp16"][codec] <= 0.5
+        if ours_none and hm_none:
+            out["target_none_within_1.0x_hivemind"] = out["swarmtrain/hivemind"]["none"] <= 1.0
     if topo:
         out["ratio_to_bound"] = {f"{impl}:{codec}": r["ratio_to_bound"] for (impl, codec), r in ok.items()}
         if ours_none:
