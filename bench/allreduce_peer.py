@@ -96,6 +96,7 @@ class Arm:
         torch.set_num_threads(cfg["threads"])
         self.original = make_tensors(cfg["seed"] + cfg["rank"], cfg["numel"], cfg["n_tensors"])
         self.work = [t.clone() for t in self.original]
+        self.result = None  # the last round's result, until `check`
         self.reference = exact_mean(cfg["seed"], self.n, cfg["numel"], cfg["n_tensors"])
 
     def setup(self) -> dict:

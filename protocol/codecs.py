@@ -70,11 +70,12 @@ class Codec:
         will decode (written into `decoded` if given; None with `keep_decoded=False`, for a
         sender that only needs the residual: codecs that can then skip the full-size copy do).
         With a separate `out` the old residual survives for a rollback."""
+        buf = _decoded_buffer(x.numel(), decoded, False)  # checked before anything is written
         corrected = x.reshape(-1).to(torch.float32) + residual
         enc, dec = self.encode_with_error(corrected, state)
         torch.sub(corrected, dec, out=residual if out is None else out)
-        if decoded is not None:
-            return enc, _decoded_buffer(dec.numel(), decoded, True).copy_(dec)
+        if buf is not None:
+            return enc, buf.copy_(dec)
         return enc, dec if keep_decoded else None
 
     @classmethod
