@@ -273,10 +273,15 @@ def _decoded_buffer(n: int, given: torch.Tensor | None, keep: bool) -> torch.Ten
     """Where an encoder writes what the receiver will decode: the caller's buffer, a new one,
     or none at all (then the encoder works slice by slice in a small scratch)."""
     if given is not None:
-        if given.dtype != torch.float32 or given.numel() != n or not given.is_contiguous():
-            raise LocalProtocolError(f"decoded must be a contiguous fp32 buffer of {n} elements")
-        return given if given.dim() == 1 else given.view(-1)
+        return _flat_fp32(given, n, "decoded")
     return torch.empty(n, dtype=torch.float32) if keep else None
+
+
+def _flat_fp32(buf: torch.Tensor, n: int, name: str) -> torch.Tensor:
+    """A caller's buffer for n fp32 values, viewed flat; refused unless it is exactly that."""
+    if buf.dtype != torch.float32 or buf.numel() != n or not buf.is_contiguous():
+        raise LocalProtocolError(f"{name} must be a contiguous fp32 buffer of {n} elements")
+    return buf if buf.dim() == 1 else buf.view(-1)
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, n: int, bs: int, out: torch.Tensor) -> None:
@@ -434,9 +439,7 @@ def decode_tensor(
     if bound is not None:
         _check_bound(bound, max_abs)
     if out is not None:  # decode straight into the caller's buffer (flat, fp32)
-        if out.dtype != torch.float32 or out.numel() != enc.numel:
-            raise LocalProtocolError(f"out must be fp32 with {enc.numel} elements")
-        decoded = cls._decode_into(enc, out.view(-1))
+        decoded = cls._decode_into(enc, _flat_fp32(out, enc.numel, "out"))
     else:
         decoded = cls._decode(enc, dtype).reshape(enc.shape)
     if max_abs is not None and bound is None and enc.dtype in FLOAT_DTYPES and decoded.numel():
