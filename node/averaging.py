@@ -63,7 +63,7 @@ from protocol import (
     make_codec,
     split,
 )
-from protocol.codecs import finite_max_abs
+from protocol.codecs import decode_own, finite_max_abs
 from protocol.records import MemberRecord
 
 from . import aggregators
@@ -774,8 +774,8 @@ class Averager:
         ]
         mine = [j for j in range(len(g.members)) if rnd.owners[j] == me]
         for j in mine:
-            if g.members[j] != me:  # re-owned: our own part counts too
-                rnd.received.setdefault(("scatter", j), {})[me] = await loop.run_in_executor(None, self._inherited_part, encoded[j])
+            if g.members[j] != me:  # re-owned: our own part counts too, as the failed owner would have decoded it
+                rnd.received.setdefault(("scatter", j), {})[me] = await loop.run_in_executor(None, decode_own, encoded[j])
         rnd.sends += resend
         deadline = time.monotonic() + g.deadline_s
         await self._wait_parts(rnd, [("scatter", j) for j in mine], rnd.survivors, deadline)
@@ -887,17 +887,11 @@ class Averager:
 
     def _encode_part(self, codec, flat, residual, new_residual, state_key, a, b):
         """The encoded part; this round's residual goes to `new_residual`. What its owner will
-        decode is not kept (needed only if we inherit the slice: `_inherited_part`)."""
+        decode is not kept (needed only if we inherit the slice, and then decoded again)."""
         if residual is None:  # lossless
             return codec.encode(flat[a:b])
         state = self._codec_state.setdefault((state_key, a, b), {})
         return codec.encode_with_feedback(flat[a:b], residual[a:b], state, out=new_residual[a:b], keep_decoded=False)[0]
-
-    @staticmethod
-    def _inherited_part(enc) -> torch.Tensor:
-        """Our part of a slice whose owner failed and which we own now: what the owner would
-        have decoded from it, bit for bit (encoders compute their residual from the same decode)."""
-        return decode_tensor(enc, max_numel=max(enc.numel, 1)).reshape(-1).to(torch.float32)
 
     def _aggregate_encode(self, rnd: _Round, j: int, weights: dict[str, float], members: Sequence[str], codec):
         """Slice j aggregated over `members` (in member order: the same sum, bit for bit, on any

@@ -54,7 +54,7 @@ class Codec:
         """Encode, and also return what the receiver will decode (flat fp32), for error feedback.
         Codecs that know it while encoding override this to save a decode pass."""
         enc = self.encode(x, state)
-        return enc, decode_tensor(enc, max_numel=max(enc.numel, 1)).reshape(-1).to(torch.float32)
+        return enc, decode_own(enc)
 
     def encode_with_feedback(
         self,
@@ -445,6 +445,12 @@ def decode_tensor(
     if max_abs is not None and bound is None and enc.dtype in FLOAT_DTYPES and decoded.numel():
         _check_bound(finite_max_abs(decoded), max_abs)
     return decoded
+
+
+def decode_own(enc: EncodedTensor) -> torch.Tensor:
+    """What every receiver decodes from an encoding we made ourselves, as a flat fp32 vector,
+    bit for bit (no bound check or size cap: the values are our own)."""
+    return decode_tensor(enc, max_numel=max(enc.numel, 1)).reshape(-1).to(torch.float32)
 
 
 def finite_max_abs(t: torch.Tensor) -> float:
