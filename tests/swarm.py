@@ -23,6 +23,17 @@ from node.osutil import session_pids
 ROOT = Path(__file__).resolve().parent.parent
 
 
+async def start_hosts(n: int) -> list:
+    """n libp2p hosts (real p2pd) in this process, the others bootstrapped from the first.
+    The caller shuts them down."""
+    from node.p2p import Host, HostConfig
+    from protocol import SigningKey
+
+    first = await Host.start(SigningKey.generate(), HostConfig())
+    maddrs = tuple(await first.visible_maddrs())
+    return [first] + [await Host.start(SigningKey.generate(), HostConfig(initial_peers=maddrs)) for _ in range(n - 1)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

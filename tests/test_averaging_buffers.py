@@ -7,17 +7,15 @@ import pytest
 import torch
 
 from node.averaging import Averager, AveragerConfig
-from node.p2p import Host, HostConfig
 from node.transport import Transport
-from protocol import SigningKey
+from tests.swarm import start_hosts
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_rounds_of_a_lossy_codec_reuse_the_flat_copy_and_average_their_own_inputs():
     async def main():
-        first = await Host.start(SigningKey.generate(), HostConfig())
-        hosts = [first, await Host.start(SigningKey.generate(), HostConfig(initial_peers=tuple(await first.visible_maddrs())))]
+        hosts = await start_hosts(2)
         transports = [Transport(h) for h in hosts]
         avgs = [Averager(h, t, AveragerConfig(codec="int8", join_timeout_s=10)) for h, t in zip(hosts, transports)]
         try:

@@ -5,22 +5,16 @@ import asyncio
 
 import pytest
 
-from node.p2p import Host, HostConfig
 from node.transport import RPC_PROTOCOL, CallTimeout, RemoteError, RPCError, Transport, TransportConfig
-from protocol import Ack, Decoder, Error, Ping, Pong, SigningKey, StateChunk
+from protocol import Ack, Decoder, Error, Ping, Pong, StateChunk
+from tests.swarm import start_hosts
 
 pytestmark = pytest.mark.timeout(120)
 
 
-async def _hosts(n: int):
-    first = await Host.start(SigningKey.generate(), HostConfig())
-    maddrs = tuple(await first.visible_maddrs())
-    return [first] + [await Host.start(SigningKey.generate(), HostConfig(initial_peers=maddrs)) for _ in range(n - 1)]
-
-
 def run(coro_fn, n_hosts=2, **server_config):
     async def main():
-        hosts = await _hosts(n_hosts)
+        hosts = await start_hosts(n_hosts)
         server = Transport(hosts[0], TransportConfig(**server_config))
         clients = [Transport(h) for h in hosts[1:]]
         try:
