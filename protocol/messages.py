@@ -106,6 +106,7 @@ class Message:
     """Base of all wire messages. `request_id` travels in the frame envelope."""
 
     TYPE: ClassVar[int] = -1
+    BULK_FIELDS: ClassVar[tuple[str, ...]] = ()  # bytes fields decoded as views of the frame, not copies
     request_id: int = 0
 
     def __post_init__(self) -> None:
@@ -315,6 +316,8 @@ class TensorPart(Message):
     """One chunk of an encoded tensor. Every part repeats the small header so any part can be
     checked on its own; `offset`/`total_size` locate `data` inside the codec payload."""
 
+    BULK_FIELDS = ("data",)
+
     key: str
     dtype: str
     shape: tuple[int, ...]
@@ -356,6 +359,8 @@ class StateRequest(Message):
 class StateChunk(Message):
     """A byte range of a named state blob; `sha256` is the hex digest of the whole blob."""
 
+    BULK_FIELDS = ("data",)
+
     name: str
     offset: int
     total_size: int
@@ -379,6 +384,8 @@ MAX_PROBE_BYTES = 8 << 20
 @message(6)
 class Probe(Message):
     """Bandwidth probe: the receiver answers with a Probe carrying `want` bytes."""
+
+    BULK_FIELDS = ("data",)
 
     data: bytes = b""
     want: int = 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import LocalProtocolError, RemoteProtocolError
+from .framing import empty_buffer
 from .messages import MAX_TENSOR_NDIM, Params, TensorPart
 
 DTYPES: dict[str, torch.dtype] = {
@@ -121,7 +122,7 @@ class TensorAssembler:
     def __init__(self, max_total_size: int = 1 << 31):
         self.max_total_size = max_total_size
         self._first: TensorPart | None = None
-        self._buf: bytearray | None = None
+        self._buf: memoryview | None = None
         self._received = 0
         self._next_index = 0
 
@@ -139,7 +140,7 @@ class TensorAssembler:
                     f"declared {part.total_size} bytes, over the limit of {self.max_total_size}", "total_size"
                 )
             self._first = first = part
-            self._buf = bytearray(part.total_size)
+            self._buf = empty_buffer(part.total_size)  # every byte is written: parts leave no gaps
         else:
             for name in ("key", "dtype", "shape", "codec", "params", "count", "total_size"):
                 if getattr(part, name) != getattr(first, name):

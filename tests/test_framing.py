@@ -153,3 +153,53 @@ def test_messages_are_frozen():
     msg = m.Ping(nonce=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         msg.nonce = 2
+
+
+def _buffered(dec: Decoder, stream: bytes, chunk: int) -> list:
+    """Feed `stream` the way a BufferedProtocol does: into the decoder's own buffers."""
+    out, pos = [], 0
+    while pos < len(stream):
+        buf = dec.get_buffer()
+        n = min(len(buf), chunk, len(stream) - pos)
+        buf[:n] = stream[pos : pos + n]
+        out += dec.buffer_updated(n)
+        pos += n
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 20])
+def test_every_sample_through_both_apis_with_every_bytes_field_bulk(chunk):
+    stream = b"".join(encode(s) for s in SAMPLES)
+    assert _buffered(Decoder(bulk_min=1), stream, chunk) == SAMPLES
+    dec = Decoder(bulk_min=1)
+    got = []
+    for i in range(0, len(stream), chunk):
+        got += dec.feed(stream[i : i + chunk])
+    assert got == SAMPLES
+
+
+def test_bulk_bytes_are_views_of_the_frame_not_copies():
+    data = bytes(range(256)) * 1024  # 256 KiB
+    part = m.TensorPart(key="k", dtype="uint8", shape=(len(data),), codec="none", total_size=len(data), data=data)
+    frame = encode(part)
+    (whole,) = Decoder().feed(frame)  # the frame lies whole in what was fed: decoded in place
+    assert isinstance(whole.data, memoryview) and whole.data.obj is frame and whole.data == data
+    dec = Decoder()
+    first, second = _buffered(dec, frame + frame, 5000)
+    # read into a body buffer of the frame's own: the next frame's bytes went elsewhere
+    assert first.data.obj is not second.data.obj and first.data == data and second.data == data
+    # a large bytes field a message does not list as bulk is copied out: it is parsed as bytes
+    manifest = b'{"files": "' + b"x" * 100_000 + b'"}'
+    (offer,) = Decoder().feed(encode(m.CheckpointOffer(step=1, manifest=manifest)))
+    assert type(offer.manifest) is bytes and offer.manifest == manifest
+
+
+def test_buffered_api_refuses_what_feed_refuses():
+    dec = Decoder(max_frame_size=100)
+    with pytest.raises(RemoteProtocolError, match="exceeds"):
+        _buffered(dec, (101).to_bytes(4, "big"), 4)
+    with pytest.raises(RemoteProtocolError, match="exceeds"):  # poisoned
+        dec.get_buffer()
+    bad = msgpack.packb([PROTOCOL_VERSION, m.Probe.TYPE, 0, {"data": b"x" * 300, "want": -1}], use_bin_type=True)
+    with pytest.raises(RemoteProtocolError, match="want"):
+        _buffered(Decoder(bulk_min=1), len(bad).to_bytes(4, "big") + bad, 64)
