@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 RPC_PROTOCOL = "/swarmtrain/rpc/1"
 PIPE_PROTOCOL = "/swarmtrain/pipe/1"  # calls one after another on a stream kept open (`send(..., reuse=True)`)
-READ_SIZE = 4 << 20
 LINGER_BYTES = 16 << 20  # what a refused caller may still send us before we close on it
 
 
@@ -125,36 +124,143 @@ class CallContext:
 Handler = Callable[[CallContext], Awaitable["Message | AsyncIterator[Message]"]]
 
 
-class _FrameReader:
-    """Reads whole messages off a stream through a `Decoder`.
+class _FrameReader(asyncio.BufferedProtocol):
+    """Reads whole messages off a stream through a `Decoder`, taking the stream's reading over
+    from its StreamReader: the transport reads straight into the decoder's buffers (a frame's
+    body lands in its own buffer, copied once, by the kernel; tensor chunks in the messages are
+    views of it). The StreamWriter keeps working: write flow control and connection loss are
+    passed on to the stream's own protocol.
 
     `on_bytes(+n)` is called for bytes read, `on_bytes(-n)` when they are handed on as a
-    message: what is counted is what this stream holds in memory right now."""
+    message: what is counted is what this stream holds in memory right now. Reading pauses
+    while a decoded message waits to be taken (at most one frame is read ahead)."""
 
-    def __init__(self, reader: asyncio.StreamReader, max_frame_size: int, on_bytes: Callable[[int], None] | None = None):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame_size: int, on_bytes: Callable[[int], None] | None = None):
         self.reader = reader
         self.decoder = Decoder(max_frame_size)
         self.pending: list[tuple[Message, int]] = []  # decoded messages and the bytes they stand for
         self.on_bytes = on_bytes or (lambda n: None)
+        self._frame_bytes = 0  # bytes read since the last message was decoded
+        self._error: BaseException | None = None
+        self._eof = False
+        self._lost: Exception | None = None
+        self._waiter: asyncio.Future | None = None
+        self._discard: bytearray | None = None  # after an error: bytes are read and dropped
+        self._dropped = 0
+        self._transport = writer.transport
+        self._inner = self._transport.get_protocol()  # the StreamReaderProtocol the writer relies on
+        self._paused = bool(getattr(reader, "_paused", False))  # it may have paused reading
+        leftover = bytes(reader._buffer)  # what the StreamReader read before we took over
+        reader._buffer.clear()
+        self._transport.set_protocol(self)
+        if reader.exception() is not None:
+            self._eof, self._lost = True, reader.exception()
+        elif reader.at_eof():
+            self._eof = True
+        if leftover:
+            self._got(len(leftover), lambda: self.decoder.feed(leftover))
+
+    # -- protocol callbacks (the transport calls these) ------------------------------------------
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._error is not None:
+            if self._discard is None:
+                self._discard = bytearray(1 << 16)
+            return memoryview(self._discard)
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._error is not None:
+            self._dropped += nbytes
+            self._wake()
+            return
+        self._got(nbytes, lambda: self.decoder.buffer_updated(nbytes))
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        self._inner.eof_received()
+        return True  # keep the transport open for writing; the reply may still be on its way
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._eof = True
+        self._lost = exc
+        self._wake()
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    # -- ours -----------------------------------------------------------------------------------
+
+    def _got(self, nbytes: int, decode: Callable[[], list[Message]]) -> None:
+        try:
+            self.on_bytes(nbytes)
+            self._frame_bytes += nbytes
+            msgs = decode()
+        except (RemoteProtocolError, RPCError) as e:
+            self._error = e
+            msgs = []
+        if msgs:
+            framed = self._frame_bytes - self.decoder.buffered  # bytes of the frames just decoded
+            self._frame_bytes = self.decoder.buffered
+            share, extra = divmod(framed, len(msgs))
+            self.pending.extend((m, share + (extra if i == 0 else 0)) for i, m in enumerate(msgs))
+            if not self._paused:
+                self._paused = True
+                self._transport.pause_reading()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     async def next(self) -> Message | None:
         """The next message, or None at a clean end of stream."""
         while not self.pending:
-            data = await self.reader.read(READ_SIZE)
-            if not data:
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                if self._lost is not None:
+                    raise ConnectionResetError(f"stream lost: {self._lost}")
                 if self.decoder.buffered:
                     raise RemoteProtocolError(f"stream ended inside a frame ({self.decoder.buffered} bytes)", "frame")
                 return None
-            self.on_bytes(len(data))
-            before = self.decoder.buffered
-            msgs = self.decoder.feed(data)
-            if msgs:
-                framed = before + len(data) - self.decoder.buffered  # bytes of the frames just decoded
-                share, extra = divmod(framed, len(msgs))
-                self.pending.extend((m, share + (extra if i == 0 else 0)) for i, m in enumerate(msgs))
+            self._resume()
+            await self._wait()
         msg, size = self.pending.pop(0)
         self.on_bytes(-size)
+        if not self.pending:
+            self._resume()  # read ahead (the end of the stream too) while this one is handled
         return msg
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._transport.resume_reading()
+
+    async def drain(self, seconds: float, max_bytes: int) -> None:
+        """Read and drop what the peer still sends, until it stops, `max_bytes` or `seconds`."""
+        if self._error is None:
+            self._error = RemoteProtocolError("the rest of this stream is dropped", "frame")
+        self.pending.clear()
+        deadline = time.monotonic() + seconds
+        self._resume()
+        while not self._eof and self._dropped < max_bytes and (left := deadline - time.monotonic()) > 0:
+            try:
+                await asyncio.wait_for(self._wait(), left)
+            except TimeoutError:
+                return
 
 
 async def _write(writer: asyncio.StreamWriter, msg: Message, max_frame_size: int) -> None:
@@ -232,7 +338,7 @@ class Transport:
             if n > 0 and st.bytes_in_flight > self.config.max_bytes_in_flight_per_peer:
                 raise RPCError("overloaded", f"more than {self.config.max_bytes_in_flight_per_peer} bytes in flight")
 
-        frames = _FrameReader(reader, self.config.max_frame_size, on_bytes)
+        frames = _FrameReader(reader, writer, self.config.max_frame_size, on_bytes)
 
         async def receive() -> Message:
             async with asyncio.timeout(self.config.request_read_timeout_s):
@@ -305,7 +411,10 @@ class Transport:
             st.bytes_in_flight -= counted
             counted = 0
             if linger:
-                await self._linger(reader)
+                # after refusing mid-request: the caller may still be writing. Closing now would
+                # reset the stream and lose the reply (p2pd does not keep half-closed streams),
+                # so the rest of the request drains first (dropped, and bounded)
+                await frames.drain(1.0, LINGER_BYTES)
             _close(writer)
             if task is not None:
                 self._tasks.discard(task)
@@ -322,22 +431,6 @@ class Transport:
         try:
             await asyncio.wait_for(_write(writer, Error(code=code, message=message[:1000], request_id=request_id), self.config.max_frame_size), 5)
         except Exception:  # best effort: the peer may be gone or not reading
-            pass
-
-    @staticmethod
-    async def _linger(reader: asyncio.StreamReader) -> None:
-        """After refusing mid-request: the caller may still be writing. Closing now would reset
-        the stream and lose the reply (p2pd does not keep half-closed streams), so let the rest
-        of the request drain (discarded, and bounded: one second, LINGER_BYTES) first."""
-        try:
-            deadline = time.monotonic() + 1.0
-            drained = 0
-            while drained < LINGER_BYTES and (left := deadline - time.monotonic()) > 0:
-                data = await asyncio.wait_for(reader.read(1 << 20), left)
-                if not data:
-                    break
-                drained += len(data)
-        except Exception:  # the caller went away or kept going: either way we are done
             pass
 
     # ---- client side ---------------------------------------------------------------------
@@ -371,7 +464,7 @@ class Transport:
             async with asyncio.timeout(timeout):
                 if pipe is None:
                     reader, writer = await self.host.open_stream(peer_id, PIPE_PROTOCOL)
-                    pipe = _Pipe(reader, writer, _FrameReader(reader, self.config.max_frame_size))
+                    pipe = _Pipe(reader, writer, _FrameReader(reader, writer, self.config.max_frame_size))
                     self.stats["pipes_opened"] += 1
                 rid = pipe.next_id
                 pipe.next_id += 1
@@ -428,7 +521,7 @@ class Transport:
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await self._open(peer_id)
-                frames = _FrameReader(reader, self.config.max_frame_size)
+                frames = _FrameReader(reader, writer, self.config.max_frame_size)
                 await _write(writer, request, self.config.max_frame_size)
                 yield frames, writer
         except TimeoutError:

@@ -185,3 +185,45 @@ def test_a_pipe_the_server_closed_while_idle_is_replaced_on_the_next_call():
         assert c.stats["pipes_opened"] == 2
 
     run(scenario, pipe_idle_s=1.0)
+
+
+def test_a_handler_that_stops_reading_holds_back_the_sender_and_chunks_arrive_uncopied():
+    """The server reads at most one frame ahead of its handler, so a slow handler holds the
+    sender back instead of filling our memory; tensor chunks arrive as views of the frame
+    they came in, and arrive intact."""
+
+    async def scenario(server, clients):
+        import torch
+
+        from protocol import TensorAssembler, TensorPart, make_codec, split
+
+        started, release, views, got = asyncio.Event(), asyncio.Event(), [], []
+
+        async def on_part(ctx):
+            part = ctx.request
+            started.set()
+            await release.wait()
+            asm = TensorAssembler()
+            while True:
+                views.append(isinstance(part.data, memoryview))
+                if (enc := asm.add(part)) is not None:
+                    break
+                part = await ctx.receive()
+            got.append(bytes(enc.payload))
+            return Ack()
+
+        server.on(TensorPart, on_part)
+        enc = make_codec("none").encode(torch.arange(8 << 20, dtype=torch.float32))  # 32 MiB
+        parts = split(enc, "big", chunk_size=1 << 20)
+        call = asyncio.create_task(clients[0].send(server.peer_id, parts[0], parts[1:], timeout=60))
+        await asyncio.wait_for(started.wait(), 20)
+        await asyncio.sleep(1.0)  # the sender keeps pushing; we check what the server took in
+        held = server.scores.peers[clients[0].peer_id].bytes_in_flight
+        assert 1 << 20 <= held <= (2 << 20) + (64 << 10), held  # the first frame, at most one more
+        release.set()
+        assert isinstance(await call, Ack)
+        assert got == [bytes(enc.payload)] and len(views) == 32 and all(views)
+        assert server.scores.peers[clients[0].peer_id].bytes_in_flight == 0
+
+    run(scenario)
+
