@@ -227,3 +227,39 @@ def test_a_handler_that_stops_reading_holds_back_the_sender_and_chunks_arrive_un
 
     run(scenario)
 
+
+def test_tls_only_hosts_talk_to_hosts_that_prefer_noise():
+    """Our hosts offer TLS 1.3 only (cheaper per byte than Noise where the CPU has AES
+    instructions); a host with p2pd's default (Noise first) still reaches them, both ways."""
+    from node.osutil import children_of
+    from node.p2p import Host, HostConfig, HostError
+    from protocol import SigningKey
+
+    def daemon_flags(host) -> str:
+        pids = [p for c in children_of(__import__("os").getpid()) for p in [c, *children_of(c)]]
+        for pid in pids:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode()
+            if "p2pd" in cmd.split(" ")[0] and str(host._keyfile_dir) in cmd:
+                return cmd
+        raise AssertionError("no p2pd found for the host")
+
+    async def main():
+        with pytest.raises(HostError, match="security"):
+            await Host.start(SigningKey.generate(), HostConfig(security="ssl"))
+        tls = await Host.start(SigningKey.generate(), HostConfig())
+        noise = await Host.start(SigningKey.generate(), HostConfig(initial_peers=tuple(await tls.visible_maddrs()), security="noise+tls"))
+        ends = [Transport(tls), Transport(noise)]
+        try:
+            assert "-noise=0" in daemon_flags(tls) and "-noise=0" not in daemon_flags(noise)
+            for t in ends:
+                await t.start()
+            assert isinstance(await ends[1].call(tls.peer_id, Ping(), timeout=10), Pong)
+            assert isinstance(await ends[0].call(noise.peer_id, Ping(), timeout=10), Pong)
+        finally:
+            for t in ends:
+                await t.close()
+            await tls.shutdown()
+            await noise.shutdown()
+
+    asyncio.run(main())
