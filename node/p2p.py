@@ -177,7 +177,12 @@ class Host:
 
     async def add_stream_handler(self, name: str, handler: StreamHandler) -> None:
         async def adapter(info, reader, writer):
-            await handler(info.peer_id.to_base58(), reader, writer)
+            try:
+                await handler(info.peer_id.to_base58(), reader, writer)
+            except asyncio.CancelledError:
+                # shutting down. Python 3.11's stream server logs a handler that ends cancelled
+                # as an "Exception in callback" traceback; one that ends quietly is not
+                writer.close()
 
         await self.p2p.add_binary_stream_handler(name, adapter)
 

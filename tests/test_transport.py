@@ -263,3 +263,25 @@ def test_tls_only_hosts_talk_to_hosts_that_prefer_noise():
             await noise.shutdown()
 
     asyncio.run(main())
+
+
+def test_closing_a_transport_with_handlers_waiting_logs_no_tracebacks(caplog):
+    async def scenario(server, clients):
+        from protocol import TensorPart
+
+        async def on_part(ctx):
+            part = ctx.request
+            while part.index < part.count - 1:
+                part = await ctx.receive()
+            return Ack()
+
+        server.on(TensorPart, on_part)
+        parts = _parts(0)
+        await clients[0].send(server.peer_id, parts[0], parts[1:], timeout=20, reuse=True)
+        assert server._tasks  # the pipe's handler waits for the next call
+        with caplog.at_level("ERROR", logger="asyncio"):
+            await server.close()
+            await asyncio.sleep(0.1)  # the stream server's done-callbacks run
+        assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+    run(scenario)
