@@ -153,6 +153,7 @@ class Bench:
                 "cmd": "setup", "impl": impl, "codec": codec, "codec_params": params, "n_peers": self.n,
                 "numel": self.numel, "n_tensors": self.args.tensors, "seed": self.args.seed, "threads": self.threads,
                 "timeout": timeout, "run_id": self.run_id, "averager_opts": parse_opts(self.args.averager_opt),
+                "security": self.args.security,
                 "hivemind_min_matchmaking_time": self.args.hivemind_min_matchmaking_time,
                 "hivemind_request_timeout": self.args.hivemind_request_timeout,
                 "hivemind_matchmaking_timeout": self.args.hivemind_matchmaking_timeout,
@@ -298,7 +299,7 @@ class Bench:
             "seed": a.seed, "round_timeout_s": self.round_timeout(), "threads_per_peer": self.threads,
             "cpus": os.cpu_count(), "netns": bool(self.topo), "python": sys.version.split()[0],
             "versions": {p: version(p) for p in ("torch", "hivemind", "numpy")},
-            "averager_opts": parse_opts(a.averager_opt),
+            "averager_opts": parse_opts(a.averager_opt), "security": a.security,
         }
         if self.topo:
             cfg.update(rate=a.rate, rate_bps=self.rate, shaped=a.shape, bound="2(N-1)/N·S/B",
@@ -394,6 +395,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=None, help="seconds a round may take (default 120, +10x the bound with --netns)")
     p.add_argument("--setup-timeout", type=float, default=120.0, help="seconds for peers to start and connect")
     p.add_argument("--averager-opt", action="append", default=[], metavar="KEY=VALUE", help="extra AveragerConfig field for our arm (JSON value)")
+    p.add_argument("--security", choices=("tls", "noise+tls"), default="tls", help="our hosts' libp2p channel security (hivemind's arm keeps its default, Noise)")
     p.add_argument("--hivemind-min-matchmaking-time", type=float, default=5.0)
     p.add_argument("--hivemind-request-timeout", type=float, default=1.0)
     p.add_argument("--hivemind-matchmaking-timeout", type=float, default=30.0)

@@ -309,7 +309,9 @@ class SwarmtrainArm(Arm):
         ip = self.cfg["ip"]
         self.host = await Host.start(
             SigningKey.generate(),
-            HostConfig(initial_peers=tuple(self.cfg.get("initial_peers") or ()), host_maddrs=(f"/ip4/{ip}/tcp/0",)),
+            HostConfig(
+                initial_peers=tuple(self.cfg.get("initial_peers") or ()), host_maddrs=(f"/ip4/{ip}/tcp/0",), security=self.cfg.get("security", "tls")
+            ),
         )
         self.transport = Transport(self.host)
         await self.transport.start()
