@@ -163,17 +163,19 @@ def test_pipes_carry_calls_one_after_another_and_recover_from_errors():
     run(scenario)
 
 
+async def _read_all_parts(ctx):
+    """A TensorPart handler that reads every part of the tensor and acknowledges it."""
+    part = ctx.request
+    while part.index < part.count - 1:
+        part = await ctx.receive()
+    return Ack()
+
+
 def test_a_pipe_the_server_closed_while_idle_is_replaced_on_the_next_call():
     async def scenario(server, clients):
         from protocol import TensorPart
 
-        async def on_part(ctx):
-            part = ctx.request
-            while part.index < part.count - 1:
-                part = await ctx.receive()
-            return Ack()
-
-        server.on(TensorPart, on_part)
+        server.on(TensorPart, _read_all_parts)
         c = clients[0]
         parts = _parts(0)
         await c.send(server.peer_id, parts[0], parts[1:], timeout=20, reuse=True)
@@ -269,13 +271,7 @@ def test_closing_a_transport_with_handlers_waiting_logs_no_tracebacks(caplog):
     async def scenario(server, clients):
         from protocol import TensorPart
 
-        async def on_part(ctx):
-            part = ctx.request
-            while part.index < part.count - 1:
-                part = await ctx.receive()
-            return Ack()
-
-        server.on(TensorPart, on_part)
+        server.on(TensorPart, _read_all_parts)
         parts = _parts(0)
         await clients[0].send(server.peer_id, parts[0], parts[1:], timeout=20, reuse=True)
         assert server._tasks  # the pipe's handler waits for the next call
