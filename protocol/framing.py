@@ -201,8 +201,9 @@ class Decoder:
     Each frame's body is collected in a buffer of its own, so the bulk bytes of the message
     decoded from it can be views of that buffer. Two ways to give it bytes:
 
-    - `feed(data)`: a frame that lies whole inside `data` is decoded in place (views of `data`:
-      pass bytes, or a buffer never written again); the rest is copied.
+    - `feed(data)`: a frame that lies whole inside `data` is decoded in place when `data` is
+      `bytes` (views of it); from any other buffer, which its owner may write again, frames are
+      copied first.
     - `get_buffer()` / `buffer_updated(n)`, as in `asyncio.BufferedProtocol`: the caller reads
       straight into the buffer the decoder hands out, which is the body of the frame under way
       once its prefix is known. A large frame is then copied once, by the kernel.
@@ -230,7 +231,8 @@ class Decoder:
         if self._error is not None:
             raise self._error
         try:
-            return self._feed(memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data))
+            view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+            return self._feed(view, in_place=isinstance(data, bytes))
         except RemoteProtocolError as e:
             self._error = e
             self._prefix, self._body, self._filled = bytearray(), None, 0
@@ -259,9 +261,9 @@ class Decoder:
                 self._error = e
                 raise
         assert self._scratch is not None
-        return self.feed(bytes(memoryview(self._scratch)[:nbytes]))  # the scratch is written again: no views of it
+        return self.feed(bytes(memoryview(self._scratch)[:nbytes]))  # bytes: the scratch is written again
 
-    def _feed(self, view: memoryview) -> list[Message]:
+    def _feed(self, view: memoryview, in_place: bool) -> list[Message]:
         out: list[Message] = []
         pos, end = 0, len(view)
         while pos < end:
@@ -281,7 +283,7 @@ class Decoder:
                     raise RemoteProtocolError("empty frame", "length")
                 if size > self.max_frame_size:
                     raise RemoteProtocolError(f"frame of {size} bytes exceeds the {self.max_frame_size}-byte limit", "length")
-                if end - pos >= size:  # the whole body is here
+                if in_place and end - pos >= size:  # the whole body is here, in bytes nobody changes
                     out.append(decode_body(view[pos : pos + size], self.bulk_min))
                     pos += size
                     continue

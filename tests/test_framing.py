@@ -188,6 +188,11 @@ def test_bulk_bytes_are_views_of_the_frame_not_copies():
     first, second = _buffered(dec, frame + frame, 5000)
     # read into a body buffer of the frame's own: the next frame's bytes went elsewhere
     assert first.data.obj is not second.data.obj and first.data == data and second.data == data
+    # a buffer its owner may write again is copied from, so the message does not change with it
+    reused = bytearray(frame)
+    (copied,) = Decoder().feed(reused)
+    reused[-len(data) :] = bytes(len(data))
+    assert copied.data == data and copied.data.obj is not reused
     # a large bytes field a message does not list as bulk is copied out: it is parsed as bytes
     manifest = b'{"files": "' + b"x" * 100_000 + b'"}'
     (offer,) = Decoder().feed(encode(m.CheckpointOffer(step=1, manifest=manifest)))
