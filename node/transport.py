@@ -136,11 +136,9 @@ class _FrameReader(asyncio.BufferedProtocol):
     while a decoded message waits to be taken (at most one frame is read ahead)."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame_size: int, on_bytes: Callable[[int], None] | None = None):
-        self.reader = reader
         self.decoder = Decoder(max_frame_size)
         self.pending: list[tuple[Message, int]] = []  # decoded messages and the bytes they stand for
         self.on_bytes = on_bytes or (lambda n: None)
-        self._frame_bytes = 0  # bytes read since the last message was decoded
         self._error: BaseException | None = None
         self._eof = False
         self._lost: Exception | None = None
@@ -197,16 +195,15 @@ class _FrameReader(asyncio.BufferedProtocol):
     # -- ours -----------------------------------------------------------------------------------
 
     def _got(self, nbytes: int, decode: Callable[[], list[Message]]) -> None:
+        before = self.decoder.buffered
         try:
             self.on_bytes(nbytes)
-            self._frame_bytes += nbytes
             msgs = decode()
         except (RemoteProtocolError, RPCError) as e:
             self._error = e
             msgs = []
         if msgs:
-            framed = self._frame_bytes - self.decoder.buffered  # bytes of the frames just decoded
-            self._frame_bytes = self.decoder.buffered
+            framed = before + nbytes - self.decoder.buffered  # bytes of the frames just decoded
             share, extra = divmod(framed, len(msgs))
             self.pending.extend((m, share + (extra if i == 0 else 0)) for i, m in enumerate(msgs))
             if not self._paused:

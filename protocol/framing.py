@@ -14,6 +14,7 @@ Only `RemoteProtocolError` ever escapes `Decoder.feed`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -224,15 +225,19 @@ class Decoder:
 
     @property
     def buffered(self) -> int:
-        """Bytes received but not yet part of a complete frame."""
-        return len(self._prefix) + self._filled
+        """Bytes received but not yet part of a complete frame (the prefix of one under way too)."""
+        return len(self._prefix) + (PREFIX_SIZE + self._filled if self._body is not None else 0)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+        return self._poisoning(lambda: self._feed(view, in_place=isinstance(data, bytes)))
+
+    def _poisoning(self, step: Callable[[], list[Message]]) -> list[Message]:
+        """Run a decoding step; after its first error every later one raises the same."""
         if self._error is not None:
             raise self._error
         try:
-            view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
-            return self._feed(view, in_place=isinstance(data, bytes))
+            return step()
         except RemoteProtocolError as e:
             self._error = e
             self._prefix, self._body, self._filled = bytearray(), None, 0
@@ -252,16 +257,16 @@ class Decoder:
         """`nbytes` were written at the start of the last `get_buffer()`."""
         if self._body is not None:
             self._filled += nbytes
-            if self._filled < len(self._body):
-                return []
-            body, self._body, self._filled = self._body, None, 0
-            try:
-                return [decode_body(body, self.bulk_min)]
-            except RemoteProtocolError as e:
-                self._error = e
-                raise
+            return self._poisoning(self._complete)
         assert self._scratch is not None
         return self.feed(bytes(memoryview(self._scratch)[:nbytes]))  # bytes: the scratch is written again
+
+    def _complete(self) -> list[Message]:
+        """The message of the frame under way, once its body is full."""
+        if self._body is None or self._filled < len(self._body):
+            return []
+        body, self._body, self._filled = self._body, None, 0
+        return [decode_body(body, self.bulk_min)]
 
     def _feed(self, view: memoryview, in_place: bool) -> list[Message]:
         out: list[Message] = []
@@ -292,7 +297,5 @@ class Decoder:
             self._body[self._filled : self._filled + take] = view[pos : pos + take]
             self._filled += take
             pos += take
-            if self._filled == len(self._body):
-                body, self._body, self._filled = self._body, None, 0
-                out.append(decode_body(body, self.bulk_min))
+            out += self._complete()
         return out

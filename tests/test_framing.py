@@ -56,6 +56,13 @@ def test_byte_at_a_time_and_merged():
         got += dec.feed(stream[i : i + 1])
     assert got == SAMPLES
     assert dec.buffered == 0
+    # what a decoder holds of a frame under way is every byte of it fed so far, prefix included
+    frame = encode(SAMPLES[-1])
+    for api in ("feed", "buffered"):
+        dec = Decoder()
+        half = frame[: len(frame) // 2]
+        assert (dec.feed(half) if api == "feed" else _buffered(dec, half, 3)) == []
+        assert dec.buffered == len(half)
     # all at once, and in odd-sized pieces
     assert Decoder().feed(stream) == SAMPLES
     dec, got = Decoder(), []
