@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import sys
+import time
 
 import torch
 
@@ -93,6 +94,12 @@ async def main() -> None:
                     errors.append(float((total / (t + 1) - exact).abs().max()))
                 if ok:
                     emit(event="result", key=cmd["key"], ok=True, errors=errors, sha=hashlib.sha256(total.numpy().tobytes()).hexdigest())
+            elif cmd["op"] == "forget":  # a new test: no reputation carried over from the last one
+                transport.scores.peers.clear()
+                emit(event="forgot")
+            elif cmd["op"] == "banned":  # the peers this one refuses now
+                now = time.monotonic()
+                emit(event="banned", peers=[p for p in transport.scores.peers if transport.scores.banned(p, now)])
             elif cmd["op"] == "recheck":  # the sha of the last result's tensors, as they are now
                 emit(event="recheck", sha=hashlib.sha256(flat(last).numpy().tobytes()).hexdigest())
             elif cmd["op"] == "average":

@@ -93,6 +93,20 @@ def no_orphan_processes():
     yield
 
 
+@pytest.fixture(autouse=True)
+def fresh_reputations(request):
+    """Every test starts with peers that hold nothing against each other. The peers live for the
+    whole module, and the tests that inject bad parts score their sender down at its receivers:
+    carried over, a few such tests add up to a ban, and later tests would see the banned peer
+    excluded from rounds it should be part of."""
+    if "peers" in request.fixturenames:
+        for p in request.getfixturevalue("peers"):
+            if p.proc.poll() is None:
+                p.send(op="forget")
+                p.next("forgot", 30)
+    yield
+
+
 def run_round(group: list[Peer], key: str, numel: int, timeout: float = 90, expected: int | None = None) -> dict[str, dict]:
     seeds = {p.peer_id: i + 1 for i, p in enumerate(group)}
     for p in group:
@@ -164,6 +178,39 @@ def test_nan_and_wrong_shape_senders_are_excluded_and_named(peers, size):
             assert r["equals_reference"]  # the mean of the good peers, exactly
         assert not results[bad.name]["ok"]
         assert results[bad.name]["unchanged"]
+
+
+def test_a_member_that_keeps_sending_nan_is_banned_and_left_out(peers):
+    """Bad parts score their sender down at each receiver; a sender that keeps at it is banned
+    there (the transport refuses its calls). A banned member that turns honest is still left
+    out: the others finish the round without it, with the same result."""
+    group = peers[:3]
+    leader = min(group, key=lambda p: p.peer_id)
+    bad = next(p for p in group if p is not leader)
+    others = [p for p in group if p is not bad]
+    for p in group:
+        p.configure(faults={"corrupt_parts": "nan"} if p is bad else {}, codec="none", join_timeout_s=5)
+    banned_by = set()
+    for k in range(8):
+        results = run_round(group, f"ban-{k}", numel=20_000)
+        assert all(results[p.name]["ok"] for p in others), results
+        assert not results[bad.name]["ok"]
+        for p in others:
+            p.send(op="banned")
+            if bad.peer_id in p.next("banned", 30)["peers"]:
+                banned_by.add(p.name)
+        if len(banned_by) == len(others):
+            break
+    print(f"banned by both receivers after {k + 1} rounds")
+    assert len(banned_by) == len(others), f"still not banned after {k + 1} rounds of NaN parts"
+    bad.configure(codec="none", join_timeout_s=5)
+    results = run_round(group, "ban-after", numel=20_000)
+    good = [results[p.name] for p in others]
+    assert all(r["ok"] for r in good), good
+    assert len({r["sha"] for r in good}) == 1
+    for r in good:
+        assert bad.peer_id not in r["survivors"] and r["equals_reference"]
+    assert not results[bad.name]["ok"] and results[bad.name]["unchanged"]
 
 
 def test_selective_liar_voids_the_slices_sent_before_the_decision(peers):
