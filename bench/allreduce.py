@@ -33,9 +33,7 @@ A peer whose result is far off while the others' are fine is listed under `bad_r
 
 With --netns (root): each peer in its own namespace, links shaped to --rate in both directions
 (bench/netns.py); rows also get the bytes each peer actually put on its link and the ratio of the
-time to the bandwidth bound 2(N-1)/N·S/B. Our arm paces its sends there at `--pace` (0.92) times
-the link's measured goodput, as a node told its uplink speed does (`pace_bps`; `--pace 0` for
-unpaced). Without root or `ip netns`, prints why and exits 0.
+time to the bandwidth bound 2(N-1)/N·S/B. Without root or `ip netns`, prints why and exits 0.
 """
 
 from __future__ import annotations
@@ -126,13 +124,6 @@ class Bench:
         self.threads = max(1, (os.cpu_count() or 1) // self.n)
         self.run_id = f"stb{os.getpid()}-{int(time.time())}"
         self.arm_index = 0
-        self.averager_opts = parse_opts(args.averager_opt)  # our arm's AveragerConfig extras
-
-    def pace_from_link(self, goodput_bps: float) -> None:
-        """With --pace F (and no pace_bps of the user's own): our arm paces its sends at F x the
-        link's measured TCP goodput, as a node told its uplink speed does."""
-        if self.args.pace > 0 and "pace_bps" not in self.averager_opts:
-            self.averager_opts["pace_bps"] = round(self.args.pace * goodput_bps / 8)
 
     def ip(self, i: int) -> str:
         return self.topo.ip(i) if self.topo else "127.0.0.1"
@@ -161,7 +152,7 @@ class Bench:
             base = {
                 "cmd": "setup", "impl": impl, "codec": codec, "codec_params": params, "n_peers": self.n,
                 "numel": self.numel, "n_tensors": self.args.tensors, "seed": self.args.seed, "threads": self.threads,
-                "timeout": timeout, "run_id": self.run_id, "averager_opts": self.averager_opts,
+                "timeout": timeout, "run_id": self.run_id, "averager_opts": parse_opts(self.args.averager_opt),
                 "security": self.args.security,
                 "hivemind_min_matchmaking_time": self.args.hivemind_min_matchmaking_time,
                 "hivemind_request_timeout": self.args.hivemind_request_timeout,
@@ -308,7 +299,7 @@ class Bench:
             "seed": a.seed, "round_timeout_s": self.round_timeout(), "threads_per_peer": self.threads,
             "cpus": os.cpu_count(), "netns": bool(self.topo), "python": sys.version.split()[0],
             "versions": {p: version(p) for p in ("torch", "hivemind", "numpy")},
-            "averager_opts": self.averager_opts, "security": a.security,
+            "averager_opts": parse_opts(a.averager_opt), "security": a.security,
         }
         if self.topo:
             cfg.update(rate=a.rate, rate_bps=self.rate, shaped=a.shape, bound="2(N-1)/N·S/B",
@@ -411,8 +402,7 @@ def parse_args(argv=None):
     p.add_argument("--netns", action="store_true", help="peers in network namespaces with shaped links (root)")
     p.add_argument("--rate", default="100mbit", help="per-peer link rate with --netns (tc units: kbit, mbit, gbit)")
     p.add_argument("--shape", choices=("both", "upload"), default="both", help="shape each peer's upload only, or both directions")
-    p.add_argument("--no-link-check", action="store_true", help="skip the TCP goodput check of the shaped link (and so --pace)")
-    p.add_argument("--pace", type=float, default=0.92, help="with --netns: our arm paces its sends at this fraction of the measured link goodput (AveragerConfig.pace_bps); 0: unpaced")
+    p.add_argument("--no-link-check", action="store_true", help="skip the TCP goodput check of the shaped link")
     p.add_argument("--keep-logs", action="store_true", help="keep the peers' logs (path in the output)")
     args = p.parse_args(argv)
     try:
@@ -462,10 +452,7 @@ def main(argv=None) -> int:
         bench = Bench(args, topo, log_dir)
         config = bench.config()
         if topo and not args.no_link_check:
-            goodput = netns.measure_goodput(topo, sys.executable)
-            config["link_goodput_mbit"] = round(goodput / 1e6, 2)
-            bench.pace_from_link(goodput)
-            config["averager_opts"] = bench.averager_opts
+            config["link_goodput_mbit"] = round(netns.measure_goodput(topo, sys.executable) / 1e6, 2)
         rows = []
         why_not_ours = have_swarmtrain_averager()
         if "gloo" in args.impls:

@@ -69,7 +69,7 @@ from protocol.records import MemberRecord
 from . import aggregators
 from .faults import Faults
 from .p2p import Host, PeerUnreachable
-from .transport import CallContext, CallTimeout, Pacer, RemoteError, RPCError, Transport
+from .transport import CallContext, CallTimeout, RemoteError, RPCError, Transport
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +94,11 @@ class AveragerConfig:
     base_timeout_s: float = 3.0  # every phase deadline: base + slack × expected transfer time
     timeout_slack: float = 4.0
     chunk_bytes: int = 4 << 20  # payload bytes per TensorPart frame
-    # bytes/s of our sends all together: a little under the uplink's rate (0.9-0.95x; see `Pacer`).
-    # Paced, a phase sends all its parts at once, each at its share: no schedule to keep in step,
-    # and the queue in front of the link stays short. 0: unpaced, one receiver at a time (`staggered`)
-    pace_bps: float = 0.0
     max_abs: float = math.inf  # parts with larger values are refused (a poisoning / overflow guard)
     slice_align: int = 1024  # slice bounds are multiples of this (int8 blocks stay whole)
     decision_grace_s: float = 2.0  # extra wait for reports / decisions beyond a phase deadline
     reuse_streams: bool = True  # parts travel on pipes kept open between sends (see Transport.send)
-    staggered: bool = True  # unpaced: send a phase's parts one receiver at a time (see `_send_in_turn`)
+    staggered: bool = True  # send a phase's parts one receiver at a time (see `_send_in_turn`)
     stagger_overlap: float = 0.9  # the next send starts when the previous one is this far along (by its expected time; 0.9 with pipes, 0.7 without)
     optimistic_gather: bool = True  # an owner holding every part sends its slice before the decision
     gather_feedback: bool = True  # a lossy gather codec's error is carried into the owner's next round
@@ -112,8 +108,6 @@ class AveragerConfig:
         aggregators.get(self.aggregator)
         if self.min_group_size < 1:
             raise ValueError("min_group_size must be >= 1")
-        if not (math.isfinite(self.pace_bps) and self.pace_bps >= 0):
-            raise ValueError(f"pace_bps must be >= 0 bytes/s (0: not paced), got {self.pace_bps}")
 
     @property
     def resolved_gather_codec(self) -> str:
@@ -328,7 +322,6 @@ class Averager:
         self._codec_state: dict[tuple, dict] = {}
         self._gather_residuals: dict[tuple[str, int, int], torch.Tensor] = {}  # (state_key, a, b) -> what the gather lost
         self._measured_bandwidth: float | None = None
-        self._pacer = Pacer(config.pace_bps) if config.pace_bps else None  # all our sends together keep to its rate
         self._flow_rate: float | None = None  # bytes/s one send achieved lately
         self._last_members: tuple[str, ...] = ()  # the last group we completed a round with
         self.on_phase = None  # optional callable(key, phase): progress for logs and tests
@@ -369,8 +362,7 @@ class Averager:
 
     @property
     def bandwidth(self) -> float:
-        bw = self.config.bandwidth or self._measured_bandwidth or self.config.default_bandwidth
-        return min(bw, self.config.pace_bps) if self.config.pace_bps else bw  # paced: never faster than the pace
+        return self.config.bandwidth or self._measured_bandwidth or self.config.default_bandwidth
 
     def _dht_key(self, key: str) -> str:
         return f"swarmtrain/{self.config.swarm_id}/{self.config.prefix}/{key}"
@@ -923,16 +915,7 @@ class Averager:
         return enc
 
     def _parts(self, rnd: _Round, phase: str, j: int, enc) -> list[TensorPart]:
-        chunk = self.config.chunk_bytes
-        if self._pacer is not None:  # frames small enough to go out evenly at a part's share of the rate
-            chunk = min(chunk, self._flow_pacer(rnd).chunk)
-        return split(enc, f"{rnd.group.group_id}|{phase}|{j}", chunk)
-
-    def _flow_pacer(self, rnd: _Round) -> Pacer:
-        """The pacer of one part's send: the parts of a phase go at once, each at its share of
-        our rate, and all of them count against the rate too (phases overlap at the edges)."""
-        assert self._pacer is not None
-        return Pacer(self._pacer.rate / max(1, len(rnd.group.members) - 1), parent=self._pacer)
+        return split(enc, f"{rnd.group.group_id}|{phase}|{j}", self.config.chunk_bytes)
 
     def _send_in_turn(self, rnd: _Round, prev: tuple | None, phase: str, j: int, enc, peer: str, parts=None):
         """(task, bytes, started): a task sending a part once `prev` (the send before it, its
@@ -941,15 +924,13 @@ class Averager:
         moment each peer uploads to one receiver and each receiver downloads from one sender:
         on a shaped link, N-1 concurrent flows per peer fight in both bottlenecks (measured:
         ~1.3x the bound for raw TCP all-to-all vs ~1.05x one flow at a time). A receiver that
-        stalls holds the next send up for less than one part's time.
-        Paced, there is no turn to wait for: the parts of a phase go at once, each at its share
-        of the rate (see `_flow_pacer`), so no schedule has to stay in step across members."""
+        stalls holds the next send up for less than one part's time."""
         loop = asyncio.get_running_loop()
         started = loop.create_future()  # when this send began (for the patience of the next)
 
         async def go() -> None:
             try:
-                if prev is not None and self.config.staggered and self._pacer is None:  # paced: all at once
+                if prev is not None and self.config.staggered:
                     prev_task, prev_bytes, prev_started = prev
                     # the next send starts a little before the previous should end: opening a
                     # stream and waiting for the receiver's ack leave the link idle otherwise.
@@ -976,8 +957,7 @@ class Averager:
         log.debug("send %s %d to %s: %d bytes", phase, j, peer[-6:], enc.nbytes)
         timeout = max(1.0, rnd.group.deadline_s)
         t0 = time.monotonic()
-        pace = None if self._pacer is None else self._flow_pacer(rnd)
-        await self.transport.send(peer, parts[0], parts[1:], timeout=timeout, reuse=self.config.reuse_streams, pace=pace)
+        await self.transport.send(peer, parts[0], parts[1:], timeout=timeout, reuse=self.config.reuse_streams)
         took = time.monotonic() - t0
         log.debug("sent %s %d to %s in %.3f s", phase, j, peer[-6:], took)
         if enc.nbytes >= (1 << 20) and took > 0:  # one flow's rate, for the patience of staggered sends

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -261,60 +260,9 @@ class _FrameReader(asyncio.BufferedProtocol):
                 return
 
 
-class Pacer:
-    """Holds the bytes written through it to `rate` bytes/s on average: a token bucket that lets
-    `burst` seconds' worth go at once (after an idle spell, or to make up a late wake-up).
-    With a `parent`, bytes count against both: one flow's share of a link's rate.
-
-    Why pace: sending a little under the uplink's rate keeps the queue in front of the link
-    short. A FIFO queue there delays everything behind it, including the flow-control window
-    updates this peer owes the transfers coming the other way. A libp2p stream's window stays at
-    256 KiB when the connection's round trip looked short when sampled (go-yamux doubles it only
-    when updates come within 4 RTTs), so a peer that uploads and downloads at once throttles
-    what it receives with what it sends. (That is the likely mechanism; what was measured: one
-    phase of sends through p2pd took 1.4-1.7x its bytes at link rate, through raw TCP 1.1-1.2x,
-    and pacing the p2pd sends brought them to 1.1-1.4x.) Measured on tbf-shaped 100 Mbit links (bench/
-    allreduce.py --netns, 25 MB fp32, 4 peers): unpaced 1.26-1.55x the bandwidth bound, paced
-    at 0.92x the link's goodput 1.30-1.39x, 8 runs each."""
-
-    def __init__(self, rate: float, burst: float = 0.04, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], Awaitable] = asyncio.sleep, parent: Pacer | None = None):
-        if not rate > 0:
-            raise ValueError(f"pacing rate must be > 0 bytes/s, got {rate}")
-        self.rate = float(rate)
-        self.parent = parent  # a pacer this one's bytes also count against (one flow's share of a link)
-        self.burst = burst * self.rate  # bytes that may go out at once after an idle spell, or to catch up after a late wake-up
-        self._clock, self._sleep = clock, sleep
-        self._free_at = -math.inf  # when everything handed to us so far has gone out, at `rate`
-
-    @property
-    def chunk(self) -> int:
-        """A write size that keeps the flow even: half the burst (a wake-up late by less than
-        one write is made up)."""
-        return max(16 << 10, int(self.burst / 2))
-
-    def _charge(self, nbytes: int, now: float) -> float:
-        """When `nbytes` more will have gone out at our rate."""
-        self._free_at = max(self._free_at, now - self.burst / self.rate) + nbytes / self.rate
-        return self._free_at
-
-    async def __call__(self, nbytes: int) -> None:
-        """Account for `nbytes` just written, here and in the parents; wait while any of us is
-        ahead of its rate."""
-        now = self._clock()
-        until, pacer = -math.inf, self
-        while pacer is not None:
-            until = max(until, pacer._charge(nbytes, now))
-            pacer = pacer.parent
-        if until > now:
-            await self._sleep(until - now)
-
-
-async def _write(writer: asyncio.StreamWriter, msg: Message, max_frame_size: int, pace: Pacer | None = None) -> None:
-    buffers = encode_buffers(msg, max_frame_size)
-    writer.writelines(buffers)  # tensor chunks go out without a copy
+async def _write(writer: asyncio.StreamWriter, msg: Message, max_frame_size: int) -> None:
+    writer.writelines(encode_buffers(msg, max_frame_size))  # tensor chunks go out without a copy
     await writer.drain()
-    if pace is not None:
-        await pace(sum(memoryview(b).nbytes for b in buffers))
 
 
 def _close(writer: asyncio.StreamWriter) -> None:
@@ -494,7 +442,7 @@ class Transport:
             raise RemoteError(peer_id, reply.code, reply.message)
         return reply
 
-    async def _pipe_call(self, peer_id: str, request: Message, more: Iterable[Message], timeout: float, pace: Pacer | None) -> Message:
+    async def _pipe_call(self, peer_id: str, request: Message, more: Iterable[Message], timeout: float) -> Message:
         """`send` on a pipe: a stream to the peer that outlives the call, so the next call skips
         opening a stream and starts with the flow-control window this one grew (a fresh libp2p
         stream starts at 256 KiB and takes round trips to widen). A pipe carries one call at a
@@ -519,7 +467,7 @@ class Transport:
                 pipe.next_id += 1
                 try:
                     for msg in (request, *more):
-                        await _write(pipe.writer, _with_id(msg, rid), self.config.max_frame_size, pace)
+                        await _write(pipe.writer, _with_id(msg, rid), self.config.max_frame_size)
                     reply = await pipe.frames.next()
                 except (ConnectionError, BrokenPipeError) as e:
                     reply = None
@@ -540,7 +488,7 @@ class Transport:
             if pipe is not None:
                 _close(pipe.writer)
             if reused and deadline - time.monotonic() > 0:  # the peer closed an idle pipe, or restarted: once more, on a fresh one
-                return await self._pipe_call(peer_id, request, more, deadline - time.monotonic(), pace)
+                return await self._pipe_call(peer_id, request, more, deadline - time.monotonic())
             raise
         except BaseException as e:
             if pipe is not None:
@@ -562,7 +510,7 @@ class Transport:
         return await self.send(peer_id, request, (), timeout)
 
     @contextlib.asynccontextmanager
-    async def _exchange(self, peer_id: str, request: Message, timeout: float | None, pace: Pacer | None = None):
+    async def _exchange(self, peer_id: str, request: Message, timeout: float | None):
         """A stream to `peer_id` with `request` written on it, under one deadline; yields the
         reply reader. Timeouts become CallTimeout; a malformed reply scores the peer down."""
         timeout = self.config.call_timeout_s if timeout is None else timeout
@@ -571,7 +519,7 @@ class Transport:
             async with asyncio.timeout(timeout):
                 reader, writer = await self._open(peer_id)
                 frames = _FrameReader(reader, writer, self.config.max_frame_size)
-                await _write(writer, request, self.config.max_frame_size, pace)
+                await _write(writer, request, self.config.max_frame_size)
                 yield frames, writer
         except TimeoutError:
             raise CallTimeout(f"{type(request).__name__} with {peer_id} timed out after {timeout:.1f} s") from None
@@ -589,21 +537,19 @@ class Transport:
         more: Iterable[Message] | AsyncIterator[Message] = (),
         timeout: float | None = None,
         reuse: bool = False,
-        pace: Pacer | None = None,
     ) -> Message:
         """A request followed by more frames (client streaming); one reply. `reuse`: on a pipe
-        kept open to the peer (bulk transfers; `more` must then be a plain iterable). `pace`:
-        the frames, the request too, go out no faster than it allows."""
+        kept open to the peer (bulk transfers; `more` must then be a plain iterable)."""
         if reuse:
-            return await self._pipe_call(peer_id, request, list(more), self.config.call_timeout_s if timeout is None else timeout, pace)  # type: ignore[arg-type]
-        async with self._exchange(peer_id, request, timeout, pace) as (frames, writer):
+            return await self._pipe_call(peer_id, request, list(more), self.config.call_timeout_s if timeout is None else timeout)  # type: ignore[arg-type]
+        async with self._exchange(peer_id, request, timeout) as (frames, writer):
             try:
                 if hasattr(more, "__aiter__"):
                     async for msg in more:  # type: ignore[union-attr]
-                        await _write(writer, msg, self.config.max_frame_size, pace)
+                        await _write(writer, msg, self.config.max_frame_size)
                 else:
                     for msg in more:  # type: ignore[union-attr]
-                        await _write(writer, msg, self.config.max_frame_size, pace)
+                        await _write(writer, msg, self.config.max_frame_size)
             except (ConnectionError, BrokenPipeError) as e:
                 # the server may have refused before reading everything: its reply says why
                 try:
@@ -647,7 +593,6 @@ def _with_id(msg: Message, request_id: int) -> Message:
 __all__ = [
     "CallContext",
     "CallTimeout",
-    "Pacer",
     "PeerScores",
     "PeerUnreachable",
     "RPCError",

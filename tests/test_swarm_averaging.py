@@ -154,19 +154,6 @@ def test_groups_of_every_size_and_codec(peers, size):
                 assert r["rel_err"] < 1.0  # one lossy step without history; error feedback sends the rest later
 
 
-def test_a_paced_round_gives_the_same_bits_everywhere(peers):
-    """Paced (a node told its uplink speed), the parts of a phase go at once, in frames of a
-    pacing burst (~40 KB here, so each part in several): the result is still the codec
-    pipeline's, bit for bit, on every member."""
-    group = peers[:3]
-    for p in group:
-        p.configure(codec="none", join_timeout_s=10, pace_bps=4e6)
-    results = run_round(group, "paced-1", numel=200_000)
-    assert all(r["ok"] for r in results.values()), results
-    assert len({r["sha"] for r in results.values()}) == 1
-    assert all(r["equals_reference"] and r["failed"] == [] for r in results.values())
-
-
 @pytest.mark.parametrize("size", [3, 4])
 def test_nan_and_wrong_shape_senders_are_excluded_and_named(peers, size):
     # in a group of three the bad sender is accused by both honest owners; a rule that trusted

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from node.transport import RPC_PROTOCOL, CallTimeout, Pacer, RemoteError, RPCError, Transport, TransportConfig
+from node.transport import RPC_PROTOCOL, CallTimeout, RemoteError, RPCError, Transport, TransportConfig
 from protocol import Ack, Decoder, Error, Ping, Pong, StateChunk
 from tests.swarm import start_hosts
 
@@ -226,73 +226,6 @@ def test_a_handler_that_stops_reading_holds_back_the_sender_and_chunks_arrive_un
         assert isinstance(await call, Ack)
         assert got == [bytes(enc.payload)] and len(views) == 32 and all(views)
         assert server.scores.peers[clients[0].peer_id].bytes_in_flight == 0
-
-    run(scenario)
-
-
-class FakeTime:
-    """A clock that moves only when a pacer sleeps: what the pacer asks for, exactly."""
-
-    def __init__(self):
-        self.now, self.slept = 100.0, []
-
-    def clock(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
-
-
-def test_a_pacer_holds_writes_to_its_rate_after_a_burst():
-    t = FakeTime()
-    pace = Pacer(1000.0, burst=0.02, clock=t.clock, sleep=t.sleep)  # 1000 B/s, 20 B at once
-    for _ in range(10):
-        asyncio.run(pace(100))
-    # 1000 bytes at 1000 B/s, less the 20-byte burst that goes at once
-    assert t.now - 100.0 == pytest.approx(1.0 - 0.02)
-    assert t.slept[0] == pytest.approx(0.08) and t.slept[1:] == pytest.approx([0.1] * 9)
-    t.now += 50.0  # idle: only the burst is forgiven, not the 50 s of silence
-    asyncio.run(pace(100))
-    assert t.slept[-1] == pytest.approx(0.08)
-    with pytest.raises(ValueError, match="rate"):
-        Pacer(0)
-
-
-def test_flows_paced_by_shares_of_one_link_keep_to_the_link_rate():
-    """Three flows at a third of the link each, charged to the link too: alone a flow gets its
-    third; all three together the whole link, never more."""
-    t = FakeTime()
-    link = Pacer(900.0, burst=0.0, clock=t.clock, sleep=t.sleep)
-    flows = [Pacer(300.0, burst=0.0, clock=t.clock, sleep=t.sleep, parent=link) for _ in range(3)]
-    start = t.now
-    for _ in range(3):
-        asyncio.run(flows[0](30))
-    assert t.now - start == pytest.approx(0.3)  # 90 bytes at 300 B/s
-    start = t.now
-    for _ in range(3):
-        for f in flows:
-            asyncio.run(f(30))
-    assert t.now - start >= 270 / 900 - 1e-9  # 270 bytes, the link's rate at most
-
-
-def test_paced_sends_charge_every_frame_they_write():
-    """Over real streams, plain and pipe: the pacer is charged for each frame as written on the
-    wire, the first one too, and the handler gets the whole tensor."""
-
-    async def scenario(server, clients):
-        from protocol import TensorPart
-        from protocol.framing import encode
-
-        server.on(TensorPart, _read_all_parts)
-        c = clients[0]
-        for reuse in (False, True):
-            t = FakeTime()
-            pace = Pacer(10e6, clock=t.clock, sleep=t.sleep)
-            parts = _parts(30 + reuse)
-            assert isinstance(await c.send(server.peer_id, parts[0], parts[1:], timeout=20, reuse=reuse, pace=pace), Ack)
-            wire = sum(len(encode(p)) for p in parts)  # request ids differ only on pipes, in one byte
-            assert t.now - 100.0 == pytest.approx(wire / 10e6 - pace.burst / 10e6, abs=1e-6), reuse
 
     run(scenario)
 
