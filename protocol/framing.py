@@ -77,6 +77,11 @@ def encode_buffers(msg: Message, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -
     return [total.to_bytes(PREFIX_SIZE, "big"), *pieces]
 
 
+def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
+    """A flat view of `data`'s bytes, whatever the buffer's own format."""
+    return memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+
+
 def _skip(buf, pos: int, depth: int = 0) -> int:
     """The end of the msgpack object that starts at `pos` (ValueError when it is not one we
     could decode: truncated, an unused or extension code, nested too deep)."""
@@ -107,7 +112,7 @@ def _skip(buf, pos: int, depth: int = 0) -> int:
 _FIXED = {0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}
 _SIZED = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
 _CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
-_BINS = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+_BINS = {c: n for c, n in _SIZED.items() if c <= 0xC6}  # bin 8/16/32
 
 
 def _bulk_fields(body: memoryview, bulk_min: int) -> dict[str, tuple[int, int, int]] | None:
@@ -157,7 +162,7 @@ def decode_body(body: bytes | bytearray | memoryview, bulk_min: int = _BIG) -> M
     Bytes fields of at least `bulk_min` bytes that the message lists in `BULK_FIELDS` (tensor
     chunks, file chunks) come out as views of `body`, not copies: msgpack only ever sees the
     rest of the body. `body` must then stay unchanged for as long as the message lives."""
-    view = memoryview(body).cast("B") if isinstance(body, memoryview) else memoryview(body)
+    view = _byte_view(body)
     spans = _bulk_fields(view, bulk_min)
     bulk: dict[str, memoryview] = {}
     if spans:
@@ -229,7 +234,7 @@ class Decoder:
         return len(self._prefix) + (PREFIX_SIZE + self._filled if self._body is not None else 0)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
-        view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+        view = _byte_view(data)
         return self._poisoning(lambda: self._feed(view, in_place=isinstance(data, bytes)))
 
     def _poisoning(self, step: Callable[[], list[Message]]) -> list[Message]:
