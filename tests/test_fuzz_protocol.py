@@ -7,26 +7,19 @@ from hypothesis import strategies as st
 from protocol import Decoder, RemoteProtocolError, encode
 from protocol import messages as m
 from protocol.framing import PROTOCOL_VERSION
-from tests.test_framing import SAMPLES
+from tests.test_framing import SAMPLES, _buffered
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _decode(data: bytes, chunk: int, bulk_min: int, buffered: bool) -> tuple[list, str | None]:
     """(messages, error field or None); only RemoteProtocolError may escape the decoder."""
-    dec, out, pos = Decoder(max_frame_size=1 << 16, bulk_min=bulk_min), [], 0
+    dec, out = Decoder(max_frame_size=1 << 16, bulk_min=bulk_min), []
     try:
-        while pos < len(data):
-            if buffered:  # as a BufferedProtocol would: straight into the decoder's buffer
-                buf = dec.get_buffer()
-                n = min(len(buf), chunk, len(data) - pos)
-                buf[:n] = data[pos : pos + n]
-                got = dec.buffer_updated(n)
-            else:
-                n = min(chunk, len(data) - pos)
-                got = dec.feed(data[pos : pos + n])
-            pos += n
-            out += got
+        for pos in range(0, len(data), chunk):
+            piece = data[pos : pos + chunk]
+            # buffered: as a BufferedProtocol would, straight into the decoder's buffers
+            out += _buffered(dec, piece, chunk) if buffered else dec.feed(piece)
     except RemoteProtocolError as e:
         return out, e.field
     assert all(isinstance(msg, m.Message) for msg in out)
