@@ -10,6 +10,7 @@ Files:
     tokens.py      signed join tokens for private swarms, verification with a reason
     records.py     signed DHT records: where the coordinator is, who is a member
     manifest.py    checkpoint manifests: validation, canonical signed tuple, JSON form, dir names
+    sealing.py     AES-GCM sealed records for direct connections (the bulk data plane)
 """
 
 from .codecs import Codec, ErrorFeedback, decode_tensor, make_codec
@@ -27,6 +28,8 @@ from .messages import (
     CheckpointOffer,
     CheckpointQuery,
     Deregister,
+    DirectAddress,
+    DirectOpen,
     Error,
     Heartbeat,
     Hello,

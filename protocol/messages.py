@@ -394,6 +394,36 @@ class Probe(Message):
         _require(0 <= self.want <= MAX_PROBE_BYTES, "want", f"must be in [0, {MAX_PROBE_BYTES}]")
 
 
+MAX_DIRECT_ADDRS = 16
+
+
+@message(7)
+class DirectOpen(Message):
+    """Sent over libp2p before a direct connection (plain TCP, records sealed with `key`, see
+    `protocol/sealing.py`): the dialer presents `ticket` first on the connection, and the
+    listener serves it as a stream from the peer that sent this message."""
+
+    ticket: bytes
+    key: bytes
+
+    def validate(self) -> None:
+        _require(len(self.ticket) == 16, "ticket", "must be 16 bytes")
+        _require(len(self.key) == 32, "key", "must be 32 bytes")
+
+
+@message(8)
+class DirectAddress(Message):
+    """The reply to DirectOpen: where to connect ("host:port", most likely first)."""
+
+    addrs: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        _require(len(self.addrs) <= MAX_DIRECT_ADDRS, "addrs", f"at most {MAX_DIRECT_ADDRS}")
+        for a in self.addrs:
+            host, sep, port = a.rpartition(":")
+            _require(bool(sep and host) and len(a) <= 64 and port.isdigit() and 0 < int(port) < 65536, "addrs", f"not host:port: {a[:64]!r}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 
