@@ -18,7 +18,7 @@ from . import capabilities
 from .config import ConfigError, NodeConfig
 from .membership import Membership, split_peer_maddr
 from .p2p import Host, HostConfig
-from .transport import CallContext, Transport
+from .transport import CallContext, Transport, TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,8 @@ class Node:
         reason = capabilities.check_device(c.device)
         if reason:
             raise ConfigError(reason)
+        if not -1 <= c.direct_port <= 65535:
+            raise ConfigError(f"--direct-port must be a TCP port (0: any free one, -1: off), not {c.direct_port}")
         check_data_dir(c.data_dir)
         key = load_identity(c.resolved_identity())
         if c.coordinator:
@@ -83,7 +85,7 @@ class Node:
         c = self.config
         self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs))
         log.info("peer id %s, listening on %s", self.host.peer_id, " ".join(await self.host.visible_maddrs()))
-        self.transport = Transport(self.host)
+        self.transport = Transport(self.host, TransportConfig(direct=c.direct_port >= 0, direct_port=max(c.direct_port, 0)))
         self.transport.on(Hello, self._on_hello)
         await self.transport.start()
         caps = await asyncio.get_running_loop().run_in_executor(None, capabilities.measure, c.device)

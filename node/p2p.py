@@ -112,13 +112,14 @@ class HostConfig:
 class Host:
     """A running libp2p host: DHT access and binary streams to peers."""
 
-    def __init__(self, key: SigningKey, dht: hivemind.DHT, p2p: P2P, keyfile_dir: str):
+    def __init__(self, key: SigningKey, dht: hivemind.DHT, p2p: P2P, keyfile_dir: str, config: HostConfig = HostConfig()):
         self.key = key
         self.dht = dht
         self.p2p = p2p
         self.peer_id = peer_id_from_public_key(key.public_key)
         self._keyfile_dir = keyfile_dir
         self._closed = False
+        self.config = config
 
     @classmethod
     async def start(cls, key: SigningKey, config: HostConfig) -> Host:
@@ -161,7 +162,16 @@ class Host:
             if "bootstrap" in reason or "initial_peers" in reason:
                 raise HostError(f"none of the initial peers answered: {', '.join(config.initial_peers)}") from None
             raise HostError(f"libp2p host failed to start: {reason}") from None
-        return cls(key, dht, p2p, keyfile_dir)
+        return cls(key, dht, p2p, keyfile_dir, config)
+
+    def listen_ips(self) -> list[str]:
+        """The IPv4 addresses p2pd listens on over TCP (from host_maddrs: 127.0.0.1, 0.0.0.0, ...)."""
+        out: list[str] = []
+        for maddr in self.config.host_maddrs:
+            parts = maddr.split("/")
+            if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp" and parts[2] not in out:
+                out.append(parts[2])
+        return out
 
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]

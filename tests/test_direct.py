@@ -1,0 +1,236 @@
+"""The direct data plane: sealed records (sans-IO), and pipes over direct TCP between real
+transports (real p2pd for the ticket call), with their fallbacks and refusals."""
+
+import asyncio
+import hashlib
+import os
+import struct
+
+import pytest
+
+from node import direct
+from node.transport import Transport, TransportConfig
+from protocol import Ack, DirectAddress, DirectOpen, EncodedTensor, RemoteProtocolError, TensorPart
+from protocol.sealing import DIALER, LISTENER, MAX_RECORD, Opener, Sealer
+from protocol.tensors import split
+from tests.swarm import start_hosts
+
+# -- sealed records, no I/O ----------------------------------------------------------------------
+
+
+def _wire(key, buffers, direction=DIALER):
+    return b"".join(Sealer(key, direction).seal(buffers))
+
+
+def test_sealed_records_open_to_the_same_bytes_however_the_wire_cuts_them():
+    key = os.urandom(32)
+    buffers = [b"h" * 9, os.urandom(MAX_RECORD * 2 + 123), b"", b"t" * 70000, bytearray(b"x" * 5)]
+    wire = _wire(key, buffers)
+    for step in (1, 7, 4099, 1 << 20, len(wire)):
+        opener, out = Opener(key, DIALER), []
+        for i in range(0, len(wire), step):
+            out += opener.feed(wire[i : i + step])
+        assert b"".join(out) == b"".join(bytes(b) for b in buffers)
+        assert opener.buffered == 0
+        assert max(len(p) for p in out) <= MAX_RECORD
+
+
+def test_an_altered_replayed_reordered_or_misdirected_record_is_refused_and_the_stream_stays_broken():
+    key = os.urandom(32)
+    sealer = Sealer(key, DIALER)
+    first, second = b"".join(sealer.seal([b"a" * 100])), b"".join(sealer.seal([b"b" * 100]))
+
+    altered = bytearray(first)
+    altered[40] ^= 1
+    cases = {
+        "altered": bytes(altered),
+        "replayed": first + first,
+        "reordered": second + first,
+        "other direction": _wire(key, [b"a" * 100], LISTENER),
+        "other key": _wire(os.urandom(32), [b"a" * 100]),
+    }
+    for name, wire in cases.items():
+        opener = Opener(key, DIALER)
+        with pytest.raises(RemoteProtocolError, match="failed authentication"):
+            opener.feed(wire)
+        with pytest.raises(RemoteProtocolError):  # nothing after a bad record is opened
+            opener.feed(second)
+
+
+def test_a_record_length_beyond_the_limit_is_refused_before_waiting_for_it():
+    opener = Opener(os.urandom(32), DIALER)
+    with pytest.raises(RemoteProtocolError, match="sealed record of"):
+        opener.feed(struct.pack(">I", MAX_RECORD + 17))
+    with pytest.raises(RemoteProtocolError, match="sealed record of"):
+        Opener(os.urandom(32), DIALER).feed(struct.pack(">I", 3) + b"abc")
+
+
+# -- direct pipes between real transports --------------------------------------------------------
+
+
+def run(scenario, server_config=None, client_config=None):
+    async def main():
+        hosts = await start_hosts(2)
+        server = Transport(hosts[0], TransportConfig(**(server_config or {})))
+        client = Transport(hosts[1], TransportConfig(**(client_config or {})))
+        try:
+            await server.start()
+            await client.start()
+            server.on(TensorPart, _digest_parts)
+            return await scenario(server, client)
+        finally:
+            for t in (server, client):
+                await t.close()
+            for h in hosts:
+                await h.shutdown()
+
+    return asyncio.run(main())
+
+
+async def _digest_parts(ctx):
+    """Reads a tensor's parts; answers with their sha256 and the peer it was served for."""
+    part, h = ctx.request, hashlib.sha256()
+    h.update(part.data)
+    while part.index < part.count - 1:
+        part = await ctx.receive()
+        h.update(part.data)
+    return Ack(info={"sha256": h.hexdigest(), "peer": ctx.peer_id})
+
+
+def _tensor(nbytes: int, name: str):
+    data = os.urandom(nbytes)
+    return data, split(EncodedTensor("uint8", (nbytes,), "none", data), name, 1 << 20)
+
+
+async def _send(client, server, nbytes=3 << 20, name="t"):
+    data, parts = _tensor(nbytes, name)
+    reply = await client.send(server.peer_id, parts[0], parts[1:], timeout=30, reuse=True)
+    assert reply.info == {"sha256": hashlib.sha256(data).hexdigest(), "peer": client.peer_id}
+
+
+async def _raw_connect(server):
+    host, _, port = server._direct_addrs[0].rpartition(":")
+    return await asyncio.open_connection(host, int(port))
+
+
+async def _closed_by_peer(reader, within=10.0) -> bool:
+    try:
+        async with asyncio.timeout(within):
+            while await reader.read(1 << 16):
+                pass
+        return True
+    except ConnectionError:
+        return True
+
+
+@pytest.mark.timeout(120)
+def test_bulk_calls_go_direct_and_arrive_intact_attributed_to_the_caller():
+    async def scenario(server, client):
+        for i in range(3):  # the pipe is kept and reused: one direct connection
+            await _send(client, server, name=f"t{i}")
+        assert client.stats["direct_pipes"] == 1 and client.stats["direct_fallbacks"] == 0
+        assert server._direct.accepted == 1
+        assert client.stats["pipes_opened"] == 1
+
+    run(scenario)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_without_a_direct_listener_is_reached_over_libp2p():
+    async def scenario(server, client):
+        assert server._direct is None
+        await _send(client, server)
+        await _send(client, server, name="again")
+        assert client.stats["direct_pipes"] == 0
+        assert client.stats["direct_fallbacks"] == 1  # tried once, then remembered
+
+    run(scenario, server_config={"direct": False})
+
+
+@pytest.mark.timeout(120)
+def test_an_unreachable_direct_address_falls_back_to_libp2p_within_the_connect_budget():
+    async def scenario(server, client):
+        server._direct_addrs = ("127.0.0.1:1",)  # nothing listens there
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await _send(client, server)
+        assert client.stats["direct_fallbacks"] == 1 and client.stats["direct_pipes"] == 0
+        assert loop.time() - t0 < 20
+
+    run(scenario)
+
+
+@pytest.mark.timeout(120)
+def test_forged_or_missing_tickets_are_closed_and_the_listener_keeps_serving(monkeypatch):
+    monkeypatch.setattr(direct, "HANDSHAKE_S", 0.5)
+
+    async def scenario(server, client):
+        reader, writer = await _raw_connect(server)
+        writer.write(os.urandom(direct.TICKET_BYTES) + b"x" * 100)
+        assert await _closed_by_peer(reader)
+        writer.close()
+        reader, writer = await _raw_connect(server)  # says nothing: closed after HANDSHAKE_S
+        assert await _closed_by_peer(reader, within=5)
+        writer.close()
+        await _send(client, server)
+        assert client.stats["direct_pipes"] == 1 and server._direct.accepted == 1
+
+    run(scenario)
+
+
+@pytest.mark.timeout(120)
+def test_a_ticket_is_good_for_one_connection_and_a_tampered_stream_is_cut():
+    async def scenario(server, client):
+        ticket, key = os.urandom(direct.TICKET_BYTES), os.urandom(32)
+        reply = await client.call(server.peer_id, DirectOpen(ticket=ticket, key=key), 10)
+        assert isinstance(reply, DirectAddress) and reply.addrs
+        reader, writer = await _raw_connect(server)
+        writer.write(ticket)
+        opener = Opener(key, LISTENER)
+        confirmation = []
+        while not confirmation:
+            confirmation = opener.feed(await asyncio.wait_for(reader.read(1 << 16), 10))
+        assert confirmation == [direct.ACCEPTED]
+        sealed = bytearray(b"".join(Sealer(key, DIALER).seal([b"y" * 1000])))
+        sealed[20] ^= 0xFF
+        writer.write(bytes(sealed))
+        assert await _closed_by_peer(reader)
+        writer.close()
+
+        reader, writer = await _raw_connect(server)  # the same ticket again: refused
+        writer.write(ticket)
+        assert await _closed_by_peer(reader)
+        writer.close()
+        await _send(client, server)  # everyone else still served, directly
+        assert client.stats["direct_pipes"] == 1
+
+    run(scenario)
+
+
+def test_direct_open_messages_validate_their_fields():
+    with pytest.raises(Exception, match="ticket"):
+        DirectOpen(ticket=b"short", key=os.urandom(32))
+    with pytest.raises(Exception, match="addrs"):
+        DirectAddress(addrs=("no-port",))
+    assert DirectAddress(addrs=("10.0.0.1:4000",)).addrs == ("10.0.0.1:4000",)
+
+
+@pytest.mark.timeout(120)
+def test_a_direct_port_in_use_is_a_clear_start_error():
+    from node.p2p import HostError
+
+    async def main():
+        hosts = await start_hosts(2)
+        first = Transport(hosts[0])
+        try:
+            await first.start()
+            second = Transport(hosts[1], TransportConfig(direct_port=first._direct.port))
+            with pytest.raises(HostError, match="cannot listen for direct connections on 127.0.0.1 port"):
+                await second.start()
+            await second.close()
+        finally:
+            await first.close()
+            for h in hosts:
+                await h.shutdown()
+
+    asyncio.run(main())
