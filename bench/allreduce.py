@@ -153,7 +153,7 @@ class Bench:
                 "cmd": "setup", "impl": impl, "codec": codec, "codec_params": params, "n_peers": self.n,
                 "numel": self.numel, "n_tensors": self.args.tensors, "seed": self.args.seed, "threads": self.threads,
                 "timeout": timeout, "run_id": self.run_id, "averager_opts": parse_opts(self.args.averager_opt),
-                "security": self.args.security,
+                "security": self.args.security, "direct": self.args.direct == "on",
                 "hivemind_min_matchmaking_time": self.args.hivemind_min_matchmaking_time,
                 "hivemind_request_timeout": self.args.hivemind_request_timeout,
                 "hivemind_matchmaking_timeout": self.args.hivemind_matchmaking_timeout,
@@ -234,6 +234,10 @@ class Bench:
             out["bytes_received"] = statistics.mean(r["bytes_received"] for r in res)
         if res[0].get("phases"):
             out["phases"] = {k: max(r["phases"].get(k, 0.0) for r in res) for k in res[0]["phases"]}
+        if res[0].get("cpu"):
+            out["cpu"] = {k: sum(r["cpu"][k] for r in res) for k in res[0]["cpu"]}
+        if "direct_pipes" in res[0]:
+            out["direct_pipes"] = sum(r["direct_pipes"] for r in res)
         failed = [f for r in res for f in r.get("failed", [])]
         if failed:
             out["failed"] = failed
@@ -272,6 +276,11 @@ class Bench:
             row["bytes_source"] = "measured: Averager report (payload bytes_sent, mean over peers)"
             if rounds[0].get("phases"):
                 row["phases"] = {k: round(statistics.median(r["phases"].get(k, 0.0) for r in rounds), 4) for k in rounds[0]["phases"]}
+                row["round_phases"] = [{k: round(v, 3) for k, v in r["phases"].items()} for r in rounds]  # slowest peer's, per round
+            if "direct_pipes" in rounds[0]:  # pipes opened over direct TCP so far, all peers
+                row["direct_pipes"] = rounds[-1]["direct_pipes"]
+            if rounds[0].get("cpu"):  # CPU seconds per round, all peers together
+                row["cpu_seconds_per_round"] = {k: round(statistics.median(r["cpu"][k] for r in rounds), 3) for k in rounds[0]["cpu"]}
             failed = [f for r in rounds for f in r.get("failed", [])]
             if failed:
                 row["failed_peers"] = failed[:20]
@@ -299,7 +308,7 @@ class Bench:
             "seed": a.seed, "round_timeout_s": self.round_timeout(), "threads_per_peer": self.threads,
             "cpus": os.cpu_count(), "netns": bool(self.topo), "python": sys.version.split()[0],
             "versions": {p: version(p) for p in ("torch", "hivemind", "numpy")},
-            "averager_opts": parse_opts(a.averager_opt), "security": a.security,
+            "averager_opts": parse_opts(a.averager_opt), "security": a.security, "direct": a.direct,
         }
         if self.topo:
             cfg.update(rate=a.rate, rate_bps=self.rate, shaped=a.shape, bound="2(N-1)/N·S/B",
@@ -396,6 +405,7 @@ def parse_args(argv=None):
     p.add_argument("--setup-timeout", type=float, default=120.0, help="seconds for peers to start and connect")
     p.add_argument("--averager-opt", action="append", default=[], metavar="KEY=VALUE", help="extra AveragerConfig field for our arm (JSON value)")
     p.add_argument("--security", choices=("tls", "noise+tls"), default="tls", help="our hosts' libp2p channel security (hivemind's arm keeps its default, Noise)")
+    p.add_argument("--direct", choices=("on", "off"), default="on", help="our pipes over direct sealed TCP where reachable (on), or over libp2p only (off)")
     p.add_argument("--hivemind-min-matchmaking-time", type=float, default=5.0)
     p.add_argument("--hivemind-request-timeout", type=float, default=1.0)
     p.add_argument("--hivemind-matchmaking-timeout", type=float, default=30.0)

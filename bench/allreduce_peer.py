@@ -76,6 +76,21 @@ def rel_error(result, reference) -> float:
     return (num / den) ** 0.5
 
 
+def _daemon_cpu() -> float:
+    """CPU seconds used so far by the p2pd daemons in this peer's session (ours: one)."""
+    total = 0.0
+    for pid in session_pids(os.getsid(0)):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if name == "p2pd":
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def wait_until(t: float) -> None:
     delay = t - time.monotonic()
     if delay > 0:
@@ -303,7 +318,7 @@ class SwarmtrainArm(Arm):
     async def _setup(self) -> dict:
         from node.averaging import Averager, AveragerConfig
         from node.p2p import Host, HostConfig
-        from node.transport import Transport
+        from node.transport import Transport, TransportConfig
         from protocol import SigningKey
 
         ip = self.cfg["ip"]
@@ -313,7 +328,7 @@ class SwarmtrainArm(Arm):
                 initial_peers=tuple(self.cfg.get("initial_peers") or ()), host_maddrs=(f"/ip4/{ip}/tcp/0",), security=self.cfg.get("security", "tls")
             ),
         )
-        self.transport = Transport(self.host)
+        self.transport = Transport(self.host, TransportConfig(direct=self.cfg.get("direct", True)))
         await self.transport.start()
         config = AveragerConfig(codec=self.cfg["codec"], codec_params=self.cfg["codec_params"], **self.cfg["averager_opts"])
         self.avg = Averager(self.host, self.transport, config)
@@ -322,9 +337,11 @@ class SwarmtrainArm(Arm):
 
     def go(self, rnd: int, at: float) -> dict:
         wait_until(at)
+        cpu0, daemon0 = time.process_time(), _daemon_cpu()
         t0 = time.monotonic()
         self.result, report = self._run(self._average(rnd), self.cfg["timeout"])
         seconds = time.monotonic() - t0
+        cpu = {"python": time.process_time() - cpu0, "p2pd": _daemon_cpu() - daemon0}
         failed = [[str(p)[-8:], str(r)] for p, r in (getattr(report, "failed", None) or [])]
         return {
             "seconds": seconds,
@@ -335,6 +352,8 @@ class SwarmtrainArm(Arm):
             "report_seconds": getattr(report, "seconds", None),
             "matchmaking_seconds": (getattr(report, "phases", None) or {}).get("matchmaking", 0.0),
             "phases": dict(getattr(report, "phases", None) or {}),
+            "cpu": cpu,
+            "direct_pipes": self.transport.stats["direct_pipes"],
             "failed": failed,
         }
 
