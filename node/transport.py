@@ -82,9 +82,8 @@ class TransportConfig:
     direct_connect_s: float = 2.0  # the whole direct attempt: ticket call, connect, confirmation
     direct_retry_s: float = 300.0  # after a failed attempt, that peer's pipes use libp2p this long
     # congestion control of direct connections, where the kernel allows it (else its default).
-    # Measured with 4 peers on 100 Mbit token-bucket links (50 ms queue): BBR's rounds took
-    # 1.46x the bandwidth bound, CUBIC's 1.23x; several flows share each home uplink and BBR
-    # keeps under-filling it
+    # Measured with 4 peers averaging 25 MB on 100 Mbit token-bucket links (50 ms queue): with
+    # BBR rounds took 1.40-1.46x the bandwidth bound, with CUBIC 1.12-1.23x
     direct_congestion: str | None = "cubic"
 
 

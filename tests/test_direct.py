@@ -4,6 +4,7 @@ transports (real p2pd for the ticket call), with their fallbacks and refusals.""
 import asyncio
 import hashlib
 import os
+import socket
 import struct
 
 import pytest
@@ -131,8 +132,21 @@ def test_bulk_calls_go_direct_and_arrive_intact_attributed_to_the_caller():
         assert client.stats["direct_pipes"] == 1 and client.stats["direct_fallbacks"] == 0
         assert server._direct.accepted == 1
         assert client.stats["pipes_opened"] == 1
+        sock = client._pipes[server.peer_id][0].writer.get_extra_info("socket")
+        if _cubic_allowed():  # the congestion control asked for, where the kernel lets us
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") == b"cubic"
 
     run(scenario)
+
+
+@pytest.mark.timeout(120)
+def _cubic_allowed() -> bool:
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            available = f.read().split()
+    except OSError:
+        return False
+    return "cubic" in available and (os.geteuid() == 0 or "cubic" in open("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read().split())
 
 
 @pytest.mark.timeout(120)
