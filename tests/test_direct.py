@@ -221,6 +221,22 @@ def test_a_ticket_is_good_for_one_connection_and_a_tampered_stream_is_cut():
     run(scenario)
 
 
+@pytest.mark.timeout(120)
+def test_a_stream_that_ends_inside_a_record_is_closed_not_left_hanging():
+    async def scenario(server, client):
+        ticket, key = os.urandom(direct.TICKET_BYTES), os.urandom(32)
+        await client.call(server.peer_id, DirectOpen(ticket=ticket, key=key), 10)
+        reader, writer = await _raw_connect(server)
+        writer.write(ticket)
+        record = b"".join(Sealer(key, DIALER).seal([b"z" * 1000]))
+        writer.write(record[: len(record) // 2])
+        writer.write_eof()
+        assert await _closed_by_peer(reader)  # the confirmation, then the close
+        writer.close()
+
+    run(scenario)
+
+
 def test_direct_open_messages_validate_their_fields():
     with pytest.raises(Exception, match="ticket"):
         DirectOpen(ticket=b"short", key=os.urandom(32))
