@@ -84,10 +84,10 @@ class Node:
         key, token = self.validate()
         c = self.config
         self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs))
-        log.info("peer id %s, listening on %s", self.host.peer_id, " ".join(await self.host.visible_maddrs()))
         self.transport = Transport(self.host, TransportConfig(direct=c.direct_port >= 0, direct_port=max(c.direct_port, 0)))
         self.transport.on(Hello, self._on_hello)
         await self.transport.start()
+        log.info("peer id %s, listening on %s", self.host.peer_id, " ".join(await self.host.visible_maddrs()))
         caps = await asyncio.get_running_loop().run_in_executor(None, capabilities.measure, c.device)
         log.info("capabilities: %s", ", ".join(f"{k}={v}" for k, v in caps.items()))
         self.membership = Membership(self.host, self.transport, c, caps, token)

@@ -330,7 +330,7 @@ class Transport:
             except OSError as e:
                 await self._direct.close()
                 self._direct = None
-                raise HostError(f"cannot listen for direct connections on {'/'.join(ips)} port {self.config.direct_port}: {e.strerror or e}") from None
+                raise HostError(f"cannot listen for direct connections on {'/'.join(ips)} port {self.config.direct_port}: {os.strerror(e.errno) if e.errno else e}") from None
             self._direct_addrs = await self._announced(self._direct.port)
             self.handlers[DirectOpen] = self._on_direct_open
 

@@ -75,6 +75,8 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
         {
             "node-bad-env-var": Case(NODE, (), (env_var, "must be float", "soon"), env=((env_var, "soon"),), light=True),
             "node-device-cuda-missing": Case(NODE, ("--data-dir", "{tmp}/data", "--device", "cuda:99"), ("cuda:99",)),
+            "node-bad-direct-port": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", "70000"), ("--direct-port", "70000")),
+            "node-direct-port-in-use": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", str(busy_port)), ("cannot listen for direct connections", f"port {busy_port}", "in use")),
             "node-initial-peer-without-peer-id": Case(NODE, ("--data-dir", "{tmp}/data", "--initial-peers", "/ip4/127.0.0.1/tcp/1"), ("lacks its /p2p/<peer id>",)),
             "coordinator-bad-mode": Case(COORD, ("--mode", "anarchy"), ("--mode", "invalid choice", "anarchy"), light=True),
             "coordinator-bad-http": Case(COORD, ("--data-dir", "{tmp}/data", "--http", "localhost"), ("--http must be HOST:PORT", "localhost")),
