@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from protocol import Decoder, DirectAddress, DirectOpen, Error, Message, Ping, Pong, Probe, RemoteProtocolError
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, encode_buffers
+from protocol.sealing import KEY_BYTES
 
 from . import direct
 from .p2p import Host, HostError, PeerUnreachable
@@ -560,7 +561,7 @@ class Transport:
     async def _open_pipe(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A new pipe's stream: direct where the peer takes it, else a libp2p stream."""
         if self._direct is not None and self._no_direct.get(peer_id, 0.0) <= time.monotonic():
-            ticket, key = os.urandom(direct.TICKET_BYTES), os.urandom(32)
+            ticket, key = os.urandom(direct.TICKET_BYTES), os.urandom(KEY_BYTES)
             t0 = time.monotonic()
             try:
                 reply = await self.call(peer_id, DirectOpen(ticket=ticket, key=key), self.config.direct_connect_s)

@@ -408,7 +408,7 @@ class DirectOpen(Message):
 
     def validate(self) -> None:
         _require(len(self.ticket) == 16, "ticket", "must be 16 bytes")
-        _require(len(self.key) == 32, "key", "must be 32 bytes")
+        _require(len(self.key) == 32, "key", "must be 32 bytes (an AES-256 key)")
 
 
 @message(8)
