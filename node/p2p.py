@@ -166,12 +166,7 @@ class Host:
 
     def listen_ips(self) -> list[str]:
         """The IPv4 addresses p2pd listens on over TCP (from host_maddrs: 127.0.0.1, 0.0.0.0, ...)."""
-        out: list[str] = []
-        for maddr in self.config.host_maddrs:
-            parts = maddr.split("/")
-            if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp" and parts[2] not in out:
-                out.append(parts[2])
-        return out
+        return tcp_ip4s(self.config.host_maddrs)
 
     async def visible_maddrs(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
@@ -226,6 +221,16 @@ class Host:
             log.debug("p2p replica shutdown: %s", e)
         await asyncio.get_running_loop().run_in_executor(None, _stop_dht, self.dht)
         _remove_dir(self._keyfile_dir)
+
+
+def tcp_ip4s(maddrs: Sequence[str]) -> list[str]:
+    """The IPv4 addresses of the /ip4/<ip>/tcp/... multiaddrs among `maddrs`, first seen first."""
+    out: list[str] = []
+    for maddr in maddrs:
+        parts = str(maddr).split("/")
+        if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp" and parts[2] not in out:
+            out.append(parts[2])
+    return out
 
 
 def _stop_dht(dht: hivemind.DHT) -> None:

@@ -34,7 +34,7 @@ from protocol.framing import DEFAULT_MAX_FRAME_SIZE, encode_buffers
 from protocol.sealing import KEY_BYTES
 
 from . import direct
-from .p2p import Host, HostError, PeerUnreachable
+from .p2p import Host, HostError, PeerUnreachable, tcp_ip4s
 
 log = logging.getLogger(__name__)
 
@@ -338,11 +338,7 @@ class Transport:
     async def _announced(self, port: int) -> tuple[str, ...]:
         """Where others reach our direct listener: the IPv4 addresses libp2p announces, on our
         port; loopback last (a peer on another machine that tries it reaches its own)."""
-        ips: list[str] = []
-        for maddr in await self.host.visible_maddrs():
-            parts = maddr.split("/")
-            if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp" and parts[2] not in ips and parts[2] != "0.0.0.0":
-                ips.append(parts[2])
+        ips = [ip for ip in tcp_ip4s(await self.host.visible_maddrs()) if ip != "0.0.0.0"]
         ips.sort(key=lambda ip: ip.startswith("127."))
         return tuple(f"{ip}:{port}" for ip in ips[:16])
 
