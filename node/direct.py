@@ -40,6 +40,7 @@ HANDSHAKE_S = 5.0  # an accepted connection must present its ticket within this
 MAX_TICKETS = 4096  # outstanding, all peers together (the oldest goes first)
 MAX_TICKETS_PER_PEER = 64
 MAX_HANDSHAKES = 256  # accepted connections that have not shown a ticket yet; more are closed at once
+MAX_CONNECTIONS_PER_PEER = 16  # open direct connections from one peer (each holds ~2 MiB of buffers)
 ACCEPTED = b"\x01"  # the listener's first (sealed) byte: the ticket was good
 STREAM_LIMIT = 1 << 22  # the StreamReader's buffer limit (the frame reader takes reading over)
 
@@ -288,6 +289,7 @@ class DirectListener:
         self._per_peer: collections.Counter[str] = collections.Counter()
         self._tasks: set[asyncio.Task] = set()
         self._raws: set[_RawProtocol] = set()
+        self._open: collections.Counter[str] = collections.Counter()  # peer -> open direct connections
         self.accepted = 0
 
     async def start(self, hosts: list[str], port: int = 0) -> None:
@@ -316,6 +318,11 @@ class DirectListener:
         self._tickets[ticket] = (peer_id, bytes(key), time.monotonic() + TICKET_TTL_S)
         self._per_peer[peer_id] += 1
 
+    def _closed(self, peer_id: str) -> None:
+        self._open[peer_id] -= 1
+        if self._open[peer_id] <= 0:
+            del self._open[peer_id]
+
     def _drop(self, ticket: bytes) -> tuple[str, bytes, float]:
         entry = self._tickets.pop(ticket)
         self._per_peer[entry[0]] -= 1
@@ -334,6 +341,11 @@ class DirectListener:
             log.debug("direct connection from %s: unknown ticket", raw.transport.get_extra_info("peername"))
             return
         peer_id, key, _ = self._drop(ticket)
+        if self._open[peer_id] >= MAX_CONNECTIONS_PER_PEER:
+            log.debug("direct connection from %s refused: %d open already", peer_id, self._open[peer_id])
+            return
+        self._open[peer_id] += 1
+        raw.lost.add_done_callback(lambda _: self._closed(peer_id))
         _tune(raw.transport, self.congestion)
         reader, writer = _streams(raw, key, dialer=False)
         writer.write(ACCEPTED)  # sealed: it also shows the dialer it reached the key's holder

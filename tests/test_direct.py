@@ -150,6 +150,28 @@ def _cubic_allowed() -> bool:
 
 
 @pytest.mark.timeout(120)
+def test_direct_connections_per_peer_are_capped_and_the_rest_use_libp2p(monkeypatch):
+    monkeypatch.setattr(direct, "MAX_CONNECTIONS_PER_PEER", 1)
+
+    async def scenario(server, client):
+        await asyncio.gather(*(_send(client, server, name=f"c{i}") for i in range(2)))  # two pipes at once
+        assert client.stats["pipes_opened"] == 2
+        assert client.stats["direct_pipes"] == 1 and client.stats["direct_fallbacks"] == 1
+        assert server._direct.accepted == 1 and sum(server._direct._open.values()) == 1
+        for pipes in client._pipes.values():
+            for pipe in pipes:
+                pipe.writer.close()
+        client._pipes.clear()
+        for _ in range(100):  # the server notices the direct connection closed
+            if not server._direct._open:
+                break
+            await asyncio.sleep(0.05)
+        assert not server._direct._open
+
+    run(scenario)
+
+
+@pytest.mark.timeout(120)
 def test_a_peer_without_a_direct_listener_is_reached_over_libp2p():
     async def scenario(server, client):
         assert server._direct is None
