@@ -43,6 +43,10 @@ MAX_HANDSHAKES = 256  # accepted connections that have not shown a ticket yet; m
 MAX_CONNECTIONS_PER_PEER = 16  # open direct connections from one peer (each holds ~2 MiB of buffers)
 ACCEPTED = b"\x01"  # the listener's first (sealed) byte: the ticket was good
 STREAM_LIMIT = 1 << 22  # the StreamReader's buffer limit (the frame reader takes reading over)
+# The kernel wakes us only when this much of the record we wait for is here (SO_RCVLOWAT; less
+# when less is missing). On a slow link bytes trickle in a packet at a time: without it a peer
+# spent about 1 CPU-second per 37 MB received at 100 Mbit, in wakeups.
+MAX_RCVLOWAT = 64 << 10
 
 StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -205,6 +209,8 @@ class _RawProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self._sock = transport.get_extra_info("socket") if hasattr(socket, "SO_RCVLOWAT") else None
+        self._lowat = 1
         if self._refuse:
             transport.abort()
         elif self._on_ticket is not None:
@@ -224,6 +230,7 @@ class _RawProtocol(asyncio.BufferedProtocol):
         if self.opener is not None:
             self.opener.buffer_updated(nbytes)
             self.sealed._pump()
+            self._set_lowat(min(self.opener.missing(), MAX_RCVLOWAT))
             return
         self._got += nbytes
         if self._got < TICKET_BYTES:
@@ -232,6 +239,15 @@ class _RawProtocol(asyncio.BufferedProtocol):
             self._on_ticket(self, bytes(self._ticket))
         if self.opener is None:  # refused (or a dialer's peer spoke first: never valid)
             self.transport.abort()
+
+    def _set_lowat(self, lowat: int) -> None:
+        if lowat == self._lowat or self._sock is None:
+            return
+        self._lowat = lowat
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+        except OSError:  # not everywhere: then every packet wakes us, as without it
+            self._sock = None
 
     def eof_received(self) -> bool:
         if self.sealed is not None:

@@ -109,6 +109,14 @@ class Opener:
     def buffer_updated(self, nbytes: int) -> None:
         self._end += nbytes
 
+    def missing(self) -> int:
+        """Bytes still to come before the next record is all here (at least 1)."""
+        held = self._end - self._pos
+        if held < _HEADER.size:
+            return _HEADER.size - held
+        (size,) = _HEADER.unpack_from(self._buf, self._pos)
+        return max(1, _HEADER.size + size - held)
+
     def next_size(self) -> int | None:
         """Plaintext bytes of the next record if all of it is here, else None."""
         if self._broken is not None:

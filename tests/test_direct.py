@@ -58,6 +58,16 @@ def test_an_altered_replayed_reordered_or_misdirected_record_is_refused_and_the_
             opener.feed(second)
 
 
+def test_the_opener_says_how_many_bytes_the_next_record_still_needs():
+    key = os.urandom(32)
+    wire = _wire(key, [b"r" * 1000])  # one record: 4-byte length, 1000 bytes, 16-byte tag
+    opener = Opener(key, DIALER)
+    assert opener.missing() == 4
+    assert opener.feed(wire[:2]) == [] and opener.missing() == 2
+    assert opener.feed(wire[2:10]) == [] and opener.missing() == len(wire) - 10
+    assert opener.feed(wire[10:]) == [b"r" * 1000] and opener.missing() == 4
+
+
 def test_a_record_length_beyond_the_limit_is_refused_before_waiting_for_it():
     opener = Opener(os.urandom(32), DIALER)
     with pytest.raises(RemoteProtocolError, match="sealed record of"):
