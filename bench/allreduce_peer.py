@@ -78,17 +78,10 @@ def rel_error(result, reference) -> float:
 
 def _daemon_cpu() -> float:
     """CPU seconds used so far by the p2pd daemons in this peer's session (ours: one)."""
-    total = 0.0
-    for pid in session_pids(os.getsid(0)):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        if name == "p2pd":
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    from node.osutil import process_cpu
+
+    used = [process_cpu(pid) for pid in session_pids(os.getsid(0))]
+    return sum(seconds for name, seconds in filter(None, used) if name == "p2pd")
 
 
 def wait_until(t: float) -> None:

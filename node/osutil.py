@@ -69,6 +69,17 @@ def _pids_where(index: int, value: int) -> list[int]:
     return out
 
 
+def process_cpu(pid: int) -> tuple[str, float] | None:
+    """(command name, CPU seconds it has used: user + system) of a process; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            head, _, rest = f.read().rpartition(b")")
+        fields = rest.split()
+        return head.partition(b"(")[2].decode(errors="replace"), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def children_of(pid: int) -> list[int]:
     """Live direct children of `pid`."""
     return _pids_where(1, pid)
