@@ -54,13 +54,12 @@ class Sealer:
         small = bytearray()
         for buf in buffers:
             view = memoryview(buf).cast("B")
-            if len(view) < SMALL:
+            if len(view) < SMALL:  # gathered; sealed once enough is together
                 small += view
-                if len(small) >= SMALL:
-                    self._records(memoryview(small), out)
-                    small = bytearray()
-                continue
-            if small:
+                if len(small) < SMALL:
+                    continue
+                view, small = memoryview(small), bytearray()
+            elif small:  # what was gathered goes first
                 self._records(memoryview(small), out)
                 small = bytearray()
             self._records(view, out)
