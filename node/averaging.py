@@ -251,6 +251,16 @@ def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.T
 
 
 @dataclass
+class _Prepared:
+    """A round's input, ready before its group is known (see `Averager._prepare`)."""
+
+    flat: torch.Tensor
+    residual: torch.Tensor | None = None  # error feedback of earlier rounds (lossy codecs)
+    new_residual: torch.Tensor | None = None  # where this round's goes
+    encoded: EncodedTensor | None = None  # the whole of flat + residual, encoded, to be cut into parts
+
+
+@dataclass
 class _Round:
     group: AvgGroup
     me: str
@@ -398,13 +408,14 @@ class Averager:
         reuse = self.codec.lossy and not _viewable(tensors)
         spares = self._spare_flats.setdefault(numel, []) if reuse else []
         spare = spares.pop() if spares else None
-        prepare = asyncio.get_running_loop().run_in_executor(None, self._prepare, key, tensors, spare)
+        feedback = self._feedback_buffers(state_key, numel) if self.codec.lossy else None
+        prepare = asyncio.get_running_loop().run_in_executor(None, self._prepare, key, tensors, spare, feedback)
         try:
             window = self.config.join_timeout_s if join_timeout_s is None else join_timeout_s
             group = await self._matchmake(key, numel, weight, expected_peers, report, window)
             report.phases["matchmaking"] = time.monotonic() - t0
-            flat = await prepare
-            result, new_residual = await self._run_round(group, flat, state_key, report)
+            prepared = await prepare
+            result, new_residual = await self._run_round(group, prepared, state_key, report)
         except (_Fail, *_NET_ERRORS) as e:
             # the residual of earlier rounds is untouched (this round wrote into a spare)
             report.ok, report.reason = False, str(e) or type(e).__name__
@@ -418,7 +429,7 @@ class Averager:
         finally:
             self._forget_key_later(key)
             if reuse and prepare.done() and not prepare.cancelled() and prepare.exception() is None and len(spares) < 2:
-                spares.append(prepare.result())
+                spares.append(prepare.result().flat)
         if new_residual is not None:  # commit this round's error feedback; the old one becomes the spare
             self._spare_residuals[state_key] = self._residuals.get(state_key)
             self._residuals[state_key] = new_residual
@@ -427,12 +438,35 @@ class Averager:
         self._last_members = tuple(report.survivors)
         return _unflatten(result, tensors), report
 
-    def _prepare(self, key: str, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-        """The flat fp32 vector to average (written into `out` when given and a copy is needed)."""
+    def _feedback_buffers(self, state_key: str, numel: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(residual of earlier rounds, spare buffer for this round's), None where there is
+        none of the right size yet (`_prepare` allocates it)."""
+        residual = self._residuals.get(state_key)
+        spare = self._spare_residuals.pop(state_key, None)
+        return (
+            residual if residual is not None and residual.numel() == numel else None,
+            spare if spare is not None and spare.numel() == numel else None,
+        )
+
+    def _prepare(self, key: str, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None, feedback=None) -> _Prepared:
+        """The flat fp32 vector to average (written into `out` when given and a copy is needed)
+        and, with a lossy codec, its error-feedback buffers. A codec whose encoding can be cut
+        (`Codec.cut`) encodes the whole vector here, while matchmaking waits on the network:
+        once the group is known the first part can leave at once, instead of after the CPU
+        burst of every member encoding at the same moment."""
         flat = _flatten(tensors, out)
         if not math.isfinite(finite_max_abs(flat)):
             raise ValueError(f"averaging {key}: local tensors contain NaN or Inf")
-        return flat
+        prepared = _Prepared(flat)
+        if feedback is not None:
+            residual, new_residual = feedback
+            prepared.residual = residual if residual is not None else torch.zeros_like(flat)
+            prepared.new_residual = new_residual if new_residual is not None else torch.empty_like(flat)
+            if self.codec.cut_align and self.config.slice_align % self.codec.cut_align == 0:
+                prepared.encoded = self.codec.encode_with_feedback(
+                    flat, prepared.residual, out=prepared.new_residual, keep_decoded=False
+                )[0]
+        return prepared
 
     def _learn_bandwidth(self, report: AverageReport) -> None:
         """Deadlines of later rounds follow what the transfers of this one achieved."""
@@ -657,8 +691,8 @@ class Averager:
 
     # ---- the round -----------------------------------------------------------------------------
 
-    async def _run_round(self, group: AvgGroup, flat: torch.Tensor, state_key: str, report: AverageReport) -> torch.Tensor:
-        me = self.peer_id
+    async def _run_round(self, group: AvgGroup, prepared: _Prepared, state_key: str, report: AverageReport) -> torch.Tensor:
+        me, flat = self.peer_id, prepared.flat
         rnd = _Round(group=group, me=me, leader=report.leader, started=time.monotonic(), report=report, state_key=state_key)
         rnd.result = torch.empty_like(flat)  # gathered slices are decoded straight into it
         report.group_id, report.members, report.bounds = group.group_id, list(group.members), group.bounds
@@ -666,7 +700,7 @@ class Averager:
         self._rounds[group.group_id] = rnd
         self._round_ready.setdefault(group.group_id, asyncio.Event()).set()
         try:
-            result = await self._phases(rnd, flat)
+            result = await self._phases(rnd, prepared)
             if self.faults.replay_gather_s:
                 self._spawn(self._replay_gather(rnd))
             return result
@@ -688,7 +722,7 @@ class Averager:
             rnd.early_sends.clear()
             self._schedule_cleanup(group.group_id)
 
-    async def _phases(self, rnd: _Round, flat: torch.Tensor) -> torch.Tensor:
+    async def _phases(self, rnd: _Round, prepared: _Prepared) -> torch.Tensor:
         g, me, report, state_key = rnd.group, rnd.me, rnd.report, rnd.state_key
         t = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -696,22 +730,22 @@ class Averager:
         gather_codec = make_codec(g.gather_codec)
         my_index = g.members.index(me)
 
-        # -- scatter: encode every part with error feedback; send each to its owner
-        residual = new_residual = None
-        if codec.lossy:  # error feedback: what earlier rounds' compression lost, per element
-            residual = self._residuals.get(state_key)
-            if residual is None or residual.numel() != flat.numel():
-                residual = torch.zeros_like(flat)
-            new_residual = self._spare_residuals.pop(state_key, None)
-            if new_residual is None or new_residual.numel() != flat.numel():
-                new_residual = torch.empty_like(flat)
+        # -- scatter: encode every part with error feedback (error feedback: what earlier
+        # rounds' compression lost, per element); send each to its owner
+        flat, residual, new_residual = prepared.flat, prepared.residual, prepared.new_residual
+        whole = prepared.encoded
+        if whole is not None and (repr(codec) != repr(self.codec) or any(b % codec.cut_align for b in g.bounds[:-1])):
+            whole = None  # encoded for another split than this group's: encode part by part
         encoded, sends, prev = {}, [], None
         n = len(g.members)
         for j in [(my_index + 1 + k) % n for k in range(n - 1)]:  # each member starts with a different owner
             t_enc = time.monotonic()
-            encoded[j] = await loop.run_in_executor(
-                None, self._encode_part, codec, flat, residual, new_residual, state_key, g.bounds[j], g.bounds[j + 1]
-            )
+            if whole is not None:
+                encoded[j] = codec.cut(whole, g.bounds[j], g.bounds[j + 1])
+            else:
+                encoded[j] = await loop.run_in_executor(
+                    None, self._encode_part, codec, flat, residual, new_residual, state_key, g.bounds[j], g.bounds[j + 1]
+                )
             log.debug("encoded scatter %d in %.3f s", j, time.monotonic() - t_enc)
             # sending starts while the next part is being encoded
             prev = self._send_in_turn(rnd, prev, "scatter", j, encoded[j], g.members[j])

@@ -78,6 +78,26 @@ class Codec:
             return enc, buf.copy_(dec)
         return enc, dec if keep_decoded else None
 
+    @property
+    def cut_align(self) -> int:
+        """Elements at which `cut` can split this codec's encoding of a flat vector (0: never)."""
+        return 0
+
+    def cut(self, enc: EncodedTensor, a: int, b: int) -> EncodedTensor:
+        """The encoding of elements [a, b) of the flat vector `enc` encodes, bit for bit what
+        encoding that range alone gives (with error feedback too: it is element-wise). So a
+        sender can encode a whole vector before it knows how it will be split. `a` and `b` are
+        multiples of `cut_align`, or `b` is the end."""
+        n, align = enc.numel, self.cut_align
+        if len(enc.shape) != 1 or enc.codec != self.name:
+            raise LocalProtocolError(f"cut needs a flat {self.name} encoding, got {enc.codec} {enc.shape}")
+        if not align or not 0 <= a <= b <= n or a % align or (b % align and b != n):
+            raise LocalProtocolError(f"{self.name} cannot cut [{a}, {b}) of {n} elements (alignment {align or 'none'})")
+        return EncodedTensor(enc.dtype, (b - a,), self.name, self._cut(memoryview(enc.payload), n, a, b), dict(enc.params))
+
+    def _cut(self, payload: memoryview, n: int, a: int, b: int) -> bytes | memoryview:
+        raise NotImplementedError
+
     @classmethod
     def _max_abs(cls, enc: EncodedTensor) -> float | None:
         """max |value| of the decoded tensor if the payload gives it cheaply (NaN if any value
@@ -169,6 +189,11 @@ class Fp16Codec(Codec):
                 torch.sub(chunk, dec, out=residual_out[start:end])
         return EncodedTensor(dtype_name(x.dtype), tuple(x.shape), self.name, tensor_bytes(half)), decoded
 
+    cut_align = 1
+
+    def _cut(self, payload, n, a, b):
+        return payload[2 * a : 2 * b]
+
     @classmethod
     def _decode(cls, enc, dtype):
         _expect_size(enc, enc.numel * 2)
@@ -195,6 +220,19 @@ class Int8Codec(Codec):
 
     def _encode(self, x, dtype, state):
         return self._encode_int8(x, dtype, None)
+
+    @property
+    def cut_align(self) -> int:
+        return self.block_size
+
+    def _cut(self, payload, n, a, b):
+        """Block scales of the range, then its codes (one copy: the layout puts them apart)."""
+        bs = self.block_size
+        scales = payload[4 * (a // bs) : 4 * math.ceil(b / bs)]
+        codes = payload[4 * math.ceil(n / bs) + a : 4 * math.ceil(n / bs) + b]
+        out = bytearray(len(scales) + len(codes))
+        out[: len(scales)], out[len(scales) :] = scales, codes
+        return out
 
     def encode_with_error(self, x, state=None):
         x = x.detach().cpu().contiguous()

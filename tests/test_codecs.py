@@ -289,3 +289,41 @@ def test_the_bound_check_finds_a_non_finite_value_anywhere(where, bad):
         decode_tensor(make_codec("none").encode(x), max_abs=1e3)
     with pytest.raises(RemoteProtocolError, match="NaN or Inf" if math.isnan(bad) else "exceed the bound"):
         decode_tensor(make_codec("fp16").encode(x), max_abs=1e3)  # fp16 clamps ±inf to ±65504
+
+
+@pytest.mark.parametrize("name,params", [("fp16", {}), ("int8", {"block_size": 64})], ids=["fp16", "int8"])
+def test_cut_of_a_whole_encoding_is_the_encoding_of_the_range(name, params):
+    """A vector encoded whole (with error feedback) and cut at aligned bounds gives, per range,
+    the bytes and the residual that encoding the range alone gives: a sender may encode before
+    it knows the split."""
+    from protocol.codecs import _SLICE
+
+    g = torch.Generator().manual_seed(11)
+    n = _SLICE + 64 * 7 + 5  # crosses a slice boundary; the last block is partial
+    x, r = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1
+    codec = make_codec(name, **params)
+    whole_r = torch.empty(n)
+    whole, _ = codec.encode_with_feedback(x, r, {}, out=whole_r, keep_decoded=False)
+    bounds = [0, 64 * 3, _SLICE - 64, _SLICE + 64 * 5, n]
+    for a, b in zip(bounds, bounds[1:]):
+        part_r = torch.empty(b - a)
+        alone, _ = codec.encode_with_feedback(x[a:b], r[a:b], {}, out=part_r, keep_decoded=False)
+        cut = codec.cut(whole, a, b)
+        assert cut.shape == (b - a,) and cut.params == alone.params
+        assert bytes(memoryview(cut.payload)) == bytes(memoryview(alone.payload))
+        assert torch.equal(decode_tensor(cut), decode_tensor(alone)) and torch.equal(whole_r[a:b], part_r)
+
+
+def test_cut_refuses_misaligned_bounds_and_codecs_that_cannot_cut():
+    int8 = make_codec("int8", block_size=64)
+    enc = int8.encode(torch.randn(1000))
+    for a, b in [(10, 128), (0, 100), (128, 64), (0, 1001)]:
+        with pytest.raises(LocalProtocolError, match="cannot cut"):
+            int8.cut(enc, a, b)
+    assert int8.cut(enc, 960, 1000).shape == (40,)  # the end needs no alignment
+    topk = make_codec("topk", ratio=0.1)
+    assert topk.cut_align == 0
+    with pytest.raises(LocalProtocolError, match="cannot cut"):
+        topk.cut(topk.encode(torch.randn(100)), 0, 50)
+    with pytest.raises(LocalProtocolError, match="flat int8 encoding"):
+        int8.cut(make_codec("fp16").encode(torch.randn(100)), 0, 64)
