@@ -298,6 +298,8 @@ class _Pipe:
     frames: _FrameReader
     next_id: int = 1
     used: float = 0.0
+    direct: bool = False  # over direct TCP (can be paced), not a libp2p stream
+    pace: int = 0  # the socket's pacing rate now, bytes/s (0: none)
 
 
 class Transport:
@@ -492,7 +494,7 @@ class Transport:
             raise RemoteError(peer_id, reply.code, reply.message)
         return reply
 
-    async def _pipe_call(self, peer_id: str, request: Message, more: Iterable[Message], timeout: float) -> Message:
+    async def _pipe_call(self, peer_id: str, request: Message, more: Iterable[Message], timeout: float, pace: float | None = None) -> Message:
         """`send` on a pipe: a stream to the peer that outlives the call, so the next call skips
         opening a stream and starts with the flow-control window this one grew (a fresh libp2p
         stream starts at 256 KiB and takes round trips to widen). A pipe carries one call at a
@@ -512,7 +514,11 @@ class Transport:
                 if pipe is None:
                     reader, writer = await self._open_pipe(peer_id)
                     pipe = _Pipe(reader, writer, _FrameReader(reader, writer, self.config.max_frame_size))
+                    pipe.direct = isinstance(writer.transport, direct.SealedTransport)
                     self.stats["pipes_opened"] += 1
+                if pipe.direct and pipe.pace != int(pace or 0):
+                    pipe.pace = int(pace or 0)
+                    direct.set_pacing(pipe.writer.transport, pipe.pace)
                 rid = pipe.next_id
                 pipe.next_id += 1
                 try:
@@ -538,7 +544,7 @@ class Transport:
             if pipe is not None:
                 _close(pipe.writer)
             if reused and deadline - time.monotonic() > 0:  # the peer closed an idle pipe, or restarted: once more, on a fresh one
-                return await self._pipe_call(peer_id, request, more, deadline - time.monotonic())
+                return await self._pipe_call(peer_id, request, more, deadline - time.monotonic(), pace)
             raise
         except BaseException as e:
             if pipe is not None:
@@ -553,6 +559,13 @@ class Transport:
             _close(pipe.writer)
         self.stats["calls_made"] += 1
         return reply
+
+    def paces(self, peer_id: str) -> bool:
+        """Whether `send(..., reuse=True, pace=...)` to this peer is paced: its pipes go over
+        direct TCP (none of its idle pipes is a libp2p stream) and the kernel can pace sockets."""
+        if self._direct is None or not direct.CAN_PACE or self._no_direct.get(peer_id, 0.0) > time.monotonic():
+            return False
+        return all(p.direct for p in self._pipes.get(peer_id, ()))
 
     async def _open_pipe(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A new pipe's stream: direct where the peer takes it, else a libp2p stream."""
@@ -606,11 +619,15 @@ class Transport:
         more: Iterable[Message] | AsyncIterator[Message] = (),
         timeout: float | None = None,
         reuse: bool = False,
+        pace: float | None = None,
     ) -> Message:
         """A request followed by more frames (client streaming); one reply. `reuse`: on a pipe
-        kept open to the peer (bulk transfers; `more` must then be a plain iterable)."""
+        kept open to the peer (bulk transfers; `more` must then be a plain iterable). `pace`:
+        bytes/s the kernel lets this call's data leave at, where the pipe is direct TCP (see
+        `paces`); elsewhere, and with None, as fast as the network takes it."""
         if reuse:
-            return await self._pipe_call(peer_id, request, list(more), self.config.call_timeout_s if timeout is None else timeout)  # type: ignore[arg-type]
+            timeout = self.config.call_timeout_s if timeout is None else timeout
+            return await self._pipe_call(peer_id, request, list(more), timeout, pace)  # type: ignore[arg-type]
         async with self._exchange(peer_id, request, timeout) as (frames, writer):
             try:
                 if hasattr(more, "__aiter__"):

@@ -149,7 +149,6 @@ def test_bulk_calls_go_direct_and_arrive_intact_attributed_to_the_caller():
     run(scenario)
 
 
-@pytest.mark.timeout(120)
 def _cubic_allowed() -> bool:
     try:
         with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
@@ -157,6 +156,25 @@ def _cubic_allowed() -> bool:
     except OSError:
         return False
     return "cubic" in available and (os.geteuid() == 0 or "cubic" in open("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read().split())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not direct.CAN_PACE, reason="the kernel cannot pace sockets here")
+def test_a_paced_call_sets_its_sockets_pacing_rate_and_an_unpaced_one_lifts_it():
+    async def scenario(server, client):
+        assert client.paces(server.peer_id)
+        _, parts = _tensor(1 << 20, "paced")
+        await client.send(server.peer_id, parts[0], parts[1:], timeout=30, reuse=True, pace=5e6)
+        sock = client._pipes[server.peer_id][0].writer.get_extra_info("socket")
+
+        def pacing() -> int:
+            return struct.unpack("=I", sock.getsockopt(socket.SOL_SOCKET, direct.SO_MAX_PACING_RATE, 4))[0]
+
+        assert pacing() == 5_000_000
+        await _send(client, server, name="unpaced")  # the same pipe, no pace: no limit again
+        assert client.stats["pipes_opened"] == 1 and pacing() == 0xFFFFFFFF
+
+    run(scenario)
 
 
 @pytest.mark.timeout(120)
@@ -189,6 +207,7 @@ def test_a_peer_without_a_direct_listener_is_reached_over_libp2p():
         await _send(client, server, name="again")
         assert client.stats["direct_pipes"] == 0
         assert client.stats["direct_fallbacks"] == 1  # tried once, then remembered
+        assert not client.paces(server.peer_id)  # a libp2p stream cannot be paced
 
     run(scenario, server_config={"direct": False})
 
