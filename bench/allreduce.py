@@ -152,7 +152,8 @@ class Bench:
             base = {
                 "cmd": "setup", "impl": impl, "codec": codec, "codec_params": params, "n_peers": self.n,
                 "numel": self.numel, "n_tensors": self.args.tensors, "seed": self.args.seed, "threads": self.threads,
-                "timeout": timeout, "run_id": self.run_id, "averager_opts": parse_opts(self.args.averager_opt),
+                "timeout": timeout, "run_id": self.run_id, "averager_opts": self.averager_opts(),
+                "hivemind_bandwidth": self.declared_bandwidth(),
                 "security": self.args.security, "direct": self.args.direct == "on",
                 "hivemind_min_matchmaking_time": self.args.hivemind_min_matchmaking_time,
                 "hivemind_request_timeout": self.args.hivemind_request_timeout,
@@ -238,6 +239,8 @@ class Bench:
             out["cpu"] = {k: sum(r["cpu"][k] for r in res) for k in res[0]["cpu"]}
         if "direct_pipes" in res[0]:
             out["direct_pipes"] = sum(r["direct_pipes"] for r in res)
+        if res[0].get("schedule"):
+            out["schedule"] = "/".join(sorted({r["schedule"] for r in res}))
         failed = [f for r in res for f in r.get("failed", [])]
         if failed:
             out["failed"] = failed
@@ -279,6 +282,8 @@ class Bench:
                 row["round_phases"] = [{k: round(v, 3) for k, v in r["phases"].items()} for r in rounds]  # slowest peer's, per round
             if "direct_pipes" in rounds[0]:  # pipes opened over direct TCP so far, all peers
                 row["direct_pipes"] = rounds[-1]["direct_pipes"]
+            if rounds[0].get("schedule"):  # how parts left: "paced" or "in turn" (see AveragerConfig.pace)
+                row["schedule"] = statistics.mode(r["schedule"] for r in rounds)
             if rounds[0].get("cpu"):  # CPU seconds per round, all peers together
                 row["cpu_seconds_per_round"] = {k: round(statistics.median(r["cpu"][k] for r in rounds), 3) for k in rounds[0]["cpu"]}
             failed = [f for r in rounds for f in r.get("failed", [])]
@@ -300,6 +305,16 @@ class Bench:
             row["allreduce_ratio_to_bound"] = round(row["allreduce_seconds"] / self.dense_bound, 3)
             row["wire_seconds_at_rate"] = round(wire * 8 / self.rate, 4)  # what its own traffic costs at B
 
+    def declared_bandwidth(self) -> float | None:
+        """Bytes/s each peer is told its link carries (as a user would declare it), or None."""
+        return self.rate / 8 if self.topo and self.args.declare_bandwidth == "on" else None
+
+    def averager_opts(self) -> dict:
+        opts = parse_opts(self.args.averager_opt)
+        if self.declared_bandwidth() and "bandwidth" not in opts:
+            opts["bandwidth"] = self.declared_bandwidth()
+        return opts
+
     def config(self) -> dict:
         a = self.args
         cfg = {
@@ -308,7 +323,8 @@ class Bench:
             "seed": a.seed, "round_timeout_s": self.round_timeout(), "threads_per_peer": self.threads,
             "cpus": os.cpu_count(), "netns": bool(self.topo), "python": sys.version.split()[0],
             "versions": {p: version(p) for p in ("torch", "hivemind", "numpy")},
-            "averager_opts": parse_opts(a.averager_opt), "security": a.security, "direct": a.direct,
+            "averager_opts": self.averager_opts(), "security": a.security, "direct": a.direct,
+            "declared_bandwidth": self.declared_bandwidth(),
         }
         if self.topo:
             cfg.update(rate=a.rate, rate_bps=self.rate, shaped=a.shape, bound="2(N-1)/N·S/B",
@@ -412,6 +428,10 @@ def parse_args(argv=None):
     p.add_argument("--netns", action="store_true", help="peers in network namespaces with shaped links (root)")
     p.add_argument("--rate", default="100mbit", help="per-peer link rate with --netns (tc units: kbit, mbit, gbit)")
     p.add_argument("--shape", choices=("both", "upload"), default="both", help="shape each peer's upload only, or both directions")
+    p.add_argument(
+        "--declare-bandwidth", choices=("on", "off"), default="on",
+        help="with --netns: tell each peer its link rate, as a user would (ours paces its sends to it; hivemind balances by it)",
+    )
     p.add_argument("--no-link-check", action="store_true", help="skip the TCP goodput check of the shaped link")
     p.add_argument("--keep-logs", action="store_true", help="keep the peers' logs (path in the output)")
     args = p.parse_args(argv)

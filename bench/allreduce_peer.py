@@ -211,6 +211,7 @@ class HivemindArm(Arm):
             request_timeout=self.cfg["hivemind_request_timeout"],
             allreduce_timeout=self.cfg["timeout"],
             compression=compression,
+            bandwidth=self.cfg.get("hivemind_bandwidth"),
             start=True,
         )
         # wire ratio of the compression on one all-reduce part (hivemind sends parts of 512 KiB)
@@ -347,6 +348,7 @@ class SwarmtrainArm(Arm):
             "phases": dict(getattr(report, "phases", None) or {}),
             "cpu": cpu,
             "direct_pipes": self.transport.stats["direct_pipes"],
+            "schedule": getattr(report, "schedule", ""),
             "failed": failed,
         }
 

@@ -33,7 +33,7 @@ class NodeConfig:
     record_ttl_s: float = 30.0  # lifetime of our membership record in the DHT
     rpc_timeout_s: float = 5.0  # deadline of a membership call to the coordinator
     max_backoff_s: float = 10.0  # longest wait between attempts to reach the coordinator
-    bandwidth_mbps: float = 0.0  # up/down bandwidth to report; 0: measure against the coordinator
+    bandwidth_mbps: float = 0.0  # the link's up/down bandwidth: reported, and averaging paces its sends to it; 0: measure against the coordinator, no pacing
     log_level: str = "INFO"
     data: str = ""  # text file or directory to train on; empty: the built-in corpus (Python's stdlib sources)
     shard_index: int = -1  # which data shard this replica reads; -1: derived from the peer id

@@ -165,7 +165,12 @@ class Replica:
             host,
             transport,
             AveragerConfig(
-                swarm_id=node_config.swarm_id, prefix="replicas", codec=run.codec, codec_params=codec_params, join_timeout_s=run.join_timeout_s
+                swarm_id=node_config.swarm_id,
+                prefix="replicas",
+                codec=run.codec,
+                codec_params=codec_params,
+                join_timeout_s=run.join_timeout_s,
+                bandwidth=node_config.bandwidth_mbps * 1e6 / 8,  # declared: slices sized by it, sends paced to it
             ),
             Faults(delay_parts_s=node_config.fault_delay_parts_s),
         )

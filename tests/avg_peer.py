@@ -125,7 +125,7 @@ async def main() -> None:
                     max_abs=float(max(flat(make_tensors(s, numel)).abs().max() for s in idx_seeds)),
                     equals_reference=bool(torch.equal(out, ref)), members=report.members, survivors=report.survivors,
                     failed=report.failed, leader=report.leader, seconds=report.seconds, bytes_sent=report.bytes_sent,
-                    early_used=report.early_used, early_discarded=report.early_discarded,
+                    early_used=report.early_used, early_discarded=report.early_discarded, schedule=report.schedule, pace=report.pace,
                     shapes_kept=[list(t.shape) for t in result] == [list(t.shape) for t in mine],
                 )
     finally:

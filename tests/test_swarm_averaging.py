@@ -135,12 +135,17 @@ def bound(codec: str, max_abs: float) -> float:
 @pytest.mark.parametrize("size", [2, 3, 5])
 def test_groups_of_every_size_and_codec(peers, size):
     group = peers[:size]
+    # groups of three declare their bandwidth, so their parts leave paced, all at once; the
+    # others send them in turn: both schedules with every codec
+    declared = 50e6 if size == 3 else 0.0
     for name, params in CODECS:
         for p in group:
-            p.configure(codec=name, codec_params=params, join_timeout_s=10)
+            p.configure(codec=name, codec_params=params, join_timeout_s=10, bandwidth=declared)
         results = run_round(group, f"g{size}-{name}", numel=20_000)
         shas = {r["sha"] for r in results.values() if r["ok"]}
         assert all(r["ok"] for r in results.values()), results
+        for r in results.values():
+            assert (r["schedule"], r["pace"]) == (("paced", 0.92 * declared) if declared else ("in turn", 0.0)), r
         assert len(shas) == 1, f"{name}: results differ across peers"
         # owners send their slices before the decision (optimistic gather), and those count
         assert sum(r["early_used"] for r in results.values()) > 0, results
