@@ -39,10 +39,14 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import secrets
 import statistics
+import sys
+import threading
 import time
 from collections.abc import Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +77,7 @@ from .transport import CallContext, CallTimeout, RemoteError, RPCError, Transpor
 
 log = logging.getLogger(__name__)
 
+WORKER_NICE = 10  # codec threads run this much nicer than the event loop (see Averager._executor)
 MAX_EARLY_KEYS = 1024  # keys joins may wait on at once (see `early_join_wait_s`); beyond, they are answered at once
 # bytes per element each codec puts on the wire, to size deadlines before anything is sent
 _WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "int8": 1.01, "topk": 0.08, "powersgd": 0.05}
@@ -89,6 +94,7 @@ class AveragerConfig:
     aggregator: str = "mean"  # mean | trimmed_mean | centered_clip
     aggregator_params: dict = field(default_factory=dict)
     join_timeout_s: float = 5.0  # how long a leader keeps its group open
+    workers: int = 4  # threads for codec work
     early_join_wait_s: float = 0.5  # a join for a key we are not averaging (yet) waits this long for us to start
     min_group_size: int = 2  # fewer survivors than this: the round aborts
     bandwidth: float = 0.0  # bytes/s this peer can move each way, declared (sizes slices, paces sends); 0: learned from past rounds, no pacing
@@ -266,7 +272,7 @@ class _Prepared:
     flat: torch.Tensor
     residual: torch.Tensor | None = None  # error feedback of earlier rounds (lossy codecs)
     new_residual: torch.Tensor | None = None  # where this round's goes
-    encoded: EncodedTensor | None = None  # the whole of flat + residual, encoded, to be cut into parts
+    encoded: list[tuple[int, int, EncodedTensor]] = field(default_factory=list)  # (a, b, flat[a:b] + residual encoded): cut into parts
 
 
 @dataclass
@@ -354,7 +360,12 @@ class Averager:
         self._measured_bandwidth: float | None = None
         self._flow_rate: float | None = None  # bytes/s one send achieved lately
         self._last_members: tuple[str, ...] = ()  # the last group we completed a round with
+        self._last_own: dict[int, tuple[int, int]] = {}  # vector length -> the slice we owned in the last such round
         self.on_phase = None  # optional callable(key, phase): progress for logs and tests
+        # codec work (encode, decode, aggregate) runs here, at a lower CPU priority than the
+        # event loop: on a busy machine the loop's short network steps (a join, a decision, an
+        # ack) then go first instead of queueing behind every member's encoding
+        self._executor = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="averaging", initializer=_lower_priority)
         self._tasks: set[asyncio.Task] = set()
         self._replies_to_lose = faults.lose_decision_replies
         self._joins_to_lose = faults.lose_join_replies
@@ -372,6 +383,7 @@ class Averager:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def reset_feedback(self, state_key: str | None = None) -> None:
         """Zero the error feedback of `state_key` (None: of every key), in place: its buffers
@@ -429,7 +441,8 @@ class Averager:
         spares = self._spare_flats.setdefault(numel, []) if reuse else []
         spare = spares.pop() if spares else None
         feedback = self._feedback_buffers(state_key, numel) if self.codec.lossy else None
-        prepare = asyncio.get_running_loop().run_in_executor(None, self._prepare, key, tensors, spare, feedback)
+        own = self._last_own.get(numel, (0, 0))  # the slice we owned last time: likely ours again
+        prepare = asyncio.get_running_loop().run_in_executor(self._executor, self._prepare, key, tensors, spare, feedback, own)
         try:
             window = self.config.join_timeout_s if join_timeout_s is None else join_timeout_s
             group = await self._matchmake(key, numel, weight, expected_peers, report, window)
@@ -456,6 +469,9 @@ class Averager:
         report.ok, report.seconds = True, time.monotonic() - t0
         self._learn_bandwidth(report)
         self._last_members = tuple(report.survivors)
+        if self.peer_id in report.members:
+            i = report.members.index(self.peer_id)
+            self._last_own[numel] = (report.bounds[i], report.bounds[i + 1])
         return _unflatten(result, tensors), report
 
     def _feedback_buffers(self, state_key: str, numel: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -468,24 +484,29 @@ class Averager:
             spare if spare is not None and spare.numel() == numel else None,
         )
 
-    def _prepare(self, key: str, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None, feedback=None) -> _Prepared:
+    def _prepare(self, key: str, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None, feedback=None, own=(0, 0)) -> _Prepared:
         """The flat fp32 vector to average (written into `out` when given and a copy is needed)
         and, with a lossy codec, its error-feedback buffers. A codec whose encoding can be cut
-        (`Codec.cut`) encodes the whole vector here, while matchmaking waits on the network:
-        once the group is known the first part can leave at once, instead of after the CPU
-        burst of every member encoding at the same moment."""
+        (`Codec.cut`) encodes the vector here, while matchmaking waits on the network: once the
+        group is known the first part can leave at once, instead of after the CPU burst of
+        every member encoding at the same moment. Except the slice `own` [a, b): the one we
+        owned last round, which never travels if we own it again."""
+        t0 = time.monotonic()
         flat = _flatten(tensors, out)
         if not math.isfinite(finite_max_abs(flat)):
             raise ValueError(f"averaging {key}: local tensors contain NaN or Inf")
+        t1 = time.monotonic()
         prepared = _Prepared(flat)
         if feedback is not None:
             residual, new_residual = feedback
             prepared.residual = residual if residual is not None else torch.zeros_like(flat)
             prepared.new_residual = new_residual if new_residual is not None else torch.empty_like(flat)
             if self.codec.cut_align and self.config.slice_align % self.codec.cut_align == 0:
-                prepared.encoded = self.codec.encode_with_feedback(
-                    flat, prepared.residual, out=prepared.new_residual, keep_decoded=False
-                )[0]
+                for a, b in ((0, own[0]), (own[1], flat.numel())) if own[1] > own[0] else ((0, flat.numel()),):
+                    if b > a:
+                        enc = self.codec.encode_with_feedback(flat[a:b], prepared.residual[a:b], out=prepared.new_residual[a:b], keep_decoded=False)[0]
+                        prepared.encoded.append((a, b, enc))
+        log.debug("prepared in %.3f s (flatten+check %.3f)", time.monotonic() - t0, t1 - t0)
         return prepared
 
     def _learn_bandwidth(self, report: AverageReport) -> None:
@@ -765,9 +786,7 @@ class Averager:
         # -- scatter: encode every part with error feedback (error feedback: what earlier
         # rounds' compression lost, per element); send each to its owner
         flat, residual, new_residual = prepared.flat, prepared.residual, prepared.new_residual
-        whole = prepared.encoded
-        if whole is not None and (repr(codec) != repr(self.codec) or any(b % codec.cut_align for b in g.bounds[:-1])):
-            whole = None  # encoded for another split than this group's: encode part by part
+        pieces = prepared.encoded if repr(codec) == repr(self.codec) else []  # encoded before the group was known
         encoded, sends, prev = {}, [], None
         n = len(g.members)
         rnd.pace = self._pace_for(rnd)
@@ -776,11 +795,10 @@ class Averager:
         order = [(my_index + 1 + k) % n for k in range(n - 1)]  # each member starts with a different owner
         for j in order:
             t_enc = time.monotonic()
-            if whole is not None:
-                encoded[j] = codec.cut(whole, g.bounds[j], g.bounds[j + 1])
-            else:
+            encoded[j] = _cut_from(pieces, codec, g.bounds[j], g.bounds[j + 1])
+            if encoded[j] is None:  # not encoded yet (this split is not the one we expected)
                 encoded[j] = await loop.run_in_executor(
-                    None, self._encode_part, codec, flat, residual, new_residual, state_key, g.bounds[j], g.bounds[j + 1]
+                    self._executor, self._encode_part, codec, flat, residual, new_residual, state_key, g.bounds[j], g.bounds[j + 1]
                 )
             log.debug("encoded scatter %d in %.3f s", j, time.monotonic() - t_enc)
             if rnd.pace is None:  # staggered: sending starts while the next part is being encoded
@@ -791,7 +809,7 @@ class Averager:
             sends += prev.tasks
         # our own part never travels (the decision never moves a survivor's slice), so it counts
         # exactly, without the codec's error
-        own = await loop.run_in_executor(None, self._own_part, flat, residual, new_residual, g.bounds[my_index], g.bounds[my_index + 1])
+        own = await loop.run_in_executor(self._executor, self._own_part, flat, residual, new_residual, g.bounds[my_index], g.bounds[my_index + 1])
         rnd.received.setdefault(("scatter", my_index), {})[me] = own
         rnd.tail = prev  # our gather sends queue up behind these, not beside them
         rnd.sends += sends  # they finish in the background; the owners report what arrived
@@ -848,7 +866,7 @@ class Averager:
         mine = [j for j in range(len(g.members)) if rnd.owners[j] == me]
         for j in mine:
             if g.members[j] != me:  # re-owned: our own part counts too, as the failed owner would have decoded it
-                rnd.received.setdefault(("scatter", j), {})[me] = await loop.run_in_executor(None, decode_own, encoded[j])
+                rnd.received.setdefault(("scatter", j), {})[me] = await loop.run_in_executor(self._executor, decode_own, encoded[j])
         rnd.sends += resend
         deadline = time.monotonic() + g.deadline_s
         await self._wait_parts(rnd, [("scatter", j) for j in mine], rnd.survivors, deadline)
@@ -866,7 +884,7 @@ class Averager:
                     continue  # on its way since before the decision
             else:
                 async with rnd.lock(j):
-                    enc = await loop.run_in_executor(None, self._aggregate_encode, rnd, j, weights, rnd.survivors, gather_codec)
+                    enc = await loop.run_in_executor(self._executor, self._aggregate_encode, rnd, j, weights, rnd.survivors, gather_codec)
                     rnd.final.add(j)
             self._send_gather(rnd, "gather", j, enc, rnd.survivors)
         report.phases["aggregate"] = time.monotonic() - t
@@ -900,7 +918,7 @@ class Averager:
     async def _early_gather(self, rnd: _Round, j: int, weights: dict[str, float], codec) -> tuple[object, bool]:
         """Our slice aggregated over every member and, unless a decision already excluded
         someone, sent as an "early" gather: (encoded slice, whether it was sent)."""
-        enc = await asyncio.get_running_loop().run_in_executor(None, self._aggregate_encode, rnd, j, weights, rnd.group.members, codec)
+        enc = await asyncio.get_running_loop().run_in_executor(self._executor, self._aggregate_encode, rnd, j, weights, rnd.group.members, codec)
         if not self.config.optimistic_gather or rnd.early_ok is False:
             return enc, False
         rnd.early_sends += self._send_gather(rnd, "early", j, enc, rnd.group.members)
@@ -1222,7 +1240,7 @@ class Averager:
             if enc.dtype != "float32" or enc.shape != (n,):
                 raise RemoteProtocolError(f"expected float32 of shape ({n},), got {enc.dtype} {enc.shape}", "shape")
             if phase == "scatter":  # kept per sender until the slice is aggregated
-                tensor = await asyncio.get_running_loop().run_in_executor(None, self._decode_checked, enc)
+                tensor = await asyncio.get_running_loop().run_in_executor(self._executor, self._decode_checked, enc)
             elif not await self._decode_slice(rnd, phase, j, sender, enc):
                 return Ack()  # an early slice the decision voided: its owner sends it again
         except RemoteProtocolError as e:
@@ -1256,7 +1274,7 @@ class Averager:
             if rnd.done or (phase == "early" and (rnd.early_ok is False or j in rnd.final)):
                 return False
             out = rnd.result[g.bounds[j] : g.bounds[j + 1]]
-            await asyncio.get_running_loop().run_in_executor(None, self._decode_checked, enc, out)
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._decode_checked, enc, out)
             if phase == "gather":
                 rnd.final.add(j)
             elif rnd.early_ok is False:  # voided while decoding: what comes after overwrites it
@@ -1308,6 +1326,23 @@ class Averager:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _cut_from(pieces: list[tuple[int, int, EncodedTensor]], codec, a: int, b: int) -> EncodedTensor | None:
+    """The encoding of elements [a, b), cut from a piece (start, end, encoding) that covers
+    them at the codec's alignment; None if none does."""
+    for start, end, enc in pieces:
+        if start <= a and b <= end and (a - start) % codec.cut_align == 0 and (b == end or (b - start) % codec.cut_align == 0):
+            return codec.cut(enc, a - start, b - start)
+    return None
+
+
+def _lower_priority() -> None:
+    """Lower this (worker) thread's CPU priority by WORKER_NICE, where the OS allows it per
+    thread (Linux: a thread's nice value is its own)."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + WORKER_NICE)
 
 
 async def _settle(tasks, deadline: float) -> None:

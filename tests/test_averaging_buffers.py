@@ -49,3 +49,45 @@ def test_rounds_of_a_lossy_codec_reuse_the_flat_copy_and_average_their_own_input
                 await h.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_wrongly_predicted_own_slice_changes_no_bit_of_any_round():
+    """Encoding starts before the group is known, skipping the slice we owned last time. When
+    that guess is wrong the part is encoded after all: two pairs fed the same inputs, one of
+    them misled about its slice every round, end every round with the same bits."""
+
+    async def main():
+        hosts = await start_hosts(4)
+        transports = [Transport(h) for h in hosts]
+        avgs = [Averager(h, t, AveragerConfig(codec="int8", join_timeout_s=10, slice_align=1024)) for h, t in zip(hosts, transports)]
+        pairs = [sorted(avgs[:2], key=lambda a: a.peer_id), sorted(avgs[2:], key=lambda a: a.peer_id)]
+        numel = 10_000
+        try:
+            for t in transports:
+                await t.start()
+            for a in avgs:
+                await a.start()
+            gen = torch.Generator().manual_seed(5)
+            for rnd in range(3):
+                inputs = [[torch.randn(numel, generator=gen)] for _ in range(2)]  # by position in the pair
+                if rnd:  # the misled pair expects to own the other member's slice
+                    lo, hi = pairs[1]
+                    lo._last_own[numel], hi._last_own[numel] = hi._last_own[numel], lo._last_own[numel]
+                outs = []
+                for pair in pairs:
+                    got = await asyncio.gather(*(a.average(f"{id(pair)}-{rnd}", x, expected_peers=2, state_key="k") for a, x in zip(pair, inputs)))
+                    outs.append([r[0][0] for r in got])
+                assert torch.equal(outs[0][0], outs[0][1]) and torch.equal(outs[1][0], outs[1][1])
+                assert torch.equal(outs[0][0], outs[1][0]), f"round {rnd}: a wrong guess changed the result"
+                assert (outs[0][0] - (inputs[0][0] + inputs[1][0]) / 2).abs().max() < 0.2
+                for a, b in zip(*pairs):  # and the error feedback carried into the next round
+                    assert torch.equal(a._residuals["k"], b._residuals["k"])
+        finally:
+            for a in avgs:
+                await a.close()
+            for t in transports:
+                await t.close()
+            for h in hosts:
+                await h.shutdown()
+
+    asyncio.run(main())
