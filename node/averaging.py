@@ -39,14 +39,10 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import secrets
 import statistics
-import sys
-import threading
 import time
 from collections.abc import Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -77,7 +73,6 @@ from .transport import CallContext, CallTimeout, RemoteError, RPCError, Transpor
 
 log = logging.getLogger(__name__)
 
-WORKER_NICE = 10  # codec threads run this much nicer than the event loop (see Averager._executor)
 MAX_EARLY_KEYS = 1024  # keys joins may wait on at once (see `early_join_wait_s`); beyond, they are answered at once
 # bytes per element each codec puts on the wire, to size deadlines before anything is sent
 _WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "int8": 1.01, "topk": 0.08, "powersgd": 0.05}
@@ -94,7 +89,6 @@ class AveragerConfig:
     aggregator: str = "mean"  # mean | trimmed_mean | centered_clip
     aggregator_params: dict = field(default_factory=dict)
     join_timeout_s: float = 5.0  # how long a leader keeps its group open
-    workers: int = 4  # threads for codec work
     early_join_wait_s: float = 0.5  # a join for a key we are not averaging (yet) waits this long for us to start
     min_group_size: int = 2  # fewer survivors than this: the round aborts
     bandwidth: float = 0.0  # bytes/s this peer can move each way, declared (sizes slices, paces sends); 0: learned from past rounds, no pacing
@@ -362,10 +356,6 @@ class Averager:
         self._last_members: tuple[str, ...] = ()  # the last group we completed a round with
         self._last_own: dict[int, tuple[int, int]] = {}  # vector length -> the slice we owned in the last such round
         self.on_phase = None  # optional callable(key, phase): progress for logs and tests
-        # codec work (encode, decode, aggregate) runs here, at a lower CPU priority than the
-        # event loop: on a busy machine the loop's short network steps (a join, a decision, an
-        # ack) then go first instead of queueing behind every member's encoding
-        self._executor = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="averaging", initializer=_lower_priority)
         self._tasks: set[asyncio.Task] = set()
         self._replies_to_lose = faults.lose_decision_replies
         self._joins_to_lose = faults.lose_join_replies
@@ -383,7 +373,6 @@ class Averager:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def reset_feedback(self, state_key: str | None = None) -> None:
         """Zero the error feedback of `state_key` (None: of every key), in place: its buffers
@@ -442,7 +431,7 @@ class Averager:
         spare = spares.pop() if spares else None
         feedback = self._feedback_buffers(state_key, numel) if self.codec.lossy else None
         own = self._last_own.get(numel, (0, 0))  # the slice we owned last time: likely ours again
-        prepare = asyncio.get_running_loop().run_in_executor(self._executor, self._prepare, key, tensors, spare, feedback, own)
+        prepare = asyncio.get_running_loop().run_in_executor(None, self._prepare, key, tensors, spare, feedback, own)
         try:
             window = self.config.join_timeout_s if join_timeout_s is None else join_timeout_s
             group = await self._matchmake(key, numel, weight, expected_peers, report, window)
@@ -798,7 +787,7 @@ class Averager:
             encoded[j] = _cut_from(pieces, codec, g.bounds[j], g.bounds[j + 1])
             if encoded[j] is None:  # not encoded yet (this split is not the one we expected)
                 encoded[j] = await loop.run_in_executor(
-                    self._executor, self._encode_part, codec, flat, residual, new_residual, state_key, g.bounds[j], g.bounds[j + 1]
+                    None, self._encode_part, codec, flat, residual, new_residual, state_key, g.bounds[j], g.bounds[j + 1]
                 )
             log.debug("encoded scatter %d in %.3f s", j, time.monotonic() - t_enc)
             if rnd.pace is None:  # staggered: sending starts while the next part is being encoded
@@ -809,7 +798,7 @@ class Averager:
             sends += prev.tasks
         # our own part never travels (the decision never moves a survivor's slice), so it counts
         # exactly, without the codec's error
-        own = await loop.run_in_executor(self._executor, self._own_part, flat, residual, new_residual, g.bounds[my_index], g.bounds[my_index + 1])
+        own = await loop.run_in_executor(None, self._own_part, flat, residual, new_residual, g.bounds[my_index], g.bounds[my_index + 1])
         rnd.received.setdefault(("scatter", my_index), {})[me] = own
         rnd.tail = prev  # our gather sends queue up behind these, not beside them
         rnd.sends += sends  # they finish in the background; the owners report what arrived
@@ -866,7 +855,7 @@ class Averager:
         mine = [j for j in range(len(g.members)) if rnd.owners[j] == me]
         for j in mine:
             if g.members[j] != me:  # re-owned: our own part counts too, as the failed owner would have decoded it
-                rnd.received.setdefault(("scatter", j), {})[me] = await loop.run_in_executor(self._executor, decode_own, encoded[j])
+                rnd.received.setdefault(("scatter", j), {})[me] = await loop.run_in_executor(None, decode_own, encoded[j])
         rnd.sends += resend
         deadline = time.monotonic() + g.deadline_s
         await self._wait_parts(rnd, [("scatter", j) for j in mine], rnd.survivors, deadline)
@@ -884,7 +873,7 @@ class Averager:
                     continue  # on its way since before the decision
             else:
                 async with rnd.lock(j):
-                    enc = await loop.run_in_executor(self._executor, self._aggregate_encode, rnd, j, weights, rnd.survivors, gather_codec)
+                    enc = await loop.run_in_executor(None, self._aggregate_encode, rnd, j, weights, rnd.survivors, gather_codec)
                     rnd.final.add(j)
             self._send_gather(rnd, "gather", j, enc, rnd.survivors)
         report.phases["aggregate"] = time.monotonic() - t
@@ -918,7 +907,7 @@ class Averager:
     async def _early_gather(self, rnd: _Round, j: int, weights: dict[str, float], codec) -> tuple[object, bool]:
         """Our slice aggregated over every member and, unless a decision already excluded
         someone, sent as an "early" gather: (encoded slice, whether it was sent)."""
-        enc = await asyncio.get_running_loop().run_in_executor(self._executor, self._aggregate_encode, rnd, j, weights, rnd.group.members, codec)
+        enc = await asyncio.get_running_loop().run_in_executor(None, self._aggregate_encode, rnd, j, weights, rnd.group.members, codec)
         if not self.config.optimistic_gather or rnd.early_ok is False:
             return enc, False
         rnd.early_sends += self._send_gather(rnd, "early", j, enc, rnd.group.members)
@@ -1240,7 +1229,7 @@ class Averager:
             if enc.dtype != "float32" or enc.shape != (n,):
                 raise RemoteProtocolError(f"expected float32 of shape ({n},), got {enc.dtype} {enc.shape}", "shape")
             if phase == "scatter":  # kept per sender until the slice is aggregated
-                tensor = await asyncio.get_running_loop().run_in_executor(self._executor, self._decode_checked, enc)
+                tensor = await asyncio.get_running_loop().run_in_executor(None, self._decode_checked, enc)
             elif not await self._decode_slice(rnd, phase, j, sender, enc):
                 return Ack()  # an early slice the decision voided: its owner sends it again
         except RemoteProtocolError as e:
@@ -1274,7 +1263,7 @@ class Averager:
             if rnd.done or (phase == "early" and (rnd.early_ok is False or j in rnd.final)):
                 return False
             out = rnd.result[g.bounds[j] : g.bounds[j + 1]]
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._decode_checked, enc, out)
+            await asyncio.get_running_loop().run_in_executor(None, self._decode_checked, enc, out)
             if phase == "gather":
                 rnd.final.add(j)
             elif rnd.early_ok is False:  # voided while decoding: what comes after overwrites it
@@ -1335,14 +1324,6 @@ def _cut_from(pieces: list[tuple[int, int, EncodedTensor]], codec, a: int, b: in
         if start <= a and b <= end and (a - start) % codec.cut_align == 0 and (b == end or (b - start) % codec.cut_align == 0):
             return codec.cut(enc, a - start, b - start)
     return None
-
-
-def _lower_priority() -> None:
-    """Lower this (worker) thread's CPU priority by WORKER_NICE, where the OS allows it per
-    thread (Linux: a thread's nice value is its own)."""
-    if sys.platform == "linux":
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + WORKER_NICE)
 
 
 async def _settle(tasks, deadline: float) -> None:
