@@ -89,6 +89,7 @@ def test_allreduce_bench_json_loopback():
         assert ours["status"] == "ok", ours
         assert ours["members"] == 2 and 0 < ours["seconds_per_round"] < 60
         assert ours["rel_error"] < 0.1
+        assert ours["schedule"] == "in turn"  # nobody told the peers a link rate: nothing to pace to
         # measured payload: one int8 slice out and one back, ~1/4 of fp32 plus a scale per block
         assert gloo["bytes_per_peer"] / 4 <= ours["bytes_per_peer"] < gloo["bytes_per_peer"] / 3
         assert "int8" in result["ratios"]["swarmtrain/gloo"] and "int8" in result["ratios"]["swarmtrain/hivemind"]
@@ -99,18 +100,24 @@ def test_allreduce_bench_json_loopback():
 
 def test_allreduce_bench_netns_or_skipped():
     marker = uuid.uuid4().hex
-    out = bench("--json", "--netns", "--size-mb", "1", "--peers", "2", "--rounds", "1", "--impls", "gloo", "--no-link-check", marker=marker)
+    impls = "gloo" + (",swarmtrain" if have_our_averager() else "")
+    out = bench("--json", "--netns", "--size-mb", "1", "--peers", "2", "--rounds", "1", "--impls", impls, "--codecs", "int8", "--no-link-check", marker=marker)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
     result = json.loads(out.stdout)
     if "skipped" in result:  # not root, or no `ip netns` here: the bench says why and exits 0
         assert result["skipped"]
         return
-    gloo = result["rows"][0]
+    rows = {r["impl"]: r for r in result["rows"]}
+    gloo = rows["gloo"]
     assert gloo["status"] == "ok" and gloo["rel_error"] < 1e-6
     # 1 MiB over two 100 Mbit links: the bound is 2(N-1)/N·S/B = 84 ms; TCP start-up costs more
     assert gloo["bound_seconds"] == pytest.approx(2 * 1 / 2 * (1 << 20) * 8 / 100e6, rel=1e-3)
     assert 0.9 < gloo["ratio_to_bound"] < 20
     assert gloo["wire_bytes_per_peer"] >= gloo["bytes_per_peer"]  # headers and ACKs come on top
+    if have_our_averager():  # told its link rate (the default), each peer paces its parts to 92% of it
+        assert result["config"]["declared_bandwidth"] == 100e6 / 8
+        ours = rows["swarmtrain"]
+        assert ours["status"] == "ok" and ours["rel_error"] < 0.1 and ours["schedule"] == "paced", ours
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     assert not [line for line in namespaces.splitlines() if line.startswith(f"stb{out.pid}-")]
     assert leftovers(marker) == []
