@@ -10,16 +10,18 @@ One round, as each member sees it:
    phase deadlines derived from bandwidth. A peer that arrives after the group closed is told
    so and waits for the next round.
 2. **Scatter.** The flat vector is cut into one slice per member. Every member sends each owner
-   its part, compressed with error feedback, streamed in chunks, one owner at a time starting
-   after its own index (so each link carries one flow at a time; see `_send_in_turn`). An
-   owner's own part never travels and counts exactly.
+   its part, compressed with error feedback (encoded while matchmaking still waits on the
+   network, where the codec allows), streamed in chunks: with a declared bandwidth, all parts
+   at once, each paced to its share of it (`_send_paced`); else one owner at a time starting
+   after its own index, so each link carries one flow at a time (`_send_in_turn`). An owner's
+   own part never travels and counts exactly.
 3. **Decision.** Every member reports to the leader whose parts it received intact and whom it
    blames (dead, late, NaN, wrong shape). The leader decides who survives (an accuser of half
    the group whom nobody corroborates is the one excluded); a failed member's contribution is
    dropped everywhere and its slice is re-owned by a survivor (its part is re-sent there).
    Fewer survivors than `min_group_size`: the round aborts.
 4. **Aggregate + gather.** Owners aggregate their slices over the survivors (mean, or a robust
-   aggregator) and send the result to every survivor, in turn as in the scatter; the owner
+   aggregator) and send the result to every survivor, as in the scatter; the owner
    keeps the decoded copy of what it sent, so every member holds the same bits. An owner that
    holds every member's part does not wait for the decision: it aggregates over all members
    and sends at once ("early" slices). If the decision then excludes nobody, those are the
@@ -772,8 +774,8 @@ class Averager:
         gather_codec = make_codec(g.gather_codec)
         my_index = g.members.index(me)
 
-        # -- scatter: encode every part with error feedback (error feedback: what earlier
-        # rounds' compression lost, per element); send each to its owner
+        # -- scatter: every part encoded with error feedback (what earlier rounds' compression
+        # lost, per element), mostly before the group was known; each sent to its owner
         flat, residual, new_residual = prepared.flat, prepared.residual, prepared.new_residual
         pieces = prepared.encoded if repr(codec) == repr(self.codec) else []  # encoded before the group was known
         encoded, sends, prev = {}, [], None
