@@ -7,6 +7,7 @@ should have exited by itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -32,6 +33,31 @@ async def start_hosts(n: int) -> list:
     first = await Host.start(SigningKey.generate(), HostConfig())
     maddrs = tuple(await first.visible_maddrs())
     return [first] + [await Host.start(SigningKey.generate(), HostConfig(initial_peers=maddrs)) for _ in range(n - 1)]
+
+
+@contextlib.asynccontextmanager
+async def averagers(n: int, **config):
+    """n real hosts (p2pd) in this process, each with a started Transport and an Averager of
+    `config`; all closed afterwards. Yields the averagers (`.host`, `.transport` on each)."""
+    from node.averaging import Averager, AveragerConfig
+    from node.transport import Transport
+
+    hosts = await start_hosts(n)
+    transports = [Transport(h) for h in hosts]
+    avgs = [Averager(h, t, AveragerConfig(**config)) for h, t in zip(hosts, transports)]
+    try:
+        for t in transports:
+            await t.start()
+        for a in avgs:
+            await a.start()
+        yield avgs
+    finally:
+        for a in avgs:
+            await a.close()
+        for t in transports:
+            await t.close()
+        for h in hosts:
+            await h.shutdown()
 
 
 def free_port() -> int:

@@ -6,23 +6,14 @@ import asyncio
 import pytest
 import torch
 
-from node.averaging import Averager, AveragerConfig
-from node.transport import Transport
-from tests.swarm import start_hosts
+from tests.swarm import averagers
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_rounds_of_a_lossy_codec_reuse_the_flat_copy_and_average_their_own_inputs():
     async def main():
-        hosts = await start_hosts(2)
-        transports = [Transport(h) for h in hosts]
-        avgs = [Averager(h, t, AveragerConfig(codec="int8", join_timeout_s=10)) for h, t in zip(hosts, transports)]
-        try:
-            for t in transports:
-                await t.start()
-            for a in avgs:
-                await a.start()
+        async with averagers(2, codec="int8", join_timeout_s=10) as avgs:
             gen = torch.Generator().manual_seed(3)
             flats = []
             for rnd in range(3):
@@ -40,13 +31,6 @@ def test_rounds_of_a_lossy_codec_reuse_the_flat_copy_and_average_their_own_input
                 flats.append([a._spare_flats[17000][-1].data_ptr() for a in avgs])
             # from the second round on, each averager flattens into the buffer of the round before
             assert flats[0] == flats[1] == flats[2]
-        finally:
-            for a in avgs:
-                await a.close()
-            for t in transports:
-                await t.close()
-            for h in hosts:
-                await h.shutdown()
 
     asyncio.run(main())
 
@@ -57,16 +41,9 @@ def test_a_wrongly_predicted_own_slice_changes_no_bit_of_any_round():
     them misled about its slice every round, end every round with the same bits."""
 
     async def main():
-        hosts = await start_hosts(4)
-        transports = [Transport(h) for h in hosts]
-        avgs = [Averager(h, t, AveragerConfig(codec="int8", join_timeout_s=10, slice_align=1024)) for h, t in zip(hosts, transports)]
-        pairs = [sorted(avgs[:2], key=lambda a: a.peer_id), sorted(avgs[2:], key=lambda a: a.peer_id)]
-        numel = 10_000
-        try:
-            for t in transports:
-                await t.start()
-            for a in avgs:
-                await a.start()
+        async with averagers(4, codec="int8", join_timeout_s=10, slice_align=1024) as avgs:
+            pairs = [sorted(avgs[:2], key=lambda a: a.peer_id), sorted(avgs[2:], key=lambda a: a.peer_id)]
+            numel = 10_000
             gen = torch.Generator().manual_seed(5)
             for rnd in range(3):
                 inputs = [[torch.randn(numel, generator=gen)] for _ in range(2)]  # by position in the pair
@@ -82,12 +59,5 @@ def test_a_wrongly_predicted_own_slice_changes_no_bit_of_any_round():
                 assert (outs[0][0] - (inputs[0][0] + inputs[1][0]) / 2).abs().max() < 0.2
                 for a, b in zip(*pairs):  # and the error feedback carried into the next round
                     assert torch.equal(a._residuals["k"], b._residuals["k"])
-        finally:
-            for a in avgs:
-                await a.close()
-            for t in transports:
-                await t.close()
-            for h in hosts:
-                await h.shutdown()
 
     asyncio.run(main())

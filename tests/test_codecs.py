@@ -1,6 +1,7 @@
 """Codecs: round trips, error bounds, error feedback, chunking, refusal of bad payloads."""
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -305,7 +306,7 @@ def test_cut_of_a_whole_encoding_is_the_encoding_of_the_range(name, params):
     whole_r = torch.empty(n)
     whole, _ = codec.encode_with_feedback(x, r, {}, out=whole_r, keep_decoded=False)
     bounds = [0, 64 * 3, _SLICE - 64, _SLICE + 64 * 5, n]
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in pairwise(bounds):
         part_r = torch.empty(b - a)
         alone, _ = codec.encode_with_feedback(x[a:b], r[a:b], {}, out=part_r, keep_decoded=False)
         cut = codec.cut(whole, a, b)
