@@ -941,9 +941,10 @@ class Averager:
         if rnd.pace is not None:
             prev = self._send_paced(rnd, prev, phase, [(j, enc, m, parts) for m in receivers])
             tasks = prev.tasks
-        for m in receivers if rnd.pace is None else ():
-            prev = self._send_in_turn(rnd, prev, phase, j, enc, m, parts)
-            tasks.append(prev[0])
+        else:
+            for m in receivers:
+                prev = self._send_in_turn(rnd, prev, phase, j, enc, m, parts)
+                tasks.append(prev[0])
         rnd.tail = prev
         rnd.sends += tasks
         return tasks

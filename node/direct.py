@@ -294,20 +294,22 @@ def _streams(raw: _RawProtocol, key: bytes, dialer: bool) -> tuple[asyncio.Strea
 
 def _tune(transport: asyncio.Transport, congestion: str | None) -> None:
     """Best effort: the congestion control asked for (a kernel may not allow it: then its default)."""
-    sock = transport.get_extra_info("socket")
-    if sock is None or not congestion or not hasattr(socket, "TCP_CONGESTION"):
-        return
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
+    if congestion and hasattr(socket, "TCP_CONGESTION"):
+        _setsockopt(transport, socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
 
 
 def set_pacing(transport: asyncio.BaseTransport, rate: int) -> None:
     """Best effort: pace a direct stream's socket to `rate` bytes/s (0: no limit)."""
+    if CAN_PACE:  # a u32: the kernel's "no limit" does not fit a C int
+        _setsockopt(transport, socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("=I", min(int(rate), _UNPACED - 1) if rate > 0 else _UNPACED))
+
+
+def _setsockopt(transport: asyncio.BaseTransport, level: int, option: int, value: bytes) -> None:
+    """Set an option on a transport's socket where it has one and the kernel takes it."""
     sock = transport.get_extra_info("socket")
-    if sock is None or not CAN_PACE:
-        return
-    with contextlib.suppress(OSError):  # a u32: the kernel's "no limit" does not fit a C int
-        sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("=I", min(int(rate), _UNPACED - 1) if rate > 0 else _UNPACED))
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(level, option, value)
 
 
 class DirectListener:
