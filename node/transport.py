@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from protocol import Decoder, DirectAddress, DirectOpen, Error, Message, Ping, Pong, Probe, RemoteProtocolError
@@ -61,6 +61,16 @@ class RemoteError(Exception):
 
 class CallTimeout(Exception):
     """A call passed its deadline."""
+
+
+class HandlerTaken(Exception):
+    """Our bug: a second service tried to take a message type another one serves."""
+
+
+# What a call to another peer can raise when the peer, or the way to it, fails: it is dead or
+# unreachable, it passed the deadline, it refused, or it sent bytes that broke the protocol.
+# One definition for every caller that treats "the peer failed" alike.
+NETWORK_ERRORS: tuple[type[BaseException], ...] = (PeerUnreachable, CallTimeout, RemoteError, ConnectionError, RemoteProtocolError, OSError)
 
 
 @dataclass(frozen=True)
@@ -302,6 +312,26 @@ class _Pipe:
     pace: int = 0  # the socket's pacing rate now, bytes/s (0: none)
 
 
+class Registration:
+    """A service's handlers on a transport (see `Transport.serve`); `close()` unregisters them.
+    Calls already being handled finish; new ones are answered "unsupported"."""
+
+    def __init__(self, transport: Transport, handlers: dict[type[Message], Handler], owner: str):
+        self.transport, self.handlers, self.owner = transport, handlers, owner
+        self.closed = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.transport._unserve(self.handlers)
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Transport:
     def __init__(self, host: Host, config: TransportConfig = TransportConfig()):
         self.host = host
@@ -320,7 +350,23 @@ class Transport:
         return self.host.peer_id
 
     def on(self, msg_type: type[Message], handler: Handler) -> None:
-        self.handlers[msg_type] = handler
+        """Serve `msg_type` with `handler`. Each message type has one owner: a second handler
+        for a taken type raises `HandlerTaken` (it would silently steal the first one's calls)."""
+        self.serve({msg_type: handler})
+
+    def serve(self, handlers: Mapping[type[Message], Handler], owner: str = "") -> Registration:
+        """Register a service's handlers as one group: all of them, or none if any type is
+        taken (`HandlerTaken`). `Registration.close()` removes exactly these handlers."""
+        taken = [t.__name__ for t in handlers if t in self.handlers]
+        if taken:
+            raise HandlerTaken(f"{owner or 'a service'} wants {', '.join(taken)}, already served here")
+        self.handlers.update(handlers)
+        return Registration(self, dict(handlers), owner)
+
+    def _unserve(self, handlers: Mapping[type[Message], Handler]) -> None:
+        for msg_type, handler in handlers.items():
+            if self.handlers.get(msg_type) is handler:
+                del self.handlers[msg_type]
 
     async def start(self) -> None:
         await self.host.add_stream_handler(RPC_PROTOCOL, self._serve)
@@ -681,6 +727,9 @@ def _with_id(msg: Message, request_id: int) -> Message:
 __all__ = [
     "CallContext",
     "CallTimeout",
+    "HandlerTaken",
+    "NETWORK_ERRORS",
+    "Registration",
     "PeerScores",
     "PeerUnreachable",
     "RPCError",

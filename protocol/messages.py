@@ -467,6 +467,7 @@ class CheckpointOffer(Message):
 # Averaging (all-reduce among the peers that average the same key)
 
 MAX_GROUP = 256
+DEFAULT_NAMESPACE = "avg"  # the averager namespace of a join that names none
 AVG_PHASES = ("scatter", "gather")
 GROUP_STATUS = ("group", "redirect", "closed")
 
@@ -481,9 +482,11 @@ class AvgJoin(Message):
     weight: float = 1.0  # e.g. samples processed since the last round
     bandwidth: float = 0.0  # bytes/s this peer can move; sizes its slice
     codec: str = "none"
+    namespace: str = DEFAULT_NAMESPACE  # which of the receiver's averagers this is for (e.g. "replicas", "stage-2")
 
     def validate(self) -> None:
         _require(0 < len(self.round_key) <= MAX_ID_LEN, "round_key", "must be 1..256 characters")
+        _require(len(self.namespace) <= 64, "namespace", "must be at most 64 characters")
         _require(self.numel > 0, "numel", "must be > 0")
         _require(math.isfinite(self.weight) and self.weight > 0, "weight", "must be finite and > 0")
         _require(math.isfinite(self.bandwidth) and self.bandwidth >= 0, "bandwidth", "must be finite and >= 0")

@@ -74,6 +74,7 @@ async def main() -> None:
                 break
             if cmd["op"] == "config":
                 cfg = AveragerConfig(**cmd["config"])
+                await avg.close()  # one averager per namespace: the old one leaves first
                 avg = Averager(host, transport, cfg, Faults(**cmd.get("faults", {})))
                 await avg.start()
                 avg.on_phase = lambda key, phase: emit(event="phase", key=key, phase=phase)

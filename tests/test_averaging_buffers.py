@@ -28,7 +28,7 @@ def test_rounds_of_a_lossy_codec_reuse_the_flat_copy_and_average_their_own_input
                         assert (r - e).abs().max() < 0.1
                     assert [r.shape for r in result] == [x.shape for x in inputs[0]]
                 assert all(torch.equal(a, b) for a, b in zip(out[0][0], out[1][0]))
-                flats.append([a._spare_flats[17000][-1].data_ptr() for a in avgs])
+                flats.append([a.buffers.spare_flats[17000][-1].data_ptr() for a in avgs])
             # from the second round on, each averager flattens into the buffer of the round before
             assert flats[0] == flats[1] == flats[2]
 
@@ -49,7 +49,7 @@ def test_a_wrongly_predicted_own_slice_changes_no_bit_of_any_round():
                 inputs = [[torch.randn(numel, generator=gen)] for _ in range(2)]  # by position in the pair
                 if rnd:  # the misled pair expects to own the other member's slice
                     lo, hi = pairs[1]
-                    lo._last_own[numel], hi._last_own[numel] = hi._last_own[numel], lo._last_own[numel]
+                    lo.buffers.last_own[numel], hi.buffers.last_own[numel] = hi.buffers.last_own[numel], lo.buffers.last_own[numel]
                 outs = []
                 for pair in pairs:
                     got = await asyncio.gather(*(a.average(f"{id(pair)}-{rnd}", x, expected_peers=2, state_key="k") for a, x in zip(pair, inputs)))
@@ -58,6 +58,6 @@ def test_a_wrongly_predicted_own_slice_changes_no_bit_of_any_round():
                 assert torch.equal(outs[0][0], outs[1][0]), f"round {rnd}: a wrong guess changed the result"
                 assert (outs[0][0] - (inputs[0][0] + inputs[1][0]) / 2).abs().max() < 0.2
                 for a, b in zip(*pairs):  # and the error feedback carried into the next round
-                    assert torch.equal(a._residuals["k"], b._residuals["k"])
+                    assert torch.equal(a.buffers.residuals["k"], b.buffers.residuals["k"])
 
     asyncio.run(main())

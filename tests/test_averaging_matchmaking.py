@@ -27,6 +27,6 @@ def test_a_join_that_arrives_before_its_leader_starts_waits_for_it():
             # a key the leader never averages: the wait ends, and the answer says so
             reply = await other.transport.call(leader.peer_id, AvgJoin(round_key="never", numel=100, codec="none"), timeout=30)
             assert reply.status == "closed" and "not averaging" in reply.reason
-            assert not leader._key_started  # nothing left waiting
+            assert not leader.matchmaker.key_started  # nothing left waiting
 
     asyncio.run(main())

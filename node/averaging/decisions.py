@@ -1,0 +1,217 @@
+"""The averager's decisions, as pure functions of what it knows (and, where time matters, of
+`now` passed in): who survives a round, who owns which slice, whether a round commits, when a
+leader closes its group and what the group is, whether sends are paced, what was learned about
+bandwidth. Each returns its decision with the reason for it, so logs and tests can say why.
+No I/O, no clocks, no event loop."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from protocol import AvgDecision, AvgGroup, AvgJoin, AvgReport
+
+from .config import WIRE_BYTES, AveragerConfig
+
+# ---- slices ---------------------------------------------------------------------------------
+
+
+def slice_shares(bandwidths: Sequence[float]) -> list[float]:
+    """Relative slice sizes for members with these measured bandwidths. Measurements are noisy
+    (±15% between rounds on identical links), and a slice 10% over its fair share makes its owner
+    the straggler of both phases; so shares move in half-octave steps around the group's median:
+    members within ±19% of it get equal slices, a member at 4x the median gets 4x the slice."""
+    bws = [max(float(bw), 1.0) for bw in bandwidths]
+    med = statistics.median(bws)
+    return [2.0 ** (round(2 * math.log2(bw / med)) / 2) for bw in bws]
+
+
+def slice_bounds(numel: int, bandwidths: Sequence[float], align: int) -> tuple[int, ...]:
+    """Cut [0, numel) into len(bandwidths) slices proportional to bandwidth, bounds aligned."""
+    total = sum(bandwidths)
+    bounds, acc = [0], 0.0
+    for bw in bandwidths[:-1]:
+        acc += bw
+        cut = int(round(numel * acc / total / align)) * align
+        bounds.append(min(max(cut, bounds[-1]), numel))
+    bounds.append(numel)
+    return tuple(bounds)
+
+
+# ---- matchmaking: the leader's side -----------------------------------------------------------
+
+
+def close_reason(now: float, deadline: float, joined: Collection[str], expected: int | Collection[str] | None) -> str:
+    """Why a leader closes its group now ("" : keep it open). `expected`: a count of peers, or
+    the peer ids (a peer nobody counted on does not take the place of one still on its way)."""
+    if expected:
+        if isinstance(expected, int) and len(joined) >= expected:
+            return f"{len(joined)} of {expected} expected peers joined"
+        if not isinstance(expected, int) and set(joined) >= set(expected):
+            return "every expected peer joined"
+    if now >= deadline:
+        return "the join window ended"
+    return ""
+
+
+def form_group(
+    joins: Mapping[str, AvgJoin], numel: int, config: AveragerConfig, codec_params: Mapping, group_id: str
+) -> tuple[AvgGroup | None, str]:
+    """The group a leader announces for these joins (its own included), or None and why not.
+    Members in peer id order; slices sized by declared bandwidth; phase deadlines from the
+    slowest member's expected transfer time."""
+    members = tuple(sorted(joins))
+    if len(members) < config.min_group_size:
+        return None, "too few peers for a group"
+    bws = [joins[m].bandwidth or config.default_bandwidth for m in members]
+    gather = config.resolved_gather_codec
+    per_elem = max(WIRE_BYTES.get(config.codec, 4.0), WIRE_BYTES.get(gather, 4.0))
+    n = len(members)
+    moved = 2 * (n - 1) / max(n, 1) * numel * per_elem  # bytes in + out per member, one phase
+    expected_s = moved / min(bws)
+    deadline_s = config.base_timeout_s + config.timeout_slack * expected_s
+    group = AvgGroup(
+        status="group",
+        group_id=group_id,
+        members=members,
+        weights=tuple(joins[m].weight for m in members),
+        bounds=slice_bounds(numel, slice_shares(bws), config.slice_align),
+        codec=config.codec,
+        codec_params=dict(codec_params),
+        gather_codec=gather,
+        deadline_s=deadline_s,
+    )
+    return group, f"{n} members; slowest {min(bws) / 1e6:.1f} MB/s: {expected_s:.2f} s per phase expected, deadline {deadline_s:.2f} s"
+
+
+# ---- after the scatter: who survives, who owns what ------------------------------------------
+
+
+def decide_survivors(members: Sequence[str], reports: Mapping[str, AvgReport]) -> tuple[list[str], dict[str, str]]:
+    """After scatter: who survives, and why the others failed. Members that did not report
+    failed. An owner accuses the senders it blamed or never heard from; the accused fail,
+    unless their accuser accused at least half of the others and some of that is corroborated
+    by no other owner: then the accuser (a broken receiver, or a liar) is the likely culprit.
+    So one NaN sender among three is excluded by its two honest receivers, not the reverse."""
+    failed: dict[str, str] = {}
+    for m in members:
+        if m not in reports:
+            failed[m] = "no report by the deadline (dead or stalled)"
+    accusations: dict[str, dict[str, str]] = {}  # owner -> accused -> why
+    for owner in members:
+        rep = reports.get(owner)
+        if rep is None:
+            continue
+        acc = {m: f"{why} (reported by {owner[-8:]})" for m, why in zip(rep.blamed, rep.reasons) if m != owner}
+        for m in members:
+            if m != owner and m not in failed and m not in rep.received_from and m not in acc:
+                acc[m] = f"its part never reached {owner[-8:]}"
+        accusations[owner] = acc
+    for owner, acc in accusations.items():
+        others = len(members) - 1
+        uncorroborated = [m for m in acc if m not in failed and not any(m in a for o, a in accusations.items() if o != owner)]
+        if others > 1 and len(acc) * 2 >= others and uncorroborated:
+            failed.setdefault(owner, f"received from only {others - len(acc)} of {others} members")
+    for owner, acc in accusations.items():
+        if owner not in failed:
+            for m, why in acc.items():
+                failed.setdefault(m, why)
+    survivors = [m for m in members if m not in failed]
+    return survivors, failed
+
+
+def reassign(members: Sequence[str], survivors: Sequence[str]) -> tuple[str, ...]:
+    """Owner of each slice: its member if it survived, else survivors round-robin."""
+    owners, k = [], 0
+    for m in members:
+        if m in survivors:
+            owners.append(m)
+        else:
+            owners.append(survivors[k % len(survivors)])
+            k += 1
+    return tuple(owners)
+
+
+def decide_scatter(group_id: str, members: Sequence[str], reports: Mapping[str, AvgReport], min_group_size: int) -> AvgDecision:
+    """The leader's decision after the scatter: the survivors and the owner of every slice, or
+    an abort when fewer than `min_group_size` survive. Its `reason` says who failed and why."""
+    survivors, failed = decide_survivors(members, reports)
+    reason = "; ".join(f"{m[-8:]}: {why}" for m, why in failed.items())
+    if len(survivors) < min_group_size:
+        return AvgDecision(group_id=group_id, phase="scatter", commit=False, reason=reason or "too few survivors")
+    return AvgDecision(group_id=group_id, phase="scatter", commit=True, survivors=tuple(survivors), owners=reassign(members, survivors), reason=reason)
+
+
+def decide_commit(
+    group_id: str, survivors: Sequence[str], owners: Sequence[str], expected: Sequence[str], reports: Mapping[str, AvgReport]
+) -> AvgDecision:
+    """The leader's decision after the gather: commit only if every expected survivor reported
+    that it holds every slice (all-or-nothing); else abort, saying who is missing what."""
+    missing = [m for m in expected if m not in reports]
+    not_ok = [m for m, r in reports.items() if not r.ok]
+    if missing or not_ok:
+        why = [f"{m[-8:]} did not report" for m in missing] + [f"{m[-8:]}: {', '.join(reports[m].reasons)}" for m in not_ok]
+        return AvgDecision(group_id=group_id, phase="gather", commit=False, reason="; ".join(why))
+    return AvgDecision(group_id=group_id, phase="gather", commit=True, survivors=tuple(survivors), owners=tuple(owners))
+
+
+# ---- sending -----------------------------------------------------------------------------------
+
+
+def choose_pace(config: AveragerConfig, direct_to_all: bool) -> tuple[float | None, str]:
+    """Bytes/s our paced sends share this round, or None: send in turn (`Sender.in_turn`); and
+    why. Pacing needs our upload rate declared (`bandwidth`), below `pace_max_rate`, and direct
+    pipes to every other member. Not measured: a paced flow cannot see how much faster the
+    link could go, and a flow sent in turn rarely has the link to itself long enough to
+    tell (from TCP's acknowledged bytes, 4 peers on 100 Mbit links: estimates ranged from
+    0.35x the link for 1.6 MB parts to 1.25x for 6.5 MB ones, acks arriving in bursts).
+    And pacing a few % above a link costs more than pacing below it: its queue overflows
+    and TCP backs off (12.9 MB/s paced on 12 MB/s: rounds took 1.3x as long)."""
+    rate = config.bandwidth * config.pace_share
+    if not config.pace:
+        return None, "pacing is off"
+    if not rate:
+        return None, "no bandwidth declared"
+    if rate > config.pace_max_rate:
+        return None, f"declared {config.bandwidth / 1e6:.0f} MB/s: above {config.pace_max_rate / 1e6:.0f} MB/s the CPU sets the pace"
+    if not direct_to_all:
+        return None, "some member is reached over libp2p, which cannot pace"
+    return rate, f"{config.pace_share:.0%} of the declared {config.bandwidth / 1e6:.2f} MB/s"
+
+
+def stagger_patience(overlap: float, prev_bytes: int, flow_rate: float | None, bandwidth: float) -> float:
+    """Seconds after the previous send (in turn) began that the next may start, though the
+    previous is still going: `overlap` of its expected time (opening a stream and waiting for
+    the receiver's ack leave the link idle otherwise)."""
+    return overlap * prev_bytes / (flow_rate or bandwidth / 2)
+
+
+# ---- learning from finished rounds -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Learned:
+    value: float | None
+    reason: str
+
+
+def learn_bandwidth(old: float | None, phases: Mapping[str, float], bytes_moved: int) -> Learned:
+    """Bytes/s our transfers achieved, blended into what earlier rounds measured (EMA 0.3):
+    deadlines of later rounds follow it. Rounds too short or too small to tell are ignored."""
+    busy = phases.get("scatter", 0) + phases.get("gather", 0)
+    if busy <= 0.05 or bytes_moved <= (1 << 20):
+        return Learned(old, "too little moved to measure")
+    bw = bytes_moved / busy
+    new = bw if old is None else 0.7 * old + 0.3 * bw
+    return Learned(new, f"{bw / 1e6:.1f} MB/s this round")
+
+
+def learn_flow_rate(old: float | None, nbytes: int, took: float, paced: bool) -> Learned:
+    """Bytes/s one unpaced send of at least 1 MiB achieved, blended (EMA 0.3): the patience of
+    sends in turn. A paced send says only what it was told."""
+    if nbytes < (1 << 20) or took <= 0 or paced:
+        return Learned(old, "not a measurable send")
+    rate = nbytes / took
+    return Learned(rate if old is None else 0.7 * old + 0.3 * rate, f"{rate / 1e6:.1f} MB/s")

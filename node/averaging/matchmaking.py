@@ -1,0 +1,333 @@
+"""Matchmaking: who averages with whom this round.
+
+Every peer that wants a round key publishes a signed record under it in the DHT and joins the
+group of the smallest peer id that wants the same key: that peer leads. A leader that sees a
+smaller id later hands its joiners over (a redirect); a joiner follows redirects. The leader
+closes its group when the expected peers have joined or its join window ends, and answers every
+joiner with the group (members, slice bounds, codec, deadlines). A peer that arrives after the
+group closed is told so and waits for the next round.
+
+Two sans-IO state machines hold the decisions, a thin async driver does the I/O:
+- `Search` (a peer looking for its leader): which peer to ask next, what an answer or a failure
+  means, when to give up. Time comes in as `now`; tests drive it by hand.
+- `Lobby` (a key this peer wants, as it looks to joiners): how to answer a join.
+- `Matchmaker` (the driver): DHT records and look-ups, calls to leaders, leading, serving joins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from protocol import AvgGroup, AvgJoin, RemoteProtocolError
+from protocol.records import MemberRecord
+
+from ..transport import NETWORK_ERRORS, CallContext, CallTimeout, RPCError
+from .config import MAX_EARLY_KEYS, AverageReport, AveragerConfig, RoundFailed
+from .decisions import close_reason, form_group
+
+log = logging.getLogger(__name__)
+
+MAX_REDIRECTS = 16  # a joiner follows at most this many redirects in one search
+RETRY_S = 0.1  # pause before asking a leader again whose stream closed (once)
+LOOK_AGAIN_S = 0.05  # pause before looking in the DHT again
+
+
+@dataclass(frozen=True)
+class Next:
+    """What a searching peer does next: `lookup` (the DHT, then `Search.found`), `lead`, `call`
+    `target` (then `answered` or `call_failed`), `done` (joined `group`) or `fail` (`reason`;
+    `late`: a group may be averaging without us). `wait_s`: pause before doing it."""
+
+    action: str
+    target: str = ""
+    wait_s: float = 0.0
+    group: AvgGroup | None = None
+    reason: str = ""
+    late: bool = False
+
+
+class Search:
+    """A peer's search for the leader of one round key (sans-IO)."""
+
+    def __init__(self, me: str, key: str, deadline: float, last_members: Collection[str] = ()):
+        self.me, self.key, self.deadline = me, key, deadline
+        # the leader of the last round is most likely the leader of this one
+        self.target: str | None = min(last_members) if me in last_members else None
+        self.predicted = self.target is not None
+        self.excluded: set[str] = set()
+        self.redirects = 0
+        self.failures: dict[str, int] = {}
+
+    def next(self, wait_s: float = 0.0) -> Next:
+        if self.target is None:
+            return Next("lookup", wait_s=wait_s)
+        if self.target == self.me:
+            return Next("lead", self.me, wait_s=wait_s)
+        return Next("call", self.target, wait_s=wait_s)
+
+    def _drop(self, exclude: bool = True) -> None:
+        if exclude and self.target is not None:
+            self.excluded.add(self.target)
+        self.target, self.predicted = None, False
+
+    def found(self, candidates: Collection[str]) -> Next:
+        """The peers the DHT says want this key: the smallest we have not given up on (us included)."""
+        self.target = sorted((set(candidates) - self.excluded) | {self.me})[0]
+        return self.next()
+
+    def led(self, smaller: str) -> Next:
+        """We led, and a smaller peer that wants the key showed up: hand over to it."""
+        self.target, self.predicted = smaller, False
+        return self.next()
+
+    def call_failed(self, now: float, timed_out: bool) -> Next:
+        target = self.target or ""
+        self.failures[target] = self.failures.get(target, 0) + 1
+        if self.failures[target] == 1 and not timed_out and now < self.deadline:
+            return self.next(wait_s=RETRY_S)  # one retry: a stream can close under load
+        self._drop()
+        if now > self.deadline:
+            return Next("fail", reason="no leader could be reached before the join deadline")
+        return self.next()
+
+    def answered(self, reply: object, now: float) -> Next:
+        target = self.target or ""
+        if not isinstance(reply, AvgGroup):
+            self._drop()
+            return self.next()
+        if reply.status == "group":
+            return Next("done", target, group=reply)
+        if reply.status == "redirect":
+            if reply.redirect and reply.redirect != target and self.redirects < MAX_REDIRECTS:
+                # the redirect names the peer the others follow: worth another try even if an
+                # earlier call to it failed (a stream closed under load, say)
+                self.redirects += 1
+                self.excluded.discard(reply.redirect)
+                self.target, self.predicted = reply.redirect, False
+                return self.next()
+            # a redirect we cannot follow (to nowhere, back to the same peer, or in circles)
+            # says nothing about a group: look again in the DHT
+            self._drop()
+            if now > self.deadline:
+                return Next("fail", reason="no usable leader before the join deadline", late=True)
+            return self.next(wait_s=LOOK_AGAIN_S)
+        if reply.reason == "not averaging this key":
+            # found in the DHT, yet not averaging: finished or restarted; a predicted leader
+            # may just not have arrived yet
+            self._drop(exclude=not self.predicted)
+            if now > self.deadline:
+                return Next("fail", reason="no group formed before the join deadline", late=True)
+            return self.next(wait_s=LOOK_AGAIN_S)
+        return Next("fail", reason=f"too late for round {self.key}: {target[-8:]} answered {reply.status}: {reply.reason or 'the group formed without us'}", late=True)
+
+
+@dataclass
+class Lobby:
+    """A round key this peer wants, as joiners see it (sans-IO apart from the joiners' futures)."""
+
+    key: str
+    numel: int
+    codec: str
+    window: float  # seconds this peer, as leader, keeps the group open
+    mode: str = "candidate"  # candidate | leader | follower | closed
+    following: str = ""
+    pending: dict[str, tuple[AvgJoin, asyncio.Future]] = field(default_factory=dict)
+    group: AvgGroup | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def answer(self, peer: str, req: AvgJoin) -> AvgGroup | None:
+        """The answer to a join right away, or None: it waits for the group (see `admit`)."""
+        if self.mode == "follower":
+            return AvgGroup(status="redirect", redirect=self.following)
+        if self.group is not None and peer in self.group.members:
+            return self.group  # a member asking again: our first answer was lost on the way
+        if self.mode == "closed" or self.group is not None:
+            return AvgGroup(status="closed", reason="the group already formed")
+        if req.numel != self.numel:
+            raise RPCError("bad_request", f"vector has {req.numel} elements, this group averages {self.numel}")
+        if req.codec != self.codec:
+            raise RPCError("bad_request", f"codec {req.codec} differs from this group's {self.codec}")
+        return None
+
+    def admit(self, peer: str, req: AvgJoin, fut: asyncio.Future) -> None:
+        old = self.pending.get(peer)
+        if old and not old[1].done():
+            old[1].set_result(AvgGroup(status="closed", reason="superseded by a newer join"))
+        self.pending[peer] = (req, fut)
+        self.changed.set()
+
+    def joined(self, me: str) -> set[str]:
+        return {me, *self.pending}
+
+    def answer_all(self, answer: AvgGroup) -> None:
+        for _, fut in self.pending.values():
+            if not fut.done():
+                fut.set_result(answer)
+
+    def follow(self, target: str) -> None:
+        """We follow `target` now: our joiners are sent there."""
+        self.mode, self.following = "follower", target
+        self.answer_all(AvgGroup(status="redirect", redirect=target))
+        self.pending.clear()
+
+
+class Matchmaker:
+    """The async driver: DHT records and look-ups, calls to leaders, leading, serving joins.
+    One per averager; its keys are those of the averager's namespace."""
+
+    def __init__(self, averager):
+        self.avg = averager
+        self.config: AveragerConfig = averager.config
+        self.lobbies: dict[str, Lobby] = {}
+        self.closed_keys: dict[str, float] = {}  # round keys we finished recently -> when
+        self.key_started: dict[str, asyncio.Event] = {}  # keys joins wait for us to start averaging
+        self.last_members: tuple[str, ...] = ()  # the last group we completed a round with
+        self.joins_to_lose = averager.faults.lose_join_replies
+
+    def dht_key(self, key: str) -> str:
+        return f"swarmtrain/{self.config.swarm_id}/{self.config.namespace}/{key}"
+
+    async def matchmake(self, key: str, numel: int, weight: float, expected: int | Collection[str] | None, report: AverageReport, window: float) -> AvgGroup:
+        avg, me = self.avg, self.avg.peer_id
+        if key in self.lobbies or key in self.closed_keys:
+            raise RoundFailed(f"round {key} was already averaged or is in progress here")
+        lobby = Lobby(key, numel, self.config.codec, window)
+        self.lobbies[key] = lobby
+        started = self.key_started.pop(key, None)
+        if started is not None:  # joins that came before we did are waiting for this
+            started.set()
+        join = AvgJoin(round_key=key, numel=numel, weight=weight, bandwidth=avg.bandwidth, codec=self.config.codec, namespace=self.config.namespace)
+        deadline = time.monotonic() + window
+        rec = MemberRecord(self.config.swarm_id, me, (), "averaging", 0, time.time()).sign(avg.host.key)
+        # announced in the background: peers that know the group from the last round do not
+        # need the DHT at all, and the others find us there a moment later
+        avg.spawn(avg.host.dht_store(self.dht_key(key), rec.to_bytes(), time.time() + window + 60, subkey=me))
+        search = Search(me, key, deadline, self.last_members)
+        step = search.next()
+        while True:
+            if step.wait_s:
+                await asyncio.sleep(step.wait_s)
+            log.debug("matchmaking %s: %s %s%s", key, step.action, step.target[-8:], " (predicted)" if search.predicted else "")
+            if step.action == "lookup":
+                step = search.found(await self.candidates(key))
+            elif step.action == "lead":
+                lobby.mode = "leader"
+                smaller = await self._lead(lobby, join, deadline, expected, search.excluded)
+                if lobby.group is not None:
+                    report.leader = me
+                    return lobby.group
+                step = search.led(smaller)
+            elif step.action == "call":
+                lobby.follow(step.target)
+                try:
+                    # a leader answers by the end of its own window, which may be longer than ours
+                    reply = await avg.transport.call(step.target, join, timeout=3 * window + 2 * self.config.decision_grace_s)
+                except NETWORK_ERRORS as e:
+                    log.debug("matchmaking %s: %s unusable as leader: %s", key, step.target[-8:], e)
+                    step = search.call_failed(time.monotonic(), isinstance(e, CallTimeout))
+                    continue
+                log.debug("matchmaking %s: %s answered %s", key, step.target[-8:], getattr(reply, "status", reply))
+                step = search.answered(reply, time.monotonic())
+            elif step.action == "done":
+                self._check_group(step.group, numel)
+                report.leader = step.target
+                lobby.group = step.group
+                return step.group
+            else:
+                raise RoundFailed(step.reason, late=step.late)
+
+    async def candidates(self, key: str) -> set[str]:
+        """Peers whose valid record says they want this key."""
+        raw = await self.avg.host.dht_get(self.dht_key(key))
+        out = set()
+        if isinstance(raw, dict):
+            for subkey, value in raw.items():
+                try:
+                    rec = MemberRecord.from_bytes(value, self.config.swarm_id)
+                except RemoteProtocolError:
+                    continue
+                if rec.peer_id == subkey:
+                    out.add(rec.peer_id)
+        return out
+
+    async def _lead(self, lobby: Lobby, own: AvgJoin, deadline: float, expected: int | Collection[str] | None, excluded: set[str]) -> str | None:
+        """Lead until the window closes (form the group) or a smaller peer shows up (return it)."""
+        me = self.avg.peer_id
+        while not (why := close_reason(time.monotonic(), deadline, lobby.joined(me), expected)):
+            lobby.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(lobby.changed.wait(), timeout=min(0.3, max(0.0, deadline - time.monotonic())))
+            if why := close_reason(-1.0, deadline, lobby.joined(me), expected):  # everyone expected is here
+                break
+            try:  # a slow DHT must not hold the group past the window: joiners stop waiting
+                found = await asyncio.wait_for(self.candidates(lobby.key), timeout=max(0.05, deadline - time.monotonic()))
+            except TimeoutError:
+                found = set()
+            smaller = sorted(c for c in found - excluded if c < me)
+            if smaller:
+                return smaller[0]
+        lobby.mode = "closed"
+        joins = {me: own, **{p: j for p, (j, _) in lobby.pending.items()}}
+        params = self.avg.codec.params() if self.config.codec != "none" else {}
+        group, reason = form_group(joins, own.numel, self.config, params, secrets.token_hex(8))
+        if group is None:
+            lobby.answer_all(AvgGroup(status="closed", reason=reason))
+            raise RoundFailed(f"too late or alone: no other peer joined {lobby.key} within {lobby.window:.1f} s", late=True)
+        lobby.group = group
+        lobby.answer_all(group)
+        log.debug("matchmaking %s: formed group %s of %s (%s; %s)", lobby.key, group.group_id, ", ".join(m[-8:] for m in group.members), why, reason)
+        return None
+
+    def _check_group(self, g: AvgGroup, numel: int) -> None:
+        if self.avg.peer_id not in g.members:
+            raise RemoteProtocolError("we are not in the group we were given", "members")
+        if g.bounds[-1] != numel:
+            raise RemoteProtocolError(f"bounds cover {g.bounds[-1]} elements, we have {numel}", "bounds")
+        if g.codec != self.config.codec:
+            raise RemoteProtocolError(f"group codec {g.codec} differs from ours ({self.config.codec})", "codec")
+
+    async def on_join(self, ctx: CallContext) -> AvgGroup:
+        req: AvgJoin = ctx.request
+        lobby = self.lobbies.get(req.round_key)
+        if lobby is None and req.round_key not in self.closed_keys and len(self.key_started) < MAX_EARLY_KEYS:
+            # a peer that predicted us as leader may be a few ms ahead of our own call for this
+            # key: wait a little rather than send it looking for another leader
+            started = self.key_started.setdefault(req.round_key, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(started.wait(), timeout=self.config.early_join_wait_s)
+            lobby = self.lobbies.get(req.round_key)
+            if lobby is None and self.key_started.get(req.round_key) is started:
+                del self.key_started[req.round_key]
+        if lobby is None:
+            if req.round_key in self.closed_keys:
+                return AvgGroup(status="closed", reason="this round is over here")
+            return AvgGroup(status="closed", reason="not averaging this key")
+        answer = lobby.answer(ctx.peer_id, req)
+        if answer is not None:
+            return answer
+        fut = asyncio.get_running_loop().create_future()
+        lobby.admit(ctx.peer_id, req, fut)
+        try:
+            answer = await asyncio.wait_for(asyncio.shield(fut), timeout=lobby.window + self.config.decision_grace_s)
+        except TimeoutError:
+            lobby.pending.pop(ctx.peer_id, None)
+            return AvgGroup(status="closed", reason="the leader did not form a group in time")
+        if answer.status == "group" and self.joins_to_lose > 0:  # fault injection: the answer never arrives
+            self.joins_to_lose -= 1
+            raise ConnectionError("fault injection: join reply lost")
+        return answer
+
+    def forget_key(self, key: str) -> None:
+        """The round of `key` is over here: joins for it are told so (for ten minutes)."""
+        self.lobbies.pop(key, None)
+        now = time.monotonic()
+        self.closed_keys[key] = now
+        for k, t in list(self.closed_keys.items()):
+            if now - t > 600:
+                del self.closed_keys[k]

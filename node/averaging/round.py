@@ -1,0 +1,419 @@
+"""One round, once its group is known: scatter → decide → gather → commit, each its own step.
+
+`Round` is the round's state (what arrived, who is blamed, the decisions) and its driver. The
+RPC handlers (handlers.py) write into the same state as parts and reports arrive. First error
+latches: any failure raises `RoundFailed` and the averager leaves its inputs and error
+feedback as they were."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from protocol import AvgDecision, AvgDecisionQuery, AvgGroup, AvgReport, EncodedTensor, RemoteProtocolError, decode_tensor, make_codec
+from protocol.codecs import decode_own
+
+from .. import aggregators
+from ..transport import NETWORK_ERRORS
+from .buffers import Prepared, cut_from
+from .config import AverageReport, RoundFailed
+from .decisions import choose_pace, decide_commit, decide_scatter
+from .schedule import Batch, InTurn, settle
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Round:
+    group: AvgGroup
+    me: str
+    leader: str
+    report: AverageReport
+    state_key: str
+    started: float = field(default_factory=time.monotonic)
+    received: dict[tuple[str, int], dict[str, torch.Tensor]] = field(default_factory=dict)  # (phase, slice) -> sender -> part
+    blamed: dict[str, str] = field(default_factory=dict)  # sender -> reason
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    reports: dict[str, dict[str, AvgReport]] = field(default_factory=lambda: {"scatter": {}, "gather": {}})
+    reported: dict[str, asyncio.Event] = field(default_factory=lambda: {"scatter": asyncio.Event(), "gather": asyncio.Event()})
+    decisions: dict[str, AvgDecision] = field(default_factory=dict)
+    decided: dict[str, asyncio.Event] = field(default_factory=lambda: {"scatter": asyncio.Event(), "gather": asyncio.Event()})
+    survivors: tuple[str, ...] = ()
+    owners: tuple[str, ...] = ()
+    sends: list[asyncio.Task] = field(default_factory=list)  # our outgoing parts, finishing in the background
+    result: torch.Tensor | None = None  # the averaged flat vector being assembled
+    # optimistic gather: slices sent before the decision, over every member
+    early_ok: bool | None = None  # None: no decision yet; True: nobody failed, early slices count
+    early_got: set[tuple[int, str]] = field(default_factory=set)  # (slice, sender) kept before the decision
+    early_sends: list[asyncio.Task] = field(default_factory=list)
+    final: set[int] = field(default_factory=set)  # slices written from their post-decision source
+    locks: dict[int, asyncio.Lock] = field(default_factory=dict)  # one writer of a result slice at a time
+    tail: InTurn | Batch | None = None  # our last queued send(s): the next follow
+    pace: float | None = None  # bytes/s our sends share, paced (None: sent in turn)
+    done: bool = False  # returned or failed: parts that still arrive are refused, never written
+    gather_residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # owned slice -> this round's gather error
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.group.members
+
+    def slice_len(self, j: int) -> int:
+        return self.group.bounds[j + 1] - self.group.bounds[j]
+
+    def lock(self, j: int) -> asyncio.Lock:
+        return self.locks.setdefault(j, asyncio.Lock())
+
+    def decoded(self, enc, max_abs: float, out=None) -> torch.Tensor:
+        """Decode a part; refuse NaN, Inf and values beyond `max_abs` (a poisoning guard)."""
+        return decode_tensor(enc, max_abs=max_abs, out=out).reshape(-1)
+
+
+class RoundDriver:
+    """Runs one `Round` for an averager (its config, transport, sender, buffers, faults)."""
+
+    def __init__(self, avg, rnd: Round, prepared: Prepared):
+        self.avg, self.rnd, self.prepared = avg, rnd, prepared
+        self.config, self.sender, self.buffers = avg.config, avg.sender, avg.buffers
+        g = rnd.group
+        self.codec = make_codec(g.codec, **g.codec_params)
+        self.gather_codec = make_codec(g.gather_codec)
+        self.my_index = g.members.index(rnd.me)
+        self.weights = dict(zip(g.members, g.weights))
+        self.encoded: dict[int, EncodedTensor] = {}
+        self.early: asyncio.Task | None = None
+        self.mine: list[int] = []
+
+    async def run(self) -> torch.Tensor:
+        """The averaged flat vector (on commit), or RoundFailed."""
+        rnd, report = self.rnd, self.rnd.report
+        t = time.monotonic()
+        await self.scatter()
+        report.phases["scatter"] = time.monotonic() - t
+        self.avg.phase(report.key, "scattered")
+        t = time.monotonic()
+        await self.decide_scatter()
+        await self.aggregate()
+        report.phases["aggregate"] = time.monotonic() - t
+        t = time.monotonic()
+        missing = await self.gather()
+        report.phases["gather"] = time.monotonic() - t
+        report.early_used = len(rnd.early_got)  # kept: a decision that excluded someone emptied it
+        self.avg.phase(report.key, "gathered")
+        await self.commit(missing)
+        return rnd.result
+
+    # ---- scatter ----
+
+    async def scatter(self) -> None:
+        """Every part encoded with error feedback (what earlier rounds' compression lost, per
+        element), mostly before the group was known; each sent to its owner. Then wait for the
+        parts of our own slice; start aggregating it early if every member's part is in."""
+        rnd, g, prepared = self.rnd, self.rnd.group, self.prepared
+        loop = asyncio.get_running_loop()
+        report, me = rnd.report, rnd.me
+        pieces = prepared.encoded if self.codec == self.buffers.codec else []  # encoded before the group was known
+        sends, prev = [], None
+        n = len(g.members)
+        rnd.pace, why = choose_pace(self.config, all(self.avg.transport.paces(m) for m in g.members if m != me))
+        report.schedule, report.pace = ("paced", rnd.pace) if rnd.pace is not None else ("in turn", 0.0)
+        log.debug("scatter %s (%s)", report.schedule, why)
+        order = [(self.my_index + 1 + k) % n for k in range(n - 1)]  # each member starts with a different owner
+        for j in order:
+            t_enc = time.monotonic()
+            self.encoded[j] = cut_from(pieces, self.codec, g.bounds[j], g.bounds[j + 1])
+            if self.encoded[j] is None:  # not encoded yet (this split is not the one we expected)
+                self.encoded[j] = await loop.run_in_executor(None, self.buffers.encode_part, self.codec, prepared, rnd.state_key, g.bounds[j], g.bounds[j + 1])
+            log.debug("encoded scatter %d in %.3f s", j, time.monotonic() - t_enc)
+            if rnd.pace is None:  # staggered: sending starts while the next part is being encoded
+                prev = self.sender.in_turn(rnd, prev, "scatter", j, self.encoded[j], g.members[j])
+                sends.append(prev.task)
+        if rnd.pace is not None:
+            prev = self.sender.paced(rnd, None, "scatter", [(j, self.encoded[j], g.members[j], None) for j in order])
+            sends += prev.tasks
+        # our own part never travels (the decision never moves a survivor's slice), so it counts
+        # exactly, without the codec's error
+        a, b = g.bounds[self.my_index], g.bounds[self.my_index + 1]
+        own = await loop.run_in_executor(None, self.buffers.own_part, prepared, a, b)
+        rnd.received.setdefault(("scatter", self.my_index), {})[me] = own
+        rnd.tail = prev  # our gather sends queue up behind these, not beside them
+        rnd.sends += sends  # they finish in the background; the owners report what arrived
+        await self.wait_parts([("scatter", self.my_index)], g.members, rnd.started + g.deadline_s)
+        # while the leader decides, aggregate our slice assuming nobody failed (the usual case)
+        # and start sending it: the decision costs a round trip and the slowest member's scatter
+        if all(m in rnd.received.get(("scatter", self.my_index), {}) for m in g.members):
+            self.early = asyncio.create_task(self.early_gather(self.my_index))
+
+    async def wait_parts(self, slots: list[tuple[str, int]], senders: Sequence[str] | None, deadline: float) -> None:
+        """Until every slot has a part from every sender (None: from the slot's owner) or the deadline."""
+        rnd = self.rnd
+
+        def complete() -> bool:
+            for phase, j in slots:
+                got = rnd.received.get((phase, j), {})
+                need = senders if senders is not None else [rnd.owners[j]]
+                if any(s not in got and s not in rnd.blamed for s in need):
+                    return False
+            return True
+
+        while not complete():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            rnd.arrived.clear()
+            try:
+                await asyncio.wait_for(rnd.arrived.wait(), timeout=left)
+            except TimeoutError:
+                return
+
+    # ---- decision ----
+
+    async def decide_scatter(self) -> None:
+        """Who survives and who owns what; re-send our parts of re-owned slices and wait for
+        the parts of slices we now own."""
+        rnd, g, me, report = self.rnd, self.rnd.group, self.rnd.me, self.rnd.report
+        got = rnd.received.get(("scatter", self.my_index), {})
+        scatter_report = AvgReport(
+            group_id=g.group_id,
+            phase="scatter",
+            received_from=tuple(m for m in g.members if m in got and m != me),
+            blamed=tuple(rnd.blamed),
+            reasons=tuple(rnd.blamed.values()),
+        )
+        try:
+            if self.avg.faults.active:
+                await self.avg.faults.before_report()
+            decision = await self.decide("scatter", scatter_report, rnd.started + g.deadline_s)
+        except BaseException:
+            if self.early is not None:
+                await asyncio.gather(self.early, return_exceptions=True)
+            raise
+        self.avg.phase(report.key, "decided")
+        if decision.commit and tuple(decision.survivors) == g.members:
+            rnd.early_ok = True
+        else:  # slices aggregated before the decision include a failed member: void
+            await self.discard_early()
+        if not decision.commit:
+            raise RoundFailed(f"round aborted after scatter: {decision.reason}")
+        rnd.survivors, rnd.owners = decision.survivors, decision.owners
+        report.survivors = list(decision.survivors)
+        report.failed = [(m, decision.reason) for m in g.members if m not in decision.survivors] if decision.reason else []
+        if me not in rnd.survivors:
+            if rnd.leader == me:  # excluded, but the others still need our commit decision
+                await self.decide("gather", None, time.monotonic() + 2 * g.deadline_s)
+            raise RoundFailed(f"excluded from the round: {decision.reason}")
+        # re-send our parts of slices whose owner failed to their new owners
+        resend = [
+            asyncio.create_task(self.sender.send_part(rnd, "scatter", j, self.encoded[j], rnd.owners[j]))
+            for j in range(len(g.members))
+            if rnd.owners[j] != g.members[j] and rnd.owners[j] != me
+        ]
+        self.mine = [j for j in range(len(g.members)) if rnd.owners[j] == me]
+        loop = asyncio.get_running_loop()
+        for j in self.mine:
+            if g.members[j] != me:  # re-owned: our own part counts too, as the failed owner would have decoded it
+                rnd.received.setdefault(("scatter", j), {})[me] = await loop.run_in_executor(None, decode_own, self.encoded[j])
+        rnd.sends += resend
+        await self.wait_parts([("scatter", j) for j in self.mine], rnd.survivors, time.monotonic() + g.deadline_s)
+        for j in self.mine:
+            missing = [m for m in rnd.survivors if m not in rnd.received.get(("scatter", j), {})]
+            if missing:
+                raise RoundFailed(f"slice {j}: no part from {', '.join(m[-8:] for m in missing)} after the decision")
+
+    async def decide(self, phase: str, mine: AvgReport | None, phase_deadline: float) -> AvgDecision:
+        """Report to the leader and get its decision (leading: collect reports and decide;
+        `mine` is None when the leader was excluded and only coordinates)."""
+        rnd, transport = self.rnd, self.avg.transport
+        grace = self.config.decision_grace_s
+        if rnd.leader == rnd.me:
+            if mine is not None:
+                rnd.reports[phase][rnd.me] = mine
+            expected = rnd.members if phase == "scatter" else rnd.survivors
+            wait_until = max(phase_deadline, time.monotonic()) + grace
+            while set(expected) - set(rnd.reports[phase]):
+                left = wait_until - time.monotonic()
+                if left <= 0:
+                    break
+                rnd.reported[phase].clear()
+                try:
+                    await asyncio.wait_for(rnd.reported[phase].wait(), timeout=left)
+                except TimeoutError:
+                    break
+            g = rnd.group
+            if phase == "scatter":
+                decision = decide_scatter(g.group_id, g.members, rnd.reports[phase], self.config.min_group_size)
+            else:
+                decision = decide_commit(g.group_id, rnd.survivors, rnd.owners, expected, rnd.reports[phase])
+            rnd.decisions[phase] = decision
+            rnd.decided[phase].set()
+            return decision
+        try:
+            reply = await transport.call(rnd.leader, mine, timeout=max(phase_deadline - time.monotonic(), 0) + 3 * grace)
+            if isinstance(reply, AvgDecision) and reply.group_id == rnd.group.group_id and reply.phase == phase:
+                rnd.decisions[phase] = reply
+                rnd.decided[phase].set()
+                return reply
+            raise RemoteProtocolError("the leader's reply is not this round's decision", "decision")
+        except NETWORK_ERRORS as e:
+            leader_error = e
+        # the leader is gone, confused, or its reply was lost: ask it once more (it keeps its
+        # decisions for a minute), then the other members, who may have it
+        for peer in [rnd.leader, *(m for m in rnd.members if m not in (rnd.me, rnd.leader))]:
+            try:
+                reply = await transport.call(peer, AvgDecisionQuery(group_id=rnd.group.group_id, phase=phase), timeout=grace)
+            except NETWORK_ERRORS:
+                continue
+            if isinstance(reply, AvgDecision) and reply.group_id == rnd.group.group_id and reply.phase == phase:
+                rnd.decisions[phase] = reply
+                rnd.decided[phase].set()
+                return reply
+        raise RoundFailed(f"no decision for {phase}: leader {rnd.leader[-8:]} unreachable ({leader_error})")
+
+    # ---- aggregate + gather ----
+
+    async def aggregate(self) -> None:
+        """Aggregate the slices we own over the survivors and send them to every survivor."""
+        rnd = self.rnd
+        loop = asyncio.get_running_loop()
+        for j in self.mine:
+            if j == self.my_index and self.early is not None:
+                enc, sent = await self.early
+                if sent:
+                    continue  # on its way since before the decision
+            else:
+                async with rnd.lock(j):
+                    enc = await loop.run_in_executor(None, self.aggregate_encode, j, rnd.survivors)
+                    rnd.final.add(j)
+            self.send_gather("gather", j, enc, rnd.survivors)
+
+    async def gather(self) -> list[int]:
+        """Wait for every slice we do not own; the ones still missing at the deadline."""
+        rnd = self.rnd
+        others = [j for j in range(len(rnd.members)) if rnd.owners[j] != rnd.me]
+        self.gather_deadline = time.monotonic() + rnd.group.deadline_s
+        await self.wait_parts([("gather", j) for j in others], None, self.gather_deadline)
+        return [j for j in others if rnd.owners[j] not in rnd.received.get(("gather", j), {})]
+
+    async def early_gather(self, j: int) -> tuple[object, bool]:
+        """Our slice aggregated over every member and, unless a decision already excluded
+        someone, sent as an "early" gather: (encoded slice, whether it was sent)."""
+        rnd = self.rnd
+        enc = await asyncio.get_running_loop().run_in_executor(None, self.aggregate_encode, j, rnd.group.members)
+        if not self.config.optimistic_gather or rnd.early_ok is False:
+            return enc, False
+        rnd.early_sends += self.send_gather("early", j, enc, rnd.group.members)
+        return enc, True
+
+    async def discard_early(self) -> None:
+        """The decision excluded someone: stop our early sends, forget the early slices we got
+        (their owners send them again, aggregated over the survivors). A slice still being
+        decoded holds its lock, so whatever is written after it is the right one."""
+        rnd = self.rnd
+        rnd.early_ok = False
+        if self.early is not None:
+            await asyncio.gather(self.early, return_exceptions=True)
+            self.early = None
+        for task in rnd.early_sends:
+            task.cancel()
+        for j, sender in rnd.early_got:
+            if j not in rnd.final:
+                rnd.received.get(("gather", j), {}).pop(sender, None)
+        rnd.report.early_discarded = len(rnd.early_got)
+        rnd.early_got.clear()
+
+    def send_gather(self, phase: str, j: int, enc, members: Sequence[str]) -> list[asyncio.Task]:
+        """Send slice j to every other of `members`, from the slice's next member on (as in
+        the scatter), after our sends before it."""
+        rnd = self.rnd
+        parts = self.sender.parts(rnd.group.group_id, phase, j, enc)
+        n, owner = len(members), rnd.group.members[j]
+        start = members.index(owner) if owner in members else 0
+        prev, tasks = rnd.tail, []  # after our scatter sends: an early gather must not race them
+        receivers = [m for m in (members[(start + k) % n] for k in range(1, n + 1)) if m != rnd.me]
+        if rnd.pace is not None:
+            prev = self.sender.paced(rnd, prev, phase, [(j, enc, m, parts) for m in receivers])
+            tasks = prev.tasks
+        else:
+            for m in receivers:
+                prev = self.sender.in_turn(rnd, prev, phase, j, enc, m, parts)
+                tasks.append(prev.task)
+        rnd.tail = prev
+        rnd.sends += tasks
+        return tasks
+
+    def aggregate_encode(self, j: int, members: Sequence[str]):
+        """Slice j aggregated over `members` (in member order: the same sum, bit for bit, on any
+        owner) and encoded for the gather; the owner's result gets exactly what receivers decode."""
+        rnd, codec = self.rnd, self.gather_codec
+        parts = rnd.received[("scatter", j)]
+        w = torch.tensor([self.weights[m] for m in members], dtype=torch.float64)
+        agg = aggregators.get(self.config.aggregator)
+        avg = agg([parts[m] for m in members], w, **self.config.aggregator_params).contiguous()
+        a, b = rnd.group.bounds[j], rnd.group.bounds[j + 1]
+        if not codec.lossy:
+            enc, decoded = codec.encode(avg), avg
+        elif not self.config.gather_feedback:
+            enc, decoded = codec.encode_with_error(avg)
+        else:  # error feedback at the owner: what earlier gathers of this slice lost is sent now
+            carry = self.buffers.gather_carry(rnd.state_key, a, b, avg)
+            rnd.gather_residuals[j] = torch.empty_like(avg)  # kept only if the round commits
+            return codec.encode_with_feedback(avg, carry, out=rnd.gather_residuals[j], decoded=rnd.result[a:b])[0]
+        rnd.result[a:b] = decoded
+        return enc
+
+    # ---- commit ----
+
+    async def commit(self, missing: list[int]) -> None:
+        """The leader applies the round only if every survivor holds every slice."""
+        rnd, g = self.rnd, self.rnd.group
+        done = AvgReport(
+            group_id=g.group_id,
+            phase="gather",
+            ok=not missing,
+            blamed=tuple(rnd.owners[j] for j in missing),
+            reasons=tuple(f"slice {j} never arrived" for j in missing),
+        )
+        decision = await self.decide("gather", done, self.gather_deadline)
+        if not decision.commit:
+            raise RoundFailed(f"round aborted after gather: {decision.reason}")
+
+    def gather_feedback(self) -> dict[tuple[int, int], torch.Tensor]:
+        """(a, b) -> what this committed round's gather lost, per slice we own."""
+        g = self.rnd.group
+        return {(g.bounds[j], g.bounds[j + 1]): r for j, r in self.rnd.gather_residuals.items()}
+
+    async def finish(self) -> None:
+        """After a commit every survivor holds every slice, so nothing still in flight is needed;
+        after a failure nothing is. Either way: stop sending, and drop the round's tensors (the
+        round itself stays a minute for members asking for its decisions; kept, the tensors
+        pinned every round's parts for that minute: GBs in a tight loop, and each new round
+        faulted in fresh pages instead of reusing freed ones)."""
+        rnd = self.rnd
+        rnd.done = True
+        for lock in list(rnd.locks.values()):  # a slice still being decoded into the result
+            async with lock:
+                pass
+        await settle(rnd.sends, time.monotonic())
+        rnd.received.clear()
+        rnd.gather_residuals.clear()
+        rnd.result = None
+        rnd.sends.clear()
+        rnd.early_sends.clear()
+
+    async def replay_gather(self, delay_s: float) -> None:
+        """Fault injection: after the round, send the slices we own again, zeroed."""
+        rnd = self.rnd
+        await asyncio.sleep(delay_s)
+        for j in [j for j, owner in enumerate(rnd.owners) if owner == rnd.me]:
+            enc = EncodedTensor("float32", (rnd.slice_len(j),), rnd.group.gather_codec, bytes(4 * rnd.slice_len(j)))
+            parts = self.sender.parts(rnd.group.group_id, "gather", j, enc)
+            for peer in rnd.survivors:
+                if peer != rnd.me:
+                    with contextlib.suppress(*NETWORK_ERRORS):
+                        await self.avg.transport.send(peer, parts[0], parts[1:], timeout=10)
+        self.avg.phase(rnd.report.key, "replayed")
