@@ -1,18 +1,13 @@
-"""Checkpoints on the node's side: download one from a peer, verify it, place it atomically;
-upload one; write and load checkpoint directories locally.
-
-The directory layout is the coordinator's (`step-XXXXXXXX/` with `<name>.safetensors` files
-and `manifest.json` written last), and the manifest rules are shared through
-protocol/manifest.py, so a directory written here loads in the coordinator's CheckpointStore
-and the other way round. The node cannot import the coordinator; nothing here does.
+"""Checkpoints between peers: download one from a peer, verifying it as it arrives, and upload
+one. The directories themselves (layout, atomic placement, verification, temp dirs) are
+node/checkpoint_dir.py, the format the coordinator's store keeps too.
 
 What a peer sends is input: every chunk is checked against the manifest (name, offset, size,
 sha256) as it arrives, every file is re-hashed, and the manifest's signature is checked against
 a trusted key when one is given. Bad data raises `CheckpointTransferError` (a
 RemoteProtocolError naming the file and the problem), the peer is scored down, and nothing is
-left behind: files are received into `.tmp-step-...-<pid>-<rand>/` under the destination and
-only renamed to `step-XXXXXXXX/` once all of it checks out. A temp dir left by a killed process
-is removed by the next download or write into the same directory.
+left behind: files are received into a temp dir under the destination and only placed as
+`step-XXXXXXXX/` once all of it checks out.
 
 Every remote call has a deadline: `timeout_s` bounds a whole transfer, `chunk_timeout_s` the
 wait for each chunk (a stalled peer is given up on long before the transfer's deadline).
@@ -23,43 +18,39 @@ CallTimeout, PeerUnreachable, ConnectionError).
 from __future__ import annotations
 
 import asyncio
-import errno
 import hashlib
 import os
-import secrets
-import stat
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
 from protocol import Ack, CheckpointManifest, CheckpointOffer, CheckpointQuery, RemoteProtocolError, StateChunk, StateRequest
 from protocol.manifest import (
     DEFAULT_MAX_FILE_SIZE,
     MANIFEST,
-    MAX_MANIFEST_SIZE,
-    MAX_STATE_HASH_LEN,
-    MAX_STEP,
-    SUFFIX,
     ManifestError,
-    canonical_json,
     check_manifest,
     check_signature,
-    check_state_name,
-    is_int,
-    make_manifest,
     manifest_to_json,
     parse_manifest,
     step_dir_name,
-    step_of_dir_name,
 )
-from protocol.signatures import SigningKey
 
-from .osutil import fsync_path, pid_alive, remove_tree, sha256_file
+# CheckpointDirError, load_checkpoint_dir and write_checkpoint_dir are re-exported (node/replica.py
+# imports them from here)
+from .checkpoint_dir import (
+    CheckpointDirError,
+    load_checkpoint_dir,
+    make_tmp_dir,
+    place,
+    read_manifest,
+    remove_stale_temp_dirs,
+    safetensors_problem,
+    same_as_existing,
+    write_checkpoint_dir,
+)
+from .osutil import remove_tree
 from .transport import CallTimeout, Transport
 
 CALL_TIMEOUT_S = 10.0  # a manifest query
@@ -67,7 +58,6 @@ TRANSFER_TIMEOUT_S = 600.0  # a whole download or upload
 CHUNK_TIMEOUT_S = 30.0  # longest wait for the next chunk of a file during a download
 UPLOAD_CHUNK = 4 << 20  # bytes of file data per StateChunk frame (frames are capped at 16 MiB)
 CHECKPOINT_PREFIX = "checkpoint/"  # StateRequest names: checkpoint/<step>/<file>
-TMP_PREFIX = ".tmp-"
 _BAD_DATA_PENALTY = 2.0  # score taken from a peer that sent bad checkpoint data
 
 
@@ -78,183 +68,6 @@ class CheckpointTransferError(RemoteProtocolError):
     def __init__(self, peer_id: str, file: str, problem: str):
         super().__init__(f"{problem} (checkpoint data from {peer_id})", file)
         self.peer_id, self.file = peer_id, file
-
-
-class CheckpointDirError(Exception):
-    """A checkpoint directory on this machine is missing, damaged, or cannot be written. The
-    message names the directory or file and the problem."""
-
-
-# ---- small filesystem helpers -------------------------------------------------------------------
-
-
-def remove_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
-    """Remove `.tmp-...-<pid>-<rand>` dirs under `root` whose process is gone (a download or
-    write killed half-way). Those of live processes are left alone. Returns what was removed."""
-    removed = []
-    root = Path(root)
-    if not root.is_dir():
-        return removed
-    for entry in root.iterdir():
-        if not entry.name.startswith(TMP_PREFIX):
-            continue
-        parts = entry.name.rsplit("-", 2)
-        if len(parts) == 3 and parts[1].isdigit() and not pid_alive(int(parts[1])):
-            remove_tree(entry)
-            removed.append(entry)
-    return removed
-
-
-def _make_tmp_dir(root: Path, step: int) -> Path:
-    path = root / f"{TMP_PREFIX}{step_dir_name(step)}-{os.getpid()}-{secrets.token_hex(4)}"
-    os.mkdir(path)
-    return path
-
-
-def _place(tmp: Path, root: Path, manifest: Mapping[str, Any]) -> Path:
-    """Finish a temp dir whose data files are written and fsynced: manifest last, fsync,
-    atomic rename to step-XXXXXXXX, fsync the root. An existing checkpoint of that step is
-    kept if it holds the same files, refused otherwise."""
-    step = manifest["step"]
-    with open(tmp / MANIFEST, "wb") as f:
-        f.write(manifest_to_json(manifest))
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_path(tmp)
-    final = root / step_dir_name(step)
-    if os.path.lexists(final):
-        return _same_as_existing(final, manifest)
-    try:
-        os.rename(tmp, final)
-    except OSError as e:
-        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):  # placed by someone else meanwhile
-            return _same_as_existing(final, manifest)
-        raise CheckpointDirError(f"cannot place checkpoint step {step} in {root}: {e.strerror}") from None
-    fsync_path(root)
-    return final
-
-
-def _same_as_existing(final: Path, manifest: Mapping[str, Any]) -> Path:
-    try:
-        existing = verify_checkpoint_dir(final)
-    except CheckpointDirError as e:
-        raise CheckpointDirError(f"{final} already exists but is damaged ({e}); not replacing it") from None
-    if existing["files"] != manifest["files"]:
-        raise CheckpointDirError(f"{final} already exists with different contents; not replacing it")
-    return final
-
-
-# ---- local directories --------------------------------------------------------------------------
-
-
-def read_manifest(path: str | os.PathLike, max_file_size: int = 2**63) -> dict[str, Any]:
-    """The checked manifest of checkpoint directory `path`; sizes of its files checked too
-    (cheap), hashes not (see `verify_checkpoint_dir`). CheckpointDirError says what is wrong."""
-    path = Path(path)
-    mpath = path / MANIFEST
-    try:
-        if mpath.lstat().st_size > MAX_MANIFEST_SIZE:
-            raise CheckpointDirError(f"{mpath} is larger than {MAX_MANIFEST_SIZE} bytes")
-        manifest = parse_manifest(mpath.read_bytes(), max_file_size)
-    except FileNotFoundError:
-        raise CheckpointDirError(f"{mpath} is missing (not a checkpoint, or an incomplete one)") from None
-    except OSError as e:
-        raise CheckpointDirError(f"cannot read {mpath}: {e.strerror}") from None
-    except ManifestError as e:
-        raise CheckpointDirError(f"{mpath} is corrupt: {e}") from None
-    dir_step = step_of_dir_name(path.name)
-    if dir_step is not None and dir_step != manifest["step"]:
-        raise CheckpointDirError(f"{mpath} says step {manifest['step']}, the directory name says {dir_step}")
-    for name, f in manifest["files"].items():
-        try:
-            st = (path / name).lstat()
-        except FileNotFoundError:
-            raise CheckpointDirError(f"{path / name} is missing") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointDirError(f"{path / name} is not a regular file")
-        if st.st_size != f["size"]:
-            raise CheckpointDirError(f"{path / name} is {st.st_size} bytes, the manifest says {f['size']}")
-    return manifest
-
-
-def verify_checkpoint_dir(path: str | os.PathLike, public_key: bytes | None = None) -> dict[str, Any]:
-    """Re-hash every file of checkpoint directory `path` and check the manifest's signature
-    (by `public_key` if given; without one a signed manifest must still verify). Returns the
-    manifest; CheckpointDirError names the file and the problem."""
-    path = Path(path)
-    manifest = read_manifest(path)
-    for name, f in sorted(manifest["files"].items()):
-        if sha256_file(path / name) != f["sha256"]:
-            raise CheckpointDirError(f"{path / name} does not match its sha256 in the manifest (corrupt)")
-    ok, why = check_signature(manifest, public_key)
-    if not ok:
-        raise CheckpointDirError(f"{path / MANIFEST}: {why}")
-    return manifest
-
-
-def load_checkpoint_dir(path: str | os.PathLike, device: str = "cpu", public_key: bytes | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """All tensors of checkpoint directory `path`, by state name ("model", "optimizer", ...),
-    after verifying every file's sha256 (and the signature, see `verify_checkpoint_dir`)."""
-    path = Path(path)
-    manifest = verify_checkpoint_dir(path, public_key)
-    out = {}
-    for name in sorted(manifest["files"]):
-        try:
-            out[name[: -len(SUFFIX)]] = load_file(path / name, device=device)
-        except Exception as e:  # safetensors raises its own SafetensorError, not an OSError
-            raise CheckpointDirError(f"cannot load {path / name}: {e}") from None
-    return out
-
-
-def write_checkpoint_dir(
-    root: str | os.PathLike,
-    step: int,
-    state: Mapping[str, Mapping[str, torch.Tensor]],
-    model_config: Mapping[str, Any] | None = None,
-    state_hash: str | None = None,
-    signing_key: SigningKey | None = None,
-    now: float | None = None,
-) -> Path:
-    """Write checkpoint `step` of `state` ({state name: {tensor name: tensor}}) atomically as
-    `root/step-XXXXXXXX/` and return that path. If it already exists with identical files it
-    is returned as is; with different files, CheckpointDirError. Blocking: call it through
-    `asyncio.to_thread` from the event loop."""
-    root = Path(root)
-    if not state:
-        raise CheckpointDirError(f"checkpoint step {step}: nothing to save (empty state)")
-    if not is_int(step) or not 0 <= step <= MAX_STEP:
-        raise CheckpointDirError(f"bad step {step!r}: must be an integer in [0, {MAX_STEP}]")
-    if state_hash is not None and (not isinstance(state_hash, str) or len(state_hash) > MAX_STATE_HASH_LEN):
-        raise CheckpointDirError(f"bad state_hash: must be a string of at most {MAX_STATE_HASH_LEN} characters")
-    try:
-        for name in state:
-            check_state_name(name)
-        canonical_json(dict(model_config or {}))
-    except ManifestError as e:
-        raise CheckpointDirError(f"checkpoint step {step}: {e}") from None
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_stale_temp_dirs(root)
-        tmp = _make_tmp_dir(root, step)
-    except OSError as e:
-        raise CheckpointDirError(f"cannot write checkpoints under {root}: {e.strerror}") from None
-    try:
-        files = {}
-        for name in sorted(state):
-            fname = name + SUFFIX
-            try:
-                save_file({k: v.contiguous() for k, v in state[name].items()}, tmp / fname)
-            except OSError as e:
-                raise CheckpointDirError(f"cannot write {fname} under {root}: {e.strerror}") from None
-            except Exception as e:  # safetensors raises ValueError/TypeError/its own errors
-                raise CheckpointDirError(f"checkpoint step {step}: cannot save {name!r}: {e}") from None
-            fsync_path(tmp / fname)
-            files[fname] = {"sha256": sha256_file(tmp / fname), "size": (tmp / fname).stat().st_size}
-        created_at = time.time() if now is None else float(now)
-        manifest = make_manifest(step, files, model_config, state_hash, created_at, signing_key)
-        return _place(tmp, root, manifest)
-    finally:
-        remove_tree(tmp)  # gone already after a successful rename; a leftover otherwise
 
 
 # ---- download -----------------------------------------------------------------------------------
@@ -319,14 +132,16 @@ async def download_checkpoint(
                 raise ManifestError(f"manifest: {why}")
             final = dest / step_dir_name(step)
             if os.path.lexists(final):
-                return await asyncio.to_thread(_same_as_existing, final, manifest)
+                await asyncio.to_thread(same_as_existing, final, manifest)
+                return final
             await asyncio.to_thread(dest.mkdir, parents=True, exist_ok=True)
             await asyncio.to_thread(remove_stale_temp_dirs, dest)
-            tmp = await asyncio.to_thread(_make_tmp_dir, dest, step)
+            tmp = await asyncio.to_thread(make_tmp_dir, dest, step_dir_name(step))
             try:
                 for fname, meta in sorted(manifest["files"].items()):
                     await _download_file(transport, peer_id, step, fname, meta, tmp / fname, chunk_timeout_s, timeout_s)
-                return await asyncio.to_thread(_place, tmp, dest, manifest)
+                path, _ = await asyncio.to_thread(place, tmp, dest, manifest)
+                return path
             finally:
                 await asyncio.to_thread(remove_tree, tmp)
     except TimeoutError:
@@ -342,11 +157,7 @@ def _finish_file(f, path: Path) -> str | None:
     """fsync, then check it is a readable safetensors file; None if so, else why not."""
     f.flush()
     os.fsync(f.fileno())
-    try:
-        with safe_open(path, framework="pt"):
-            return None
-    except Exception as e:  # SafetensorError: the hash matched a manifest that lists garbage
-        return f"not a valid safetensors file: {e}"
+    return safetensors_problem(path)
 
 
 async def _download_file(
@@ -416,16 +227,16 @@ def checkpoint_frames(checkpoint_dir: str | os.PathLike, chunk_size: int = UPLOA
             try:
                 fd = os.open(path / fname, os.O_RDONLY | os.O_NOFOLLOW)
             except OSError as e:
-                raise CheckpointDirError(f"cannot read {path / fname}: {e.strerror}") from None
+                raise CheckpointDirError(f"cannot read {fname}: {e.strerror}", path) from None
             try:
                 offset = 0
                 while offset < size:
                     data = await asyncio.to_thread(os.pread, fd, min(chunk_size, size - offset), offset)
                     if not data:
-                        raise CheckpointDirError(f"{path / fname} shrank while being read ({offset} of {size} bytes)")
+                        raise CheckpointDirError(f"{fname} shrank while being read ({offset} of {size} bytes)", path)
                     h.update(data)
                     if offset + len(data) == size and h.hexdigest() != sha:
-                        raise CheckpointDirError(f"{path / fname} does not match its sha256 in the manifest (corrupt)")
+                        raise CheckpointDirError(f"{fname} does not match its sha256 in the manifest (corrupt)", path)
                     yield StateChunk(name=fname, offset=offset, total_size=size, sha256=sha, data=data)
                     offset += len(data)
             finally:
@@ -455,9 +266,6 @@ __all__ = [
     "download_checkpoint",
     "fetch_manifest",
     "load_checkpoint_dir",
-    "read_manifest",
-    "remove_stale_temp_dirs",
     "upload_checkpoint",
-    "verify_checkpoint_dir",
     "write_checkpoint_dir",
 ]

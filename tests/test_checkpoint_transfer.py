@@ -15,16 +15,13 @@ import torch
 
 from coordinator.checkpoints import CheckpointStore
 from node.checkpoint_client import (
-    CheckpointDirError,
     CheckpointTransferError,
     checkpoint_frames,
     download_checkpoint,
     fetch_manifest,
-    load_checkpoint_dir,
-    read_manifest,
     upload_checkpoint,
-    write_checkpoint_dir,
 )
+from node.checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manifest, write_checkpoint_dir
 from node.p2p import Host, HostConfig, PeerUnreachable
 from node.transport import CallTimeout, RemoteError, Transport
 from protocol import Heartbeat, Register, RemoteProtocolError, RoleAssignment, SigningKey

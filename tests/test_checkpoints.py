@@ -21,6 +21,8 @@ from coordinator.checkpoints import (
     CheckpointStore,
     check_signature,
 )
+from node.checkpoint_dir import CheckpointDirError, write_checkpoint_dir
+from node.state_server import DirectorySource
 from protocol.signatures import SigningKey
 
 REPO = Path(__file__).resolve().parent.parent
@@ -494,3 +496,55 @@ def test_sigkill_mid_write_never_damages_the_last_good_checkpoint(tmp_path):
     assert store.verify(1)[0] is True
     assert_same(store.load(1), tensors(1))
     assert not (root / "step-00000002").exists()
+
+
+# -- the directory format shared with nodes (node/checkpoint_dir.py) ---------------------------
+
+
+def test_one_temp_dir_rule_for_node_writers_and_the_store(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    names = {
+        "dead": f".tmp-step-00000009-{dead.stdout.strip()}-abcd1234",  # a writer killed half-way
+        "ours": f".tmp-step-00000010-{os.getpid()}-abcd1234",  # a write of ours in progress
+        "init": ".tmp-delete-step-00000000-1-cafecafe",  # pid 1 is alive
+        "no pid": ".tmp-something",
+        "not a pid": f".tmp-step-00000011-{10**30}-abcd1234",
+        "not digits": ".tmp-step-00000012-\u00b2-abcd1234",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+    # a writer removes only the temp dirs of dead processes
+    path = write_checkpoint_dir(tmp_path, 1, tensors(1))
+    assert leftovers(tmp_path) == sorted(n for k, n in names.items() if k != "dead")
+    # the store, the only writer of its root, removes them all when it opens
+    store = CheckpointStore(tmp_path)
+    assert leftovers(tmp_path) == []
+    assert [c.step for c in store.list()] == [1] and store.list()[0].path == path
+
+
+def test_a_symlink_in_place_of_a_step_is_not_taken_for_the_same_checkpoint(tmp_path):
+    real = write_checkpoint_dir(tmp_path / "a", 3, tensors(3))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / real.name).symlink_to(real)
+    with pytest.raises(CheckpointDirError, match="step 3 already exists but is damaged"):
+        write_checkpoint_dir(tmp_path / "b", 3, tensors(3))
+    with pytest.raises(CheckpointError, match="step 3 already exists but is damaged"):
+        CheckpointStore(tmp_path / "b").save(3, tensors(3))
+    assert leftovers(tmp_path / "b") == []
+
+
+def test_a_directory_source_serves_what_the_store_serves(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save(4, tensors(4))
+    source = DirectorySource(tmp_path)
+    assert source.latest_step() == 4 and source.manifest(4) == store.latest().manifest
+    assert source.files(4) == {name: (size, sha) for name, size, sha in store.files(4)}
+    for name, (size, _) in source.files(4).items():
+        assert source.read_chunk(4, name, 0, size + 10) == store.read_chunk(4, name, 0, size)
+        assert source.read_chunk(4, name, size // 2, 5) == store.read_chunk(4, name, size // 2, 5)
+    (tmp_path / "step-00000004" / "extra.txt").write_text("not in the manifest")
+    with pytest.raises(KeyError):
+        source.read_chunk(4, "extra.txt", 0, 10)
+    with pytest.raises(KeyError):
+        source.read_chunk(4, "../step-00000004/model.safetensors", 0, 10)
