@@ -74,5 +74,5 @@ async def start_http(coordinator, address: str) -> HttpServer:
         from node.config import ConfigError
 
         raise ConfigError(f"--http {address}: cannot listen: {e.strerror}") from None
-    bound = site._server.sockets[0].getsockname()[1] if port == 0 else port
+    bound = runner.addresses[0][1] if port == 0 else port  # the sockets' (host, port, ...) names
     return HttpServer(runner, site, f"{host}:{bound}")

@@ -8,6 +8,9 @@ on the next open, so there is no recovery code here.
 Time is always passed in (`now`, seconds since the epoch): the registry never reads a clock,
 so the service and the tests decide what time it is.
 
+The service reaches it through `AsyncRegistry`: every call runs on one dedicated thread, in the
+order it was made, so a commit's fsync never stalls the event loop and nothing reorders writes.
+
 Tables:
     schema_version  one row: the schema this file was written with
     members         one row per member (peer_id primary key)
@@ -17,14 +20,17 @@ Tables:
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import math
 import sqlite3
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from .planner import MemberView
 
@@ -109,7 +115,8 @@ class Registry:
     """Members, meta values and progress history in one SQLite file.
 
     Safe to call from several threads (one connection, guarded by a lock); the service calls
-    it from its event loop thread. Every method that writes commits before returning.
+    it through `AsyncRegistry`, on one thread of its own. Every method that writes commits
+    before returning.
     """
 
     def __init__(self, path: str | Path, max_progress_rows: int = 100_000):
@@ -338,6 +345,60 @@ class Registry:
                 "SELECT step, loss, time FROM progress ORDER BY id DESC LIMIT ?", (max(0, limit),)
             ).fetchall()
         return [ProgressPoint(*r) for r in reversed(rows)]
+
+
+T = TypeVar("T")
+
+
+class AsyncRegistry:
+    """A `Registry` for an event loop: each call runs on the registry's own thread (one, so
+    SQLite is used by a single thread and calls run one at a time, in the order they were made),
+    and the caller awaits it. With synchronous=FULL a commit waits for an fsync: on the loop,
+    every heartbeat would stall all other handlers for that long.
+
+    `run(fn, ...)` runs `fn(registry, ...)` there as one job, so a read-decide-write sequence
+    in one job sees no other call's writes in between. A caller cancelled while its call waits
+    or runs does not cancel the call: it still completes (and commits) in its turn."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry")
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, self.registry, *args, **kwargs))
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        return await self.run(lambda registry: getattr(registry, method)(*args))
+
+    async def register(self, peer_id: str, maddrs: Iterable[str], capabilities: Mapping[str, Any], now: float, wanted_role: str | None = None) -> Member:
+        return await self._call("register", peer_id, maddrs, capabilities, now, wanted_role)
+
+    async def heartbeat(self, peer_id: str, now: float, step: int | None = None, loss: float | None = None,
+                        samples_per_second: float | None = None, state_hash: str | None = None) -> Member | None:
+        return await self._call("heartbeat", peer_id, now, step, loss, samples_per_second, state_hash)
+
+    async def remove(self, peer_id: str) -> bool:
+        return await self._call("remove", peer_id)
+
+    async def get(self, peer_id: str) -> Member | None:
+        return await self._call("get", peer_id)
+
+    async def members(self) -> list[Member]:
+        return await self._call("members")
+
+    async def get_meta(self, key: str, default: Any = None) -> Any:
+        return await self._call("get_meta", key, default)
+
+    async def progress(self, limit: int = 1000) -> list[ProgressPoint]:
+        return await self._call("progress", limit)
+
+    async def close(self) -> None:
+        """Close the file after the calls already made, then stop the thread."""
+        try:
+            await self._call("close")
+        finally:
+            self._executor.shutdown(wait=False)
 
 
 class _Transaction:

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import time
+from typing import Any
 
 from protocol import (
     Ack,
@@ -37,11 +38,50 @@ from node.transport import CallContext, RPCError, Transport
 
 from .checkpoints import CheckpointError, CheckpointStore
 from .config import CoordinatorConfig
-from .planner import PlannerConfig, checkpoint_quorum, evict, plan_roles
-from .registry import Registry, RegistryError
+from .planner import Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
+from .registry import AsyncRegistry, Member, ProgressPoint, Registry, RegistryError
 
 log = logging.getLogger(__name__)
 
+
+# -- registry jobs: each runs on the registry's thread as one job (see AsyncRegistry.run), so
+# what it reads is still true when it writes: no other handler's write comes in between
+
+def _refresh_all(registry: Registry, now: float) -> None:
+    """Mark every member alive at `now`."""
+    for m in registry.members():
+        registry.heartbeat(m.peer_id, now)
+
+
+def _evict_silent(registry: Registry, planner: PlannerConfig) -> list[Eviction]:
+    """Remove the members `evict` picks now; the evictions that removed someone."""
+    return [ev for ev in evict(time.time(), registry.views(), planner) if registry.remove(ev.peer_id)]
+
+
+def _plan_and_store(registry: Registry, planner: PlannerConfig) -> Plan:
+    """Plan roles over the members; store the changes with the next plan epoch."""
+    plan = plan_roles(registry.views(), planner)
+    if plan.changes:
+        epoch = int(registry.get_meta("epoch", 0)) + 1
+        registry.set_assignments(
+            [(p, plan.assignments[p].role, plan.assignments[p].stage, plan.assignments[p].expert) for p in plan.changes],
+            epoch,
+            meta={"epoch": epoch},
+        )
+    return plan
+
+
+def _heartbeat(registry: Registry, req: Heartbeat, now: float) -> Member | None:
+    """Store a heartbeat and its progress point; None for an unknown peer."""
+    member = registry.heartbeat(req.peer_id, now, req.step, req.loss, req.samples_per_second, req.state_hash)
+    if member is not None and req.loss is not None:
+        registry.record_progress(req.step, req.loss, now, req.peer_id)
+    return member
+
+
+def _snapshot(registry: Registry) -> tuple[list[Member], Any, list[ProgressPoint]]:
+    """Members, plan epoch and recent progress, as of one moment."""
+    return registry.members(), registry.get_meta("epoch", 0), registry.progress(limit=500)
 
 
 class StoreSource:
@@ -70,7 +110,7 @@ class StoreSource:
 class Coordinator:
     def __init__(self, config: CoordinatorConfig):
         self.config = config
-        self.registry: Registry | None = None
+        self.registry: AsyncRegistry | None = None  # its calls run off the event loop, in order
         self.store: CheckpointStore | None = None
         self.host: Host | None = None
         self.transport: Transport | None = None
@@ -113,7 +153,7 @@ class Coordinator:
         if c.keep_checkpoints < 1:
             raise ConfigError("--keep-checkpoints must be at least 1")
         try:
-            self.registry = Registry(data / "registry.sqlite")
+            self.registry = AsyncRegistry(Registry(data / "registry.sqlite"))
         except RegistryError as e:
             raise ConfigError(str(e)) from None
         try:
@@ -125,10 +165,8 @@ class Coordinator:
     async def start(self) -> None:
         key = self.validate()
         c = self.config
-        now = time.time()
         # grace after a restart: members get a full timeout to check in before eviction
-        for m in self.registry.members():
-            self.registry.heartbeat(m.peer_id, now)
+        await self.registry.run(_refresh_all, time.time())
         self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs))
         self.transport = Transport(self.host)
         for msg_type, handler in [
@@ -139,7 +177,7 @@ class Coordinator:
             (CheckpointOffer, self.on_checkpoint_offer),
         ]:
             self.transport.on(msg_type, handler)
-        CheckpointServer(self.transport, StoreSource(self.store))
+        CheckpointServer(self.transport, StoreSource(self.store)).start()
         await self.transport.start()
         if c.http:
             from .http import start_http
@@ -168,7 +206,7 @@ class Coordinator:
         if self.host is not None:
             await self.host.shutdown()
         if self.registry is not None:
-            self.registry.close()
+            await self.registry.close()
 
     # ---- background loops -----------------------------------------------------------------------
 
@@ -186,34 +224,24 @@ class Coordinator:
     async def _evict_loop(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.config.heartbeat_timeout_s / 4))
-            evictions = evict(time.time(), self.registry.views(), self.planner)
-            for ev in evictions:
-                if self.registry.remove(ev.peer_id):
-                    self.evictions += 1
-                    self.reasons.pop(ev.peer_id, None)
-                    log.info("evicted %s: %s", ev.peer_id, ev.reason)
+            for ev in await self.registry.run(_evict_silent, self.planner):
+                self.evictions += 1
+                self.reasons.pop(ev.peer_id, None)
+                log.info("evicted %s: %s", ev.peer_id, ev.reason)
             # every tick, not only on churn: throughputs arrive in heartbeats, and the planner
             # moves at most one peer per call when it rebalances
             await self._replan()
 
     async def _replan(self) -> None:
         async with self._plan_lock:
-            plan = plan_roles(self.registry.views(), self.planner)
-            if not plan.changes:
-                return
-            epoch = int(self.registry.get_meta("epoch", 0)) + 1
-            self.registry.set_assignments(
-                [(p, plan.assignments[p].role, plan.assignments[p].stage, plan.assignments[p].expert) for p in plan.changes],
-                epoch,
-                meta={"epoch": epoch},
-            )
+            plan = await self.registry.run(_plan_and_store, self.planner)
             for p in plan.changes:
                 a = plan.assignments[p]
                 self.reasons[p] = a.reason
                 log.info("assigned %s: %s%s (%s)", p, a.role, f" {a.stage}" if a.stage is not None else f" {a.expert}" if a.expert else "", a.reason)
 
-    def _assignment(self, peer_id: str) -> RoleAssignment:
-        m = self.registry.get(peer_id)
+    async def _assignment(self, peer_id: str) -> RoleAssignment:
+        m = await self.registry.get(peer_id)
         if m is None:
             raise RPCError("not_found", "unknown peer: register first")
         return RoleAssignment(
@@ -251,32 +279,29 @@ class Coordinator:
             if not check:
                 raise RPCError("unauthorized", f"join token refused: {check.reason}")
         try:
-            self.registry.register(req.peer_id, req.maddrs, req.capabilities, time.time(), wanted_role=req.wanted_role)
+            await self.registry.register(req.peer_id, req.maddrs, req.capabilities, time.time(), wanted_role=req.wanted_role)
         except ValueError as e:
             raise RemoteProtocolError(str(e), "capabilities") from None
         log.info("registered %s (%s)", req.peer_id, ", ".join(f"{k}={v}" for k, v in sorted(req.capabilities.items())))
         await self._replan()
-        return self._assignment(req.peer_id)
+        return await self._assignment(req.peer_id)
 
     async def on_heartbeat(self, ctx: CallContext) -> RoleAssignment:
         req: Heartbeat = ctx.request
         self._check_sender(ctx, req.peer_id)
-        now = time.time()
-        member = self.registry.heartbeat(req.peer_id, now, req.step, req.loss, req.samples_per_second, req.state_hash)
+        member = await self.registry.run(_heartbeat, req, time.time())
         if member is None:
             raise RPCError("not_found", "unknown peer: register first")
-        if req.loss is not None:
-            self.registry.record_progress(req.step, req.loss, now, req.peer_id)
         if req.state_hash:
             self.hash_reports.setdefault(req.step, {})[req.peer_id] = req.state_hash
             for old in sorted(self.hash_reports)[:-64]:  # a bounded window of recent steps
                 del self.hash_reports[old]
-        return self._assignment(req.peer_id)
+        return await self._assignment(req.peer_id)
 
     async def on_deregister(self, ctx: CallContext) -> Ack:
         req: Deregister = ctx.request
         self._check_sender(ctx, req.peer_id)
-        removed = self.registry.remove(req.peer_id)
+        removed = await self.registry.remove(req.peer_id)
         if removed:
             self.reasons.pop(req.peer_id, None)
             log.info("deregistered %s (%s)", req.peer_id, req.reason or "no reason given")
@@ -321,7 +346,7 @@ class Coordinator:
         """Hold an upload until enough replicas reported its hash (their heartbeats may trail it)."""
         deadline = time.monotonic() + wait_s
         while True:
-            replicas = sum(1 for m in self.registry.members() if m.role == "replica")
+            replicas = sum(1 for m in await self.registry.members() if m.role == "replica")
             ok, reason = checkpoint_quorum(step, state_hash, self.hash_reports.get(step, {}), replicas)
             if ok:
                 log.debug("checkpoint %d: %s", step, reason)
@@ -333,8 +358,9 @@ class Coordinator:
     # ---- status ---------------------------------------------------------------------------------
 
     async def status(self) -> dict:
+        registered, epoch, progress = await self.registry.run(_snapshot)
         members = []
-        for m in self.registry.members():
+        for m in registered:
             d = dataclasses.asdict(m)
             d["maddrs"] = list(m.maddrs)
             members.append(d)
@@ -348,9 +374,9 @@ class Coordinator:
             "maddrs": await self.host.visible_maddrs() if self.host else [],
             "now": time.time(),
             "started_at": self.started_at,
-            "epoch": self.registry.get_meta("epoch", 0),
+            "epoch": epoch,
             "members": members,
             "checkpoints": checkpoints,
-            "progress": [p._asdict() for p in self.registry.progress(limit=500)],
+            "progress": [p._asdict() for p in progress],
             "evictions": self.evictions,
         }

@@ -108,7 +108,7 @@ class SealedTransport(asyncio.Transport):
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         self._protocol = protocol
-        self._pump()
+        self.pump()
 
     def get_protocol(self) -> asyncio.BaseProtocol:
         return self._protocol  # type: ignore[return-value]
@@ -125,7 +125,7 @@ class SealedTransport(asyncio.Transport):
     def resume_reading(self) -> None:
         if self._paused:
             self._paused = False
-            self._pump()
+            self.pump()
             if not self._paused and not self._raw.is_closing():
                 self._raw.resume_reading()
 
@@ -138,9 +138,9 @@ class SealedTransport(asyncio.Transport):
     def get_write_buffer_limits(self):
         return self._raw.get_write_buffer_limits()
 
-    # -- from the raw side ----------------------------------------------------------------------
+    # -- from the raw side (its protocol, `_RawProtocol`, calls these) ----------------------------
 
-    def _pump(self) -> None:
+    def pump(self) -> None:
         """Open the records that are all here and hand them on, while the protocol reads.
         A protocol that reads into its own buffers gets them decrypted right there."""
         p = self._protocol
@@ -190,11 +190,13 @@ class SealedTransport(asyncio.Transport):
             self._pending.popleft()
             p.data_received(bytes(data))  # type: ignore[attr-defined]
 
-    def _eof_received(self) -> None:
+    def raw_eof(self) -> None:
+        """The peer finished writing; the protocol on top hears of it after the pending bytes."""
         self._eof = True
-        self._pump()
+        self.pump()
 
-    def _lost(self, exc: Exception | None) -> None:
+    def raw_lost(self, exc: Exception | None) -> None:
+        """The TCP connection is gone."""
         self._closing = True
         if self._protocol is not None:
             self._protocol.connection_lost(exc)
@@ -238,7 +240,7 @@ class _RawProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.opener is not None:
             self.opener.buffer_updated(nbytes)
-            self.sealed._pump()
+            self.sealed.pump()
             self._set_lowat(min(self.opener.missing(), MAX_RCVLOWAT))
             return
         self._got += nbytes
@@ -260,22 +262,24 @@ class _RawProtocol(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool:
         if self.sealed is not None:
-            self.sealed._eof_received()
+            self.sealed.raw_eof()
         return True  # half-open: our replies may still be on their way
 
     def pause_writing(self) -> None:
-        if self.sealed is not None and self.sealed._protocol is not None:
-            self.sealed._protocol.pause_writing()
+        p = self.sealed.get_protocol() if self.sealed is not None else None
+        if p is not None:
+            p.pause_writing()
 
     def resume_writing(self) -> None:
-        if self.sealed is not None and self.sealed._protocol is not None:
-            self.sealed._protocol.resume_writing()
+        p = self.sealed.get_protocol() if self.sealed is not None else None
+        if p is not None:
+            p.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
         if self.sealed is not None:
-            self.sealed._lost(exc)
+            self.sealed.raw_lost(exc)
         if not self.lost.done():
             self.lost.set_result(exc)
 

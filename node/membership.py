@@ -15,13 +15,12 @@ from protocol import Deregister, Heartbeat, Probe, Register, RemoteProtocolError
 from protocol.records import CoordinatorRecord, MemberRecord, coordinator_key, members_key
 
 from .config import NodeConfig
-from .p2p import Host, PeerUnreachable
-from .transport import CallTimeout, RemoteError, Transport
+from .p2p import Host
+from .transport import NETWORK_ERRORS, RemoteError, Transport
 
 log = logging.getLogger(__name__)
 
 PROBE_BYTES = 2 << 20
-COORDINATOR_TROUBLE = (PeerUnreachable, CallTimeout, ConnectionError, RemoteError, RemoteProtocolError)
 
 
 class CoordinatorNotFound(Exception):
@@ -152,7 +151,7 @@ class Membership:
                     await asyncio.wait_for(self._wake.wait(), self.config.heartbeat_interval_s)
                 except TimeoutError:
                     pass
-            except (*COORDINATOR_TROUBLE, CoordinatorNotFound) as e:
+            except (*NETWORK_ERRORS, CoordinatorNotFound) as e:
                 if isinstance(e, RemoteError) and e.code == "unauthorized":
                     log.error("the coordinator refused us: %s", e.message)
                 if not self._trouble_logged:
@@ -189,7 +188,7 @@ class Membership:
         try:
             await self.transport.call(self.coordinator, Deregister(peer_id=self.host.peer_id, reason="shutting down"), timeout=timeout)
             return True
-        except COORDINATOR_TROUBLE as e:
+        except NETWORK_ERRORS as e:
             log.warning("could not deregister: %s", e)
             return False
 

@@ -31,6 +31,7 @@ with warnings.catch_warnings():
 
 from protocol.signatures import SigningKey, libp2p_private_key, peer_id_from_public_key
 
+from . import compat
 from .osutil import children_of
 
 log = logging.getLogger(__name__)
@@ -77,14 +78,17 @@ class _DHT(hivemind.DHT):
 
     security = "tls"  # see HostConfig.security
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.parent_pid = os.getpid()  # the node that creates it (set first: start=True forks at once)
+        super().__init__(*args, **kwargs)
+
     def run(self) -> None:
         if self.security == "tls":  # hivemind exposes no switch for Noise: add it to p2pd's flags
-            make_args = P2P._make_process_args
-            P2P._make_process_args = staticmethod(lambda *a, **kw: make_args(*a, **{**kw, "noise": False}))
+            compat.add_p2pd_flags(P2P, noise=False)
         # Our own process group: a Ctrl-C in the terminal reaches the node, which then stops the
         # DHT and p2pd in order (deregistering first), instead of killing p2pd under its feet.
         os.setpgid(0, 0)
-        parent = self._parent_pid
+        parent = self.parent_pid
 
         def watchdog():
             while os.getppid() == parent:
@@ -176,7 +180,7 @@ class Host:
         # p2pd wants transport addresses: hivemind's encoding of a /p2p/<id> suffix is refused
         addrs = [Multiaddr(m.split("/p2p/")[0]) for m in maddrs]
         try:
-            await self.p2p._client.connect(PeerID.from_base58(peer_id), addrs)
+            await compat.p2pd_connect(self.p2p, PeerID.from_base58(peer_id), addrs)
         except (ControlFailure, DispatchFailure, OSError, ValueError) as e:
             raise PeerUnreachable(f"cannot connect to {peer_id}: {e}") from None
 

@@ -33,7 +33,7 @@ from protocol import Decoder, DirectAddress, DirectOpen, Error, Message, Ping, P
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, encode_buffers
 from protocol.sealing import KEY_BYTES
 
-from . import direct
+from . import compat, direct
 from .p2p import Host, HostError, PeerUnreachable, tcp_ip4s
 
 log = logging.getLogger(__name__)
@@ -174,9 +174,8 @@ class _FrameReader(asyncio.BufferedProtocol):
         self._dropped = 0
         self._transport = writer.transport
         self._inner = self._transport.get_protocol()  # the StreamReaderProtocol the writer relies on
-        self._paused = bool(getattr(reader, "_paused", False))  # it may have paused reading
-        leftover = bytes(reader._buffer)  # what the StreamReader read before we took over
-        reader._buffer.clear()
+        self._paused = compat.stream_reader_paused(reader)  # it may have paused reading
+        leftover = compat.take_stream_reader_buffer(reader)  # what the StreamReader read before we took over
         self._transport.set_protocol(self)
         if reader.exception() is not None:
             self._eof, self._lost = True, reader.exception()

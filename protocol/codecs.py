@@ -28,15 +28,33 @@ FP16_MAX = 65504.0
 
 
 class Codec:
-    """Base class. Subclasses set `name`, `lossy`, and implement `_encode` / `_decode`."""
+    """Base class. Subclasses set `name`, `lossy`, `param_names` (their constructor's
+    parameters, each kept as an attribute of that name), and implement `_encode` / `_decode`.
+
+    A codec is identified by its name and params: `make_codec(c.name, **c.params()) == c`,
+    and two codecs that compare equal encode the same input to the same bytes."""
 
     name: ClassVar[str]
     lossy: ClassVar[bool]
+    param_names: ClassVar[tuple[str, ...]] = ()
     codecs: ClassVar[dict[str, type[Codec]]] = {}
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         Codec.codecs[cls.name] = cls
+
+    def params(self) -> dict[str, Any]:
+        """Exactly the keyword arguments `make_codec(self.name, ...)` takes to build this codec
+        again: numbers, so they travel in a message as they are."""
+        return {k: getattr(self, k) for k in self.param_names}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Codec):
+            return NotImplemented
+        return self.name == other.name and self.params() == other.params()
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.params().items()))))
 
     def encode(self, x: torch.Tensor, state: dict[str, Any] | None = None) -> EncodedTensor:
         """Encode a local tensor. `state` (per tensor, owned by the caller) lets a codec warm-start."""
@@ -115,7 +133,7 @@ class Codec:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params().items())})"
 
 
 def _expect_size(enc: EncodedTensor, expected: int) -> None:
@@ -210,7 +228,7 @@ class Int8Codec(Codec):
     """Blockwise absmax int8: per block of `block_size` values, one fp32 absmax and int8 codes
     q = round(x / absmax * 127). Max abs error per block: absmax / 254 (rounding) ≤ absmax / 127."""
 
-    name, lossy = "int8", True
+    name, lossy, param_names = "int8", True, ("block_size",)
     MIN_BLOCK, MAX_BLOCK = 16, 1 << 20
 
     def __init__(self, block_size: int = 1024):
@@ -363,7 +381,7 @@ def _topk_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
 class TopKCodec(Codec):
     """Sparse: the `ratio`·n largest-magnitude values (at least one) and their int32 indices."""
 
-    name, lossy = "topk", True
+    name, lossy, param_names = "topk", True, ("ratio",)
 
     def __init__(self, ratio: float = 0.01):
         if not 0 < ratio <= 1:
@@ -408,7 +426,7 @@ class PowerSGDCodec(Codec):
     """Low rank: M ≈ P Qᵀ with P (rows×rank) orthonormal, from one power iteration.
     Pass a per-tensor `state` dict to warm-start Q from the previous step, as PowerSGD does."""
 
-    name, lossy = "powersgd", True
+    name, lossy, param_names = "powersgd", True, ("rank", "seed")
     MAX_RANK = 1024
 
     def __init__(self, rank: int = 4, seed: int = 0):

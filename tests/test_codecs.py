@@ -1,5 +1,6 @@
 """Codecs: round trips, error bounds, error feedback, chunking, refusal of bad payloads."""
 
+import inspect
 import math
 from itertools import pairwise
 
@@ -328,3 +329,30 @@ def test_cut_refuses_misaligned_bounds_and_codecs_that_cannot_cut():
         topk.cut(topk.encode(torch.randn(100)), 0, 50)
     with pytest.raises(LocalProtocolError, match="flat int8 encoding"):
         int8.cut(make_codec("fp16").encode(torch.randn(100)), 0, 64)
+
+
+# -- identity: a codec is its name and params --
+
+ALL_CODECS = CODECS + [("int8", {}), ("topk", {}), ("powersgd", {}), ("powersgd", {"rank": 3, "seed": 7})]
+
+
+@pytest.mark.parametrize("name,params", ALL_CODECS, ids=[f"{n}-{p}" for n, p in ALL_CODECS])
+def test_codec_params_rebuild_an_equal_codec(name, params):
+    codec = make_codec(name, **params)
+    again = make_codec(codec.name, **codec.params())
+    assert again == codec and hash(again) == hash(codec)
+    assert codec.params().items() >= params.items()
+    assert set(codec.params()) == set(inspect.signature(type(codec)).parameters)  # every constructor param
+    assert all(type(v) in (int, float) for v in codec.params().values())  # travels in a message as it is
+    x = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    assert bytes(memoryview(again.encode(x).payload)) == bytes(memoryview(codec.encode(x).payload))
+
+
+def test_codecs_with_other_params_or_names_differ():
+    assert make_codec("int8", block_size=64) != make_codec("int8", block_size=128)
+    assert make_codec("topk", ratio=0.1) != make_codec("topk", ratio=0.2)
+    assert make_codec("powersgd", rank=2) != make_codec("powersgd", rank=2, seed=1)
+    assert make_codec("none") != make_codec("fp16")
+    assert make_codec("none") != "none"
+    assert len({make_codec("int8", block_size=64), make_codec("int8", block_size=64), make_codec("int8")}) == 2
+    assert repr(make_codec("int8", block_size=64)) == "Int8Codec(block_size=64)"

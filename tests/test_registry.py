@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sqlite3
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.planner import MemberView, PlannerConfig, plan_roles
-from coordinator.registry import Member, ProgressPoint, Registry, RegistryError
+from coordinator.registry import AsyncRegistry, Member, ProgressPoint, Registry, RegistryError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -266,3 +267,73 @@ def test_committed_writes_survive_sigkill_mid_write(tmp_path):
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         db.close()
+
+
+# -- AsyncRegistry: the event loop's side ------------------------------------------------------
+
+
+def test_async_registry_writes_off_the_loop_on_one_thread_in_call_order(tmp_path):
+    reg = Registry(tmp_path / "r.sqlite")
+    heartbeat_threads = set()
+    real_heartbeat = reg.heartbeat
+
+    def heartbeat(*args, **kwargs):  # the real write, noting the thread it runs on
+        heartbeat_threads.add(threading.get_ident())
+        return real_heartbeat(*args, **kwargs)
+
+    reg.heartbeat = heartbeat
+
+    async def main():
+        areg = AsyncRegistry(reg)
+        try:
+            await areg.register("p", ["/ip4/1.2.3.4/tcp/1"], {}, now=1.0)
+            # calls made back to back, none awaited before the next: each job sees every write
+            # made before it and none made after it
+            calls = []
+            for i in range(40):
+                calls.append(areg.heartbeat("p", now=2.0 + i, step=i))
+                calls.append(areg.run(lambda r: (threading.get_ident(), r.get("p").step)))
+            results = await asyncio.gather(*calls)
+            seen = results[1::2]
+            assert [step for _, step in seen] == list(range(40))
+            assert heartbeat_threads == {t for t, _ in seen}  # one thread for all of them...
+            assert threading.get_ident() not in heartbeat_threads  # ...and not the loop's
+            assert (await areg.get("p")).last_seen == 41.0
+        finally:
+            await areg.close()
+
+    asyncio.run(main())
+    with Registry(tmp_path / "r.sqlite") as again:  # committed, as before
+        assert again.get("p").step == 39
+
+
+def test_async_registry_keeps_the_loop_free_while_a_write_waits(tmp_path):
+    async def main():
+        areg = AsyncRegistry(Registry(tmp_path / "r.sqlite"))
+        gate = threading.Event()
+        try:
+            await areg.register("p", [], {}, now=1.0)
+            busy = asyncio.ensure_future(areg.run(lambda r: gate.wait(30)))  # holds the registry thread
+            write = asyncio.ensure_future(areg.heartbeat("p", now=2.0, step=5))
+            done, _ = await asyncio.wait([busy, write], timeout=0.2)  # the loop runs meanwhile
+            assert not done  # the heartbeat waits its turn behind the job before it
+            gate.set()
+            assert await busy and (await write).step == 5
+        finally:
+            gate.set()
+            await areg.close()
+
+    asyncio.run(main())
+
+
+def test_async_registry_passes_errors_through(tmp_path):
+    async def main():
+        areg = AsyncRegistry(Registry(tmp_path / "r.sqlite"))
+        try:
+            with pytest.raises(ValueError, match="loss must be finite"):
+                await areg.heartbeat("p", now=1.0, loss=float("nan"))
+            assert await areg.heartbeat("nobody", now=1.0) is None
+        finally:
+            await areg.close()
+
+    asyncio.run(main())
