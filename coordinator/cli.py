@@ -5,29 +5,32 @@ from __future__ import annotations
 import sys
 
 from node.cli import _Parser, run_daemon, setup_logging
-from node.config import ConfigError, load_config
+from node.config import LOG_LEVELS, ConfigError, load_config
+from node.runconfig import CODECS
 
 from .config import CoordinatorConfig
+from .planner import MODES
 
 
 def build_parser():
-    d = CoordinatorConfig()
+    c = CoordinatorConfig()
+    d = c.run
     p = _Parser(prog="swarmtrain-coordinator", description="Track a swarm's members, plan roles, keep checkpoints.")
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below (flag > env > file)")
-    p.add_argument("--swarm-id", help=f"swarm to serve (default {d.swarm_id})")
-    p.add_argument("--data-dir", metavar="DIR", help=f"registry, checkpoints, identity (default ./{d.data_dir})")
+    p.add_argument("--swarm-id", help=f"swarm to serve (default {c.swarm_id})")
+    p.add_argument("--data-dir", metavar="DIR", help=f"registry, checkpoints, identity (default ./{c.data_dir})")
     p.add_argument("--identity", metavar="FILE", help="Ed25519 key file; created if missing (default DATA_DIR/identity.pem)")
     p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="libp2p listen addresses (fix the port for restarts)")
     p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses nodes should dial")
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="DHT peers to join")
-    p.add_argument("--http", metavar="HOST:PORT", help=f"status/metrics address (default {d.http}; '' disables)")
-    p.add_argument("--mode", choices=["replica", "pipeline", "experts"], help="how roles are planned (default replica)")
+    p.add_argument("--http", metavar="HOST:PORT", help=f"status/metrics address (default {c.http}; '' disables)")
+    p.add_argument("--mode", choices=MODES, help=f"how roles are planned (default {c.mode})")
     p.add_argument("--num-stages", type=int, help="pipeline mode: number of stages")
     p.add_argument("--experts", nargs="+", help="experts mode: expert names")
-    p.add_argument("--heartbeat-timeout-s", type=float, help=f"evict members silent this long (default {d.heartbeat_timeout_s})")
-    p.add_argument("--keep-checkpoints", type=int, help=f"checkpoints kept on disk (default {d.keep_checkpoints})")
+    p.add_argument("--heartbeat-timeout-s", type=float, help=f"evict members silent this long (default {c.heartbeat_timeout_s})")
+    p.add_argument("--keep-checkpoints", type=int, help=f"checkpoints kept on disk (default {c.keep_checkpoints})")
     p.add_argument("--owner-public-key", metavar="HEX", help="private swarm: require join tokens signed by this key")
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", choices=LOG_LEVELS)
     run = p.add_argument_group("the training run (handed to every member)")
     run.add_argument("--model", help=f"model preset: tiny | small (default {d.model})")
     run.add_argument("--inner-steps", type=int, help=f"H: inner steps per outer step (default {d.inner_steps})")
@@ -37,14 +40,14 @@ def build_parser():
     run.add_argument("--total-steps", type=int, help=f"inner steps of cosine decay (default {d.total_steps})")
     run.add_argument("--outer-lr", type=float, help=f"outer Nesterov learning rate (default {d.outer_lr})")
     run.add_argument("--outer-momentum", type=float, help=f"outer momentum (default {d.outer_momentum})")
-    run.add_argument("--codec", choices=["none", "fp16", "int8", "topk", "powersgd"], help=f"pseudo-gradient codec (default {d.codec})")
+    run.add_argument("--codec", choices=CODECS, help=f"pseudo-gradient codec (default {d.codec})")
     run.add_argument("--block-size", type=int, help=f"int8 block size (default {d.block_size})")
     run.add_argument("--max-outer-steps", type=int, help="stop training after this many outer steps (default: never)")
     run.add_argument("--checkpoint-every", type=int, help=f"outer steps between checkpoints (default {d.checkpoint_every})")
     run.add_argument("--eval-batches", type=int, help=f"validation batches per outer step (default {d.eval_batches})")
     run.add_argument("--seed", type=int, help=f"init and data seed (default {d.seed})")
     run.add_argument("--join-timeout-s", type=float, help=f"how long a round waits for late replicas (default {d.join_timeout_s})")
-    run.add_argument("--min-replicas", type=int, help="replicas to wait for before training starts (default 1)")
+    run.add_argument("--min-replicas", type=int, help=f"replicas to wait for before training starts (default {d.min_replicas})")
     return p
 
 

@@ -1,10 +1,18 @@
 """The coordinator's typed config; flags, SWARMTRAIN_COORDINATOR_* env vars and a TOML file
-map onto it (see node/config.py for the merge rules)."""
+map onto it (see node/config.py for the merge rules). The training run it hands to every member
+is a `RunConfig` (node/runconfig.py), nested here; its settings read like the others (top-level
+keys in the file, `--inner-steps`, SWARMTRAIN_COORDINATOR_INNER_STEPS)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from node.config import LOG_LEVELS, Check, at_least, check_fields, non_empty, one_of, positive
+from node.runconfig import RunConfig
+
+from .planner import MODES
 
 
 @dataclass(frozen=True)
@@ -19,36 +27,26 @@ class CoordinatorConfig:
     mode: str = "replica"  # role planning: replica | pipeline | experts
     num_stages: int = 0  # pipeline mode: stages of the model
     experts: tuple[str, ...] = ()  # experts mode: expert names
-    heartbeat_timeout_s: float = 15.0  # members silent for longer are evicted
+    heartbeat_timeout_s: float = 15.0  # seconds; members silent for longer are evicted
     keep_checkpoints: int = 3  # how many checkpoints to keep on disk
     owner_public_key: str = ""  # hex Ed25519 public key of the swarm owner; set: Register needs a join token signed by it
-    record_interval_s: float = 10.0  # how often the coordinator's DHT record is refreshed
-    log_level: str = "INFO"
-    # -- the training run, handed to every member with its role --
-    model: str = "tiny"  # model preset: tiny | small
-    inner_steps: int = 20  # H: local AdamW steps between two averaging rounds
-    batch_size: int = 16  # sequences per inner step, per replica
-    inner_lr: float = 3e-3  # peak AdamW learning rate
-    warmup_steps: int = 50  # inner steps of linear warmup
-    total_steps: int = 5000  # inner steps of cosine decay
-    outer_lr: float = 1.0  # outer Nesterov SGD learning rate
-    outer_momentum: float = 0.9
-    codec: str = "int8"  # pseudo-gradient codec: none | fp16 | int8 | topk | powersgd
-    block_size: int = 1024  # int8 codec: values per absmax block
-    max_outer_steps: int = 0  # replicas stop training after this many outer steps; 0: never
-    checkpoint_every: int = 5  # outer steps between checkpoints
-    eval_batches: int = 8  # validation batches per outer step
-    seed: int = 0  # model init and data sampling
-    join_timeout_s: float = 15.0  # how long an averaging round waits for late replicas
-    min_replicas: int = 1  # training starts when this many replicas are registered
+    record_interval_s: float = 10.0  # seconds between two refreshes of the coordinator's DHT record
+    log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
+    run: RunConfig = field(default_factory=RunConfig, metadata={"flatten": True})  # the training run, handed to every member with its role
 
-    RUN_FIELDS = (
-        "model", "inner_steps", "batch_size", "inner_lr", "warmup_steps", "total_steps", "outer_lr", "outer_momentum",
-        "codec", "block_size", "max_outer_steps", "checkpoint_every", "eval_batches", "seed", "join_timeout_s", "min_replicas",
-    )
+    def __post_init__(self) -> None:
+        check_fields(self, _CHECKS)
 
     def run_config(self) -> dict:
-        return {name: getattr(self, name) for name in self.RUN_FIELDS}
+        return self.run.to_dict()
 
     def resolved_identity(self) -> Path:
         return Path(self.identity) if self.identity else Path(self.data_dir) / "identity.pem"
+
+
+_CHECKS: dict[str, Check] = {
+    "swarm_id": non_empty, "data_dir": non_empty, "host_maddrs": non_empty, "mode": one_of(*MODES),
+    "num_stages": at_least(0), "heartbeat_timeout_s": positive, "keep_checkpoints": at_least(1),
+    "owner_public_key": lambda v: None if re.fullmatch(r"([0-9a-fA-F]{64})?", v) else "must be 64 hex digits (an Ed25519 public key)",
+    "record_interval_s": positive, "log_level": one_of(*LOG_LEVELS),
+}  # fmt: skip

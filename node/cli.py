@@ -11,7 +11,7 @@ import sys
 
 # Only light imports here: flag and config errors must come back at once, not after torch and
 # hivemind have loaded (seconds); the daemon's modules are imported once the config is good.
-from .config import ConfigError, NodeConfig, load_config
+from .config import AGGREGATORS, LOG_LEVELS, ConfigError, NodeConfig, load_config
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     d = NodeConfig()
     p = _Parser(prog="swarmtrain-node", description="Join a swarmtrain swarm and train.")
-    p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below (flag > env > file)")
+    p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below, and [averager] / [transport] tables (flag > env > file)")
     p.add_argument("--swarm-id", help=f"swarm to join (default {d.swarm_id})")
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of running peers")
     p.add_argument("--identity", metavar="FILE", help="Ed25519 key file; created if missing (default DATA_DIR/identity.pem)")
@@ -39,10 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth-mbps", type=float, help="your link's bandwidth: reported instead of measured, and averaging paces its uploads to it")
     p.add_argument("--data", metavar="PATH", help="text file or directory to train on (default: the built-in corpus)")
     p.add_argument("--shard-index", type=int, help="data shard this replica reads (default: from the peer id)")
-    p.add_argument("--num-shards", type=int, help="number of data shards (default 8)")
+    p.add_argument("--num-shards", type=int, help=f"number of data shards (default {d.num_shards})")
     p.add_argument("--threads", type=int, help="torch threads (default: cores - 1)")
     p.add_argument("--fault-delay-parts-s", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", choices=LOG_LEVELS)
+    avg = p.add_argument_group("averaging (more in the config file's [averager] table)")
+    avg.add_argument("--aggregator", dest="averager.aggregator", choices=AGGREGATORS, help="how averaged contributions are combined; trimmed_mean and centered_clip survive some malicious peers (default: the plain mean)")
+    avg.add_argument("--min-group-size", dest="averager.min_group_size", type=int, metavar="N", help="a round left with fewer members than this aborts")
     return p
 
 

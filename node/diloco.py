@@ -33,6 +33,7 @@ from protocol import ErrorFeedback, decode_tensor, make_codec
 
 from .data import Batches, Corpus, evaluate
 from .model import GPT, GPTConfig, init_model
+from .runconfig import RunConfig
 
 
 # (test, what it means) for TrainConfig's float fields; NaN fails every test
@@ -43,21 +44,25 @@ _BELOW_ONE = (lambda v: 0 <= v < 1, "in [0, 1)")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How a replica trains. Inner = local AdamW steps; outer = the averaged Nesterov step."""
+    """How a replica trains. Inner = local AdamW steps; outer = the averaged Nesterov step.
 
-    batch_size: int = 16  # sequences per inner step (per replica)
-    inner_lr: float = 3e-3  # peak AdamW learning rate, reached after warmup
+    The fields a run sets (batch_size, inner_lr, warmup_steps, total_steps, inner_steps,
+    outer_lr, outer_momentum, seed) take their defaults from `RunConfig`, and
+    `RunConfig.train_config()` derives a replica's TrainConfig from its run."""
+
+    batch_size: int = RunConfig.batch_size  # sequences per inner step (per replica)
+    inner_lr: float = RunConfig.inner_lr  # peak AdamW learning rate, reached after warmup
     min_lr_ratio: float = 0.1  # the cosine decays the inner lr to inner_lr·min_lr_ratio, then holds
     weight_decay: float = 0.1  # AdamW decoupled weight decay, on matrices only (not biases/norms)
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
-    warmup_steps: int = 50  # inner steps of linear lr warmup from ~0 to inner_lr
-    total_steps: int = 5000  # inner steps over which the lr decays (cosine); later steps use the floor
-    inner_steps: int = 50  # H: inner steps between two outer steps
-    outer_lr: float = 1.0  # outer SGD learning rate (an issue reports that 1.5 and above diverged here)
-    outer_momentum: float = 0.9  # Nesterov momentum of the outer SGD
+    warmup_steps: int = RunConfig.warmup_steps  # inner steps of linear lr warmup from ~0 to inner_lr
+    total_steps: int = RunConfig.total_steps  # inner steps over which the lr decays (cosine); later steps use the floor
+    inner_steps: int = RunConfig.inner_steps  # H: inner steps between two outer steps
+    outer_lr: float = RunConfig.outer_lr  # outer SGD learning rate (an issue reports that 1.5 and above diverged here)
+    outer_momentum: float = RunConfig.outer_momentum  # Nesterov momentum of the outer SGD
     grad_clip: float = 1.0  # max global L2 norm of inner gradients; 0 disables clipping
-    seed: int = 0  # model init and data sampling seed
+    seed: int = RunConfig.seed  # model init and data sampling seed
 
     def __post_init__(self) -> None:
         ints = {"batch_size": 1, "warmup_steps": 0, "total_steps": 1, "inner_steps": 1, "seed": 0}

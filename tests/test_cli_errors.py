@@ -85,6 +85,36 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
             "coordinator-pipeline-without-stages": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline"), ("num_stages", "pipeline mode needs at least 1 stage")),
         }
     )
+    # Out of bounds: refused at start, before anything registers. Those `light` are refused
+    # before torch and hivemind load (so before any p2pd); the others by Node.validate.
+    data = ("--data-dir", "{tmp}/data")
+    cases.update(
+        {
+            "node-negative-bandwidth": Case(NODE, ("--bandwidth-mbps", "-5"), ("--bandwidth-mbps", "bandwidth_mbps", "≥ 0", "-5"), light=True),
+            "node-missing-data": Case(NODE, (*data, "--data", "{tmp}/missing/dir"), ("--data", "missing/dir", "does not exist")),
+            "node-negative-threads": Case(NODE, ("--threads", "-2"), ("--threads", "threads", "-2"), light=True),
+            "node-shard-index-too-large": Case(NODE, ("--shard-index", "4", "--num-shards", "4"), ("--shard-index", "num_shards (4)", "4"), light=True),
+            "node-zero-heartbeat-interval": Case(NODE, ("--heartbeat-interval-s", "0"), ("--heartbeat-interval-s", "heartbeat_interval_s", "> 0"), light=True),
+            "node-nan-rpc-timeout": Case(NODE, (), ("SWARMTRAIN_RPC_TIMEOUT_S", "rpc_timeout_s", "nan"), env=(("SWARMTRAIN_RPC_TIMEOUT_S", "nan"),), light=True),
+            "node-bad-log-level-env": Case(NODE, (), ("SWARMTRAIN_LOG_LEVEL", "log_level", "LOUD"), env=(("SWARMTRAIN_LOG_LEVEL", "LOUD"),), light=True),
+            "node-bad-wanted-role": Case(NODE, (*data, "--wanted-role", "boss"), ("--wanted-role", "boss")),
+            "node-bad-aggregator-flag": Case(NODE, ("--aggregator", "median"), ("--aggregator", "invalid choice", "median"), light=True),
+            "node-averager-bad-in-file": Case(NODE, ("--config", "{tmp}/averager.toml"), ("averager.toml", "[averager]", "min_group_size", "≥ 1", "0"), light=True),
+            "node-averager-unknown-in-file": Case(NODE, ("--config", "{tmp}/averager-unknown.toml"), ("averager-unknown.toml", "unknown setting 'colour'", "[averager]"), light=True),
+            "node-averager-param-without-aggregator": Case(NODE, ("--config", "{tmp}/averager-tau.toml"), ("averager-tau.toml", "tau", "centered_clip"), light=True),
+            "node-averager-bad-env": Case(NODE, (), ("SWARMTRAIN_AVERAGER_PACE_SHARE", "pace_share", "1.5"), env=(("SWARMTRAIN_AVERAGER_PACE_SHARE", "1.5"),), light=True),
+            "node-averager-bad-bool-env": Case(NODE, (), ("SWARMTRAIN_AVERAGER_PACE", "must be bool", "maybe"), env=(("SWARMTRAIN_AVERAGER_PACE", "maybe"),), light=True),
+            "node-transport-bad-env": Case(NODE, (), ("SWARMTRAIN_TRANSPORT_CALL_TIMEOUT_S", "call_timeout_s", "-1"), env=(("SWARMTRAIN_TRANSPORT_CALL_TIMEOUT_S", "-1"),), light=True),
+            "node-transport-bad-in-file": Case(NODE, ("--config", "{tmp}/transport.toml"), ("transport.toml", "[transport]", "ban_score", "< 0"), light=True),
+            "node-transport-in-flight-below-frame": Case(NODE, (*data, "--config", "{tmp}/in-flight.toml"), ("max_bytes_in_flight_per_peer", "frame size", "1000")),
+            "coordinator-zero-inner-steps": Case(COORD, ("--inner-steps", "0"), ("--inner-steps", "inner_steps", "≥ 1", "0"), light=True),
+            "coordinator-bad-run-env": Case(COORD, (), ("SWARMTRAIN_COORDINATOR_OUTER_MOMENTUM", "outer_momentum", "1.5"), env=(("SWARMTRAIN_COORDINATOR_OUTER_MOMENTUM", "1.5"),), light=True),
+            "coordinator-bad-run-in-file": Case(COORD, ("--config", "{tmp}/run.toml"), ("run.toml", "join_timeout_s", "> 0", "-1"), light=True),
+            "coordinator-bad-block-size": Case(COORD, ("--block-size", "3"), ("--block-size", "block_size", "3"), light=True),
+            "coordinator-zero-heartbeat-timeout": Case(COORD, ("--heartbeat-timeout-s", "0"), ("--heartbeat-timeout-s", "heartbeat_timeout_s", "> 0"), light=True),
+            "coordinator-zero-keep-checkpoints": Case(COORD, ("--keep-checkpoints", "0"), ("--keep-checkpoints", "keep_checkpoints", "≥ 1"), light=True),
+        }
+    )
     return cases
 
 
@@ -104,6 +134,12 @@ def _prepare(tmp: Path) -> None:
     (tmp / "invalid.toml").write_text("swarm_id = \n")
     (tmp / "unknown.toml").write_text('colour = "blue"\n')
     (tmp / "wrong-type.toml").write_text("swarm_id = 7\n")
+    (tmp / "averager.toml").write_text("[averager]\nmin_group_size = 0\n")
+    (tmp / "averager-unknown.toml").write_text('[averager]\ncolour = "blue"\n')
+    (tmp / "averager-tau.toml").write_text("[averager]\ntau = 2.0\n")
+    (tmp / "transport.toml").write_text("[transport]\nban_score = 3.0\n")
+    (tmp / "in-flight.toml").write_text("[transport]\nmax_bytes_in_flight_per_peer = 1000\n")
+    (tmp / "run.toml").write_text("inner_steps = 10\njoin_timeout_s = -1\n")
     (tmp / "too-early").mkdir()
     for module in ("torch", "hivemind"):
         (tmp / "too-early" / f"{module}.py").write_text(f"raise ImportError('{module} imported before the flags were checked')\n")

@@ -1,0 +1,108 @@
+"""The training run's settings: set once on the coordinator (its flags, env vars and file map onto
+them, see coordinator/config.py), handed to every member with its role as JSON, read back here.
+
+`RunConfig` checks itself on construction like a wire message: every field's type (from its
+hint) and bounds, a bad one refused as `RunConfigError` naming the field and the value. Its
+defaults are the run's defaults everywhere: `TrainConfig` (node/diloco.py) takes its own from
+here. Standard library only, so the coordinator's CLI reads it before torch loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .config import Check, ConfigError, at_least, below_one, between, check_fields, one_of, positive
+
+if TYPE_CHECKING:
+    from protocol.messages import RoleAssignment
+
+    from .diloco import TrainConfig
+    from .model import GPTConfig
+
+# Named here without importing torch; a test keeps them equal to node/model.py PRESETS, the
+# codecs registered in protocol/codecs.py and the int8 codec's block size range.
+MODEL_PRESETS = ("tiny", "small")
+CODECS = ("none", "fp16", "int8", "topk", "powersgd")
+INT8_BLOCK_SIZES = (16, 1 << 20)
+
+
+class RunConfigError(ConfigError, ValueError):
+    """A run setting is wrong (the coordinator's flag, or the config a coordinator sent)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run's training settings; the coordinator hands the same ones to every member."""
+
+    model: str = "tiny"  # model preset (node/model.py): tiny | small
+    inner_steps: int = 20  # H: local AdamW steps between two averaging rounds
+    batch_size: int = 16  # sequences per inner step, per replica
+    inner_lr: float = 3e-3  # peak AdamW learning rate, reached after warmup
+    warmup_steps: int = 50  # inner steps of linear learning rate warmup
+    total_steps: int = 5000  # inner steps of cosine learning rate decay; later steps hold the floor
+    outer_lr: float = 1.0  # outer Nesterov SGD learning rate
+    outer_momentum: float = 0.9  # outer Nesterov momentum, in [0, 1)
+    codec: str = "int8"  # how pseudo-gradients travel: none | fp16 | int8 | topk | powersgd
+    block_size: int = 1024  # int8 codec: values per absmax block
+    max_outer_steps: int = 0  # replicas stop training after this many outer steps; 0: never
+    checkpoint_every: int = 5  # outer steps between two checkpoints
+    eval_batches: int = 8  # validation batches after each outer step
+    seed: int = 0  # seed of the model's initialisation and of data sampling
+    join_timeout_s: float = 15.0  # seconds an averaging round waits for late replicas
+    min_replicas: int = 1  # training starts once this many replicas are registered
+
+    def __post_init__(self) -> None:
+        check_fields(self, _CHECKS, RunConfigError)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True).encode()
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> RunConfig:
+        """Keys this version does not know are ignored: a newer coordinator may send more."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RunConfig:
+        try:
+            raw = json.loads(data) if data else {}
+        except ValueError as e:
+            raise RunConfigError(f"run config is not JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise RunConfigError("run config must be a JSON object")
+        try:
+            return cls.from_dict(raw)
+        except RunConfigError as e:
+            raise RunConfigError(f"run config: {e}", e.setting) from None
+
+    def model_config(self) -> GPTConfig:
+        from .model import PRESETS
+
+        return PRESETS[self.model]
+
+    def train_config(self) -> TrainConfig:
+        from .diloco import TrainConfig
+
+        run = self.to_dict()
+        return TrainConfig(**{f.name: run[f.name] for f in dataclasses.fields(TrainConfig) if f.name in run})
+
+
+_CHECKS: dict[str, Check] = {
+    "model": lambda v: None if v in MODEL_PRESETS else f"is an unknown model preset (known: {', '.join(MODEL_PRESETS)})",
+    "inner_steps": at_least(1), "batch_size": at_least(1), "inner_lr": positive, "warmup_steps": at_least(0),
+    "total_steps": at_least(1), "outer_lr": positive, "outer_momentum": below_one, "codec": one_of(*CODECS),
+    "block_size": between(*INT8_BLOCK_SIZES), "max_outer_steps": at_least(0), "checkpoint_every": at_least(1),
+    "eval_batches": at_least(1), "seed": at_least(0), "join_timeout_s": positive, "min_replicas": at_least(1),
+}  # fmt: skip
+
+
+def run_config_of(assignment: RoleAssignment) -> RunConfig:
+    return RunConfig.from_json(assignment.config)
