@@ -1,10 +1,13 @@
 """The coordinator: tracks membership, plans roles, keeps checkpoints. Never in the data path.
 
 Files:
-    config.py       CoordinatorConfig: every setting with its meaning and unit
+    config.py       CoordinatorConfig: every setting with its meaning and unit; the run's
+                    settings nested as node/runconfig.py's RunConfig (sent to every member)
     planner.py      pure decisions: evict(now, members, config), plan_roles(members, config)
-    registry.py     SQLite registry of members, plan epoch, progress history (restart-safe)
-    checkpoints.py  safetensors checkpoints + signed manifests, atomic writes, keep-K, uploads
+    registry.py     SQLite registry of members, plan epoch, progress history (restart-safe);
+                    AsyncRegistry runs it on one thread of its own, off the event loop, in order
+    checkpoints.py  the checkpoint store: keep-K, a verdict cache, uploads; the directory format
+                    itself is node/checkpoint_dir.py, shared with nodes
     service.py      the RPC handlers, eviction loop, DHT record; glue between the above
     http.py         GET /status (JSON) and GET /metrics (Prometheus)
     cli.py          swarmtrain-coordinator

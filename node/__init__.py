@@ -4,19 +4,25 @@ Files:
     p2p.py               the only hivemind import: p2pd + DHT host, streams, DHT get/store
     transport.py         RPC over libp2p streams (unary, server/client streaming), limits, peer scores
     membership.py        find the coordinator, register, heartbeat, publish signed member records
-    averaging.py         fault-tolerant compressed all-reduce (matchmaking, butterfly, decisions)
+    compat.py            each touch of a library's private internals (asyncio, hivemind), version-stamped
+    averaging/           fault-tolerant compressed all-reduce, one averager per namespace (its
+                         __init__ maps its files: matchmaking, round, schedule, buffers, decisions)
     aggregators.py       mean, trimmed mean, CenteredClip: how a slice owner combines contributions
     faults.py            typed fault injection (corrupt / delay outgoing parts) for tests and drills
+    roles.py             the role interface (start, run, stop(planned)) and the runner that switches roles
     replica.py           the replica role: DiLoCo rounds, catch-up, state serving, checkpoints
     model.py             the built-in GPT (presets tiny, small)
     data.py              the built-in corpus (Python's stdlib sources) or --data, shards, evaluation
     diloco.py            inner/outer optimizers, state hash, a one-process DiLoCo simulation
-    checkpoint_client.py download / upload / write / load checkpoint directories, verified
+    checkpoint_dir.py    the checkpoint directory format: write, verify, place atomically, load,
+                         temp dirs (shared with the coordinator's store)
+    checkpoint_client.py download / upload checkpoints between peers, verified
     state_server.py      serve checkpoint directories over RPC (replicas and the coordinator)
     capabilities.py      device, memory, FLOP/s probe
     osutil.py            fsync, hashing, /proc helpers
-    config.py            NodeConfig and the flag > env > file merge
-    daemon.py            Node: start/stop of all of the above
+    config.py            NodeConfig, its [averager] / [transport] tables, the flag > env > file merge
+    runconfig.py         RunConfig: the training run's settings, coordinator -> members
+    daemon.py            Node: start/stop of all of the above; which role object an assignment makes
     cli.py               swarmtrain-node
     demo.py              a local swarm (coordinator + replicas) that trains and stops by itself
 """

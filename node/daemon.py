@@ -12,13 +12,15 @@ import logging
 import os
 from pathlib import Path
 
-from protocol import Hello, JoinToken, KeyFileError, RemoteProtocolError, RoleAssignment, SigningKey
+from protocol import Hello, JoinToken, KeyFileError, LocalProtocolError, RemoteProtocolError, RoleAssignment, SigningKey
+from protocol.messages import ROLES
 
 from . import capabilities
-from .config import ConfigError, NodeConfig
+from .config import ConfigError, NodeConfig, averager_config, transport_config
 from .membership import Membership, split_peer_maddr
 from .p2p import Host, HostConfig
-from .transport import CallContext, Transport, TransportConfig
+from .roles import Role, RoleError, RoleRunner
+from .transport import CallContext, Transport
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +56,29 @@ class Node:
         self.transport: Transport | None = None
         self.membership: Membership | None = None
         self._tasks: list[asyncio.Task] = []
-        self.replica = None
-        self._role_task: asyncio.Task | None = None
+        self.roles = RoleRunner(self._make_role)
 
     def validate(self) -> tuple[SigningKey, bytes | None]:
-        """Everything checkable before starting: raises ConfigError with one clear line."""
+        """Everything checkable before starting: raises ConfigError with one clear line. (Each
+        value's type and bounds were checked when the NodeConfig was made.)"""
         c = self.config
         reason = capabilities.check_device(c.device)
         if reason:
             raise ConfigError(reason)
-        if not -1 <= c.direct_port <= 65535:
-            raise ConfigError(f"--direct-port must be a TCP port (0: any free one, -1: off), not {c.direct_port}")
+        if c.wanted_role and c.wanted_role not in ROLES:
+            raise ConfigError(f"--wanted-role must be one of {', '.join(ROLES)}, got {c.wanted_role!r}")
+        if c.data:
+            from .data import DataError, load_corpus
+
+            try:
+                load_corpus(c.data)  # what the replica role trains on: missing, empty or unreadable data ends here
+            except (DataError, OSError) as e:
+                raise ConfigError(f"--data: {e}") from None
+        transport_config(c)
+        try:
+            averager_config(c)
+        except (ValueError, LocalProtocolError) as e:  # AveragerConfig's own checks, should they refuse what ours let through
+            raise ConfigError(f"[averager] settings: {e}") from None
         check_data_dir(c.data_dir)
         key = load_identity(c.resolved_identity())
         if c.coordinator:
@@ -84,55 +98,37 @@ class Node:
         key, token = self.validate()
         c = self.config
         self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs))
-        self.transport = Transport(self.host, TransportConfig(direct=c.direct_port >= 0, direct_port=max(c.direct_port, 0)))
+        self.transport = Transport(self.host, transport_config(c))
         self.transport.on(Hello, self._on_hello)
         await self.transport.start()
         log.info("peer id %s, listening on %s", self.host.peer_id, " ".join(await self.host.visible_maddrs()))
         caps = await asyncio.get_running_loop().run_in_executor(None, capabilities.measure, c.device)
         log.info("capabilities: %s", ", ".join(f"{k}={v}" for k, v in caps.items()))
         self.membership = Membership(self.host, self.transport, c, caps, token)
-        self.membership.on_assignment = self._on_assignment
+        self.membership.on_assignment = self.roles.want
         self._tasks += [
             asyncio.create_task(self.membership.run(), name="membership"),
             asyncio.create_task(self.membership.publish_records(), name="member-records"),
         ]
 
-    def _on_assignment(self, assignment: RoleAssignment) -> None:
-        """Start (or stop) the work of a role. Roles other than replica come in later layers."""
-        if assignment.role == "replica" and self.replica is None:
+    def _make_role(self, assignment: RoleAssignment) -> Role | None:
+        """The role object for an assignment (see node/roles.py); RoleError if this node
+        cannot take it."""
+        if assignment.role == "replica":
             from .replica import Replica, RunConfigError, run_config_of
 
             try:
                 run = run_config_of(assignment)
             except RunConfigError as e:
-                log.error("cannot take the replica role: %s", e)
-                return
-            self.replica = Replica(self.host, self.transport, self.membership, self.config, run)
-            self._role_task = asyncio.create_task(self._run_role(self.replica), name="replica")
-        elif assignment.role != "replica" and self.replica is not None:
-            log.info("leaving the replica role")
-            task, self.replica = self._role_task, None
-            task.cancel()
-
-    async def _run_role(self, replica) -> None:
-        try:
-            await replica.run_forever()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("the replica role failed")
-        finally:
-            await replica.stop()
+                raise RoleError(str(e)) from None
+            return Replica(self.host, self.transport, self.membership, self.config, run)
+        raise RoleError(f"this node does not serve the {assignment.role} role")
 
     async def _on_hello(self, ctx: CallContext) -> Hello:
         return Hello(peer_id=self.transport.peer_id, swarm_id=self.config.swarm_id, software=SOFTWARE)
 
     async def stop(self) -> None:
-        if self._role_task is not None:
-            if self.replica is not None:
-                self.replica._stop = True  # lets the training thread return between inner steps
-            self._role_task.cancel()
-            await asyncio.gather(self._role_task, return_exceptions=True)
+        await self.roles.stop()
         if self.membership is not None:
             await self.membership.deregister()
         for task in self._tasks:

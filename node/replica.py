@@ -29,102 +29,32 @@ import shutil
 import time
 import zlib
 from collections import Counter
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from protocol.messages import RoleAssignment
+from protocol.manifest import step_dir_name
 
-from .averaging import Averager, AveragerConfig, AveragingFailed
-from .checkpoint_client import (
-    CheckpointDirError,
-    download_checkpoint,
-    fetch_manifest,
-    load_checkpoint_dir,
-    upload_checkpoint,
-    write_checkpoint_dir,
-)
+from .averaging import Averager, AveragingFailed, NamespaceTaken
+from .checkpoint_client import download_checkpoint, fetch_manifest, upload_checkpoint
+from .checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manifest, write_checkpoint_dir
 from .data import Batches, DataError, evaluate, load_corpus
 from .faults import Faults
-from .diloco import InnerTrainer, OuterOptimizer, TrainConfig, copy_into, state_hash
+from .config import averager_config
+from .diloco import InnerTrainer, OuterOptimizer, copy_into, state_hash
 from .membership import read_members
-from .model import GPT, PRESETS, GPTConfig, init_model
+from .model import GPT, GPTConfig, init_model
+from .runconfig import RunConfig, RunConfigError, run_config_of  # noqa: F401 (re-exported)
 from .state_server import CheckpointServer, DirectorySource
-from .transport import CallTimeout, RemoteError
-from .p2p import PeerUnreachable
+from .roles import Role, RoleError
+from .transport import NETWORK_ERRORS, HandlerTaken, RemoteError
 
 log = logging.getLogger(__name__)
 
 EVAL_SEED = 1234  # the same validation windows everywhere, so losses compare across replicas and runs
 KEEP_LOCAL_STATES = 2
-_PEER_ERRORS = (PeerUnreachable, CallTimeout, RemoteError, ConnectionError, CheckpointDirError, OSError, ValueError)
-
-
-class RunConfigError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """The run's training settings; the coordinator hands the same ones to every member."""
-
-    model: str = "tiny"
-    inner_steps: int = 20
-    batch_size: int = 16
-    inner_lr: float = 3e-3
-    warmup_steps: int = 50
-    total_steps: int = 5000
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.9
-    codec: str = "int8"
-    block_size: int = 1024
-    max_outer_steps: int = 0
-    checkpoint_every: int = 5
-    eval_batches: int = 8
-    seed: int = 0
-    join_timeout_s: float = 15.0
-    min_replicas: int = 1
-
-    @classmethod
-    def from_json(cls, data: bytes) -> RunConfig:
-        try:
-            raw = json.loads(data) if data else {}
-        except ValueError as e:
-            raise RunConfigError(f"run config is not JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise RunConfigError("run config must be a JSON object")
-        known = {f.name: f.type for f in fields(cls)}
-        values = {}
-        for k, v in raw.items():
-            if k not in known:
-                continue  # a newer coordinator may send more; ignore what we do not know
-            expect = {"int": int, "float": (int, float), "str": str}[known[k]]
-            if isinstance(v, bool) or not isinstance(v, expect):
-                raise RunConfigError(f"run config: {k} must be {known[k]}, got {v!r}")
-            values[k] = v
-        cfg = cls(**values)
-        if cfg.model not in PRESETS:
-            raise RunConfigError(f"run config: unknown model preset {cfg.model!r} (known: {', '.join(PRESETS)})")
-        if cfg.inner_steps < 1 or cfg.checkpoint_every < 1:
-            raise RunConfigError("run config: inner_steps and checkpoint_every must be >= 1")
-        return cfg
-
-    def model_config(self) -> GPTConfig:
-        return PRESETS[self.model]
-
-    def train_config(self) -> TrainConfig:
-        return TrainConfig(
-            batch_size=self.batch_size,
-            inner_lr=self.inner_lr,
-            warmup_steps=self.warmup_steps,
-            total_steps=self.total_steps,
-            inner_steps=self.inner_steps,
-            outer_lr=self.outer_lr,
-            outer_momentum=self.outer_momentum,
-            seed=self.seed,
-        )
+_PEER_ERRORS = (*NETWORK_ERRORS, CheckpointDirError, ValueError)
 
 
 def choose_state(mine: tuple[int, str] | None, peers: dict[str, tuple[int, str]]) -> tuple[int, str] | None:
@@ -151,9 +81,15 @@ def shard_of(peer_id: str, num_shards: int) -> int:
     return zlib.crc32(peer_id.encode()) % num_shards
 
 
-class Replica:
+class Replica(Role):
+    """The replica role (see the module's docstring). `start` takes the "replicas" averaging
+    namespace and the checkpoint service; `run` trains until cancelled; `stop` gives both
+    back. Nothing to hand over on a planned stop: every replica holds the whole state."""
+
+    name = "replica"
+
     def __init__(self, host, transport, membership, node_config, run: RunConfig):
-        self.host, self.transport, self.membership, self.node_config, self.run = host, transport, membership, node_config, run
+        self.host, self.transport, self.membership, self.node_config, self.run_config = host, transport, membership, node_config, run
         self.data_dir = Path(node_config.data_dir)
         self.state_dir = self.data_dir / "state"
         self.download_dir = self.data_dir / "downloads"
@@ -164,9 +100,10 @@ class Replica:
         self.averager = Averager(
             host,
             transport,
-            AveragerConfig(
+            averager_config(  # the [averager] settings; the run's codec and join window win
+                node_config,
                 swarm_id=node_config.swarm_id,
-                prefix="replicas",
+                namespace="replicas",
                 codec=run.codec,
                 codec_params=codec_params,
                 join_timeout_s=run.join_timeout_s,
@@ -174,7 +111,7 @@ class Replica:
             ),
             Faults(delay_parts_s=node_config.fault_delay_parts_s),
         )
-        self.server = CheckpointServer(transport, DirectorySource(self.state_dir))
+        self.server = CheckpointServer(transport, DirectorySource(self.state_dir))  # serves once started
         self.model: GPT | None = None
         self.outer: OuterOptimizer | None = None
         self.inner: InnerTrainer | None = None
@@ -187,16 +124,29 @@ class Replica:
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
-    async def run_forever(self) -> None:
+    async def start(self) -> None:
+        try:
+            await self.averager.start()
+            self.server.start()
+        except (NamespaceTaken, HandlerTaken) as e:
+            raise RoleError(str(e)) from None
+
+    async def run(self) -> None:
+        try:
+            await self._train()
+        except asyncio.CancelledError:
+            self._stop = True  # the training thread returns between inner steps
+            raise
+
+    async def _train(self) -> None:
         threads = self.node_config.threads or max(1, (os.cpu_count() or 2) - 1)
         torch.set_num_threads(threads)
-        await self.averager.start()
         try:
             corpus = await asyncio.to_thread(load_corpus, self.node_config.data or None)
-        except DataError as e:
+        except DataError as e:  # the daemon checked it at start: it changed since
             log.error("cannot train: %s", e)
-            return
-        nshards = self.node_config.num_shards or 8
+            raise
+        nshards = self.node_config.num_shards
         shard = self.node_config.shard_index if self.node_config.shard_index >= 0 else shard_of(self.host.peer_id, nshards)
         self.corpus = corpus
         self.model = GPT(self.model_config)
@@ -205,35 +155,36 @@ class Replica:
         batches = Batches(corpus.train, shard, nshards, self.train_config.batch_size, self.model_config.context, self.train_config.seed + shard)
         # in a thread: the first AdamW of a process imports torch._dynamo, seconds of work
         self.inner = await asyncio.to_thread(InnerTrainer, self.model, self.train_config, batches)
-        self.inner.step_count = self.round * self.run.inner_steps
+        self.inner.step_count = self.round * self.run_config.inner_steps
         log.info(
             "replica: %s model (%d params), data %s shard %d/%d, %d threads, starting at outer step %d (hash %s)",
-            self.run.model, sum(p.numel() for p in self.model.parameters()), corpus.source, shard, nshards, threads, self.round, self.hash,
+            self.run_config.model, sum(p.numel() for p in self.model.parameters()), corpus.source, shard, nshards, threads, self.round, self.hash,
         )
         val = await asyncio.to_thread(self._evaluate)
         log.info("outer %d | val %.4f | hash %s (starting point)", self.round, val, self.hash)
         self.history.append({"outer_step": self.round, "val_loss": val, "state_hash": self.hash, "start": True, "time": time.time()})
         self._publish_progress(val)
         while not self._stop:
-            if self.run.max_outer_steps and self.round >= self.run.max_outer_steps:
+            if self.run_config.max_outer_steps and self.round >= self.run_config.max_outer_steps:
                 losses = [e["val_loss"] for e in self.history if "val_loss" in e]
                 log.info("replica: finished %d outer steps (val loss %.4f, hash %s)", self.round, losses[-1] if losses else float("nan"), self.hash)
                 await asyncio.gather(*self._uploads, return_exceptions=True)
                 await asyncio.Event().wait()  # keep serving our state and reporting until stopped
             await self._one_round()
 
-    async def stop(self) -> None:
+    async def stop(self, planned: bool = True) -> None:
         self._stop = True
         for t in self._uploads:
             t.cancel()
         await asyncio.gather(*self._uploads, return_exceptions=True)
         await self.averager.close()
+        self.server.close()
 
     # ---- one outer round -------------------------------------------------------------------------
 
     async def _one_round(self) -> None:
         t0 = time.monotonic()
-        losses = await asyncio.to_thread(self._inner_steps, self.run.inner_steps)
+        losses = await asyncio.to_thread(self._inner_steps, self.run_config.inner_steps)
         if self._stop:
             return
         t_inner = time.monotonic() - t0
@@ -243,7 +194,7 @@ class Replica:
         t1 = time.monotonic()
         # wait for slower replicas up to one inner phase: replicas differ in speed, and a
         # window shorter than that difference would leave the fast and the slow ones alone
-        window = max(self.run.join_timeout_s, t_inner)
+        window = max(self.run_config.join_timeout_s, t_inner)
         try:
             avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=expected, state_key="outer", join_timeout_s=window)
         except AveragingFailed as e:
@@ -262,7 +213,7 @@ class Replica:
         self.hash = self._hash()
         self.bytes_sent += report.bytes_sent
         val = await asyncio.to_thread(self._evaluate)
-        tokens = self.run.inner_steps * self.train_config.batch_size * self.model_config.context
+        tokens = self.run_config.inner_steps * self.train_config.batch_size * self.model_config.context
         entry = {
             "outer_step": self.round, "val_loss": val, "train_loss": sum(losses) / len(losses), "state_hash": self.hash,
             "bytes_sent": self.bytes_sent, "members": len(report.survivors), "round_s": round(time.monotonic() - t1, 3),
@@ -275,7 +226,7 @@ class Replica:
         )
         await self._save_state()
         self._publish_progress(val, tokens / t_inner / self.model_config.context)
-        if self.round % self.run.checkpoint_every == 0 and report.leader == self.host.peer_id:
+        if self.round % self.run_config.checkpoint_every == 0 and report.leader == self.host.peer_id:
             task = asyncio.create_task(self._upload_checkpoint(self.round))
             self._uploads.add(task)
             task.add_done_callback(self._uploads.discard)
@@ -289,7 +240,7 @@ class Replica:
         return losses or [math.nan]
 
     def _evaluate(self) -> float:
-        return evaluate(self.model, self.corpus.val, self.train_config.batch_size, self.model_config.context, self.run.eval_batches, EVAL_SEED)
+        return evaluate(self.model, self.corpus.val, self.train_config.batch_size, self.model_config.context, self.run_config.eval_batches, EVAL_SEED)
 
     def _hash(self) -> str:
         names = [n for n, _ in self.model.named_parameters()]
@@ -339,16 +290,17 @@ class Replica:
         if expected_hash and self.hash != expected_hash:
             raise CheckpointDirError(f"state of step {step} hashes to {self.hash}, its manifest says {expected_hash}")
         if self.inner is not None:
-            self.inner.step_count = step * self.run.inner_steps
+            self.inner.step_count = step * self.run_config.inner_steps
 
     async def _download_and_adopt(self, peer: str, step: int | None) -> bool:
         try:
             path = await download_checkpoint(self.transport, peer, self.download_dir, step=step)
             state = await asyncio.to_thread(load_checkpoint_dir, path)
-            manifest_step, manifest = await asyncio.to_thread(_read_manifest, path)
+            manifest = await asyncio.to_thread(read_manifest, path)
+            manifest_step = manifest["step"]
             model_cfg = manifest.get("model_config") or {}
             if model_cfg and GPTConfig.from_dict(model_cfg) != self.model_config:
-                log.error("checkpoint %d from %s is for another model (%s); the run is %s", manifest_step, peer[-8:], model_cfg, self.run.model)
+                log.error("checkpoint %d from %s is for another model (%s); the run is %s", manifest_step, peer[-8:], model_cfg, self.run_config.model)
                 return False
             self._adopt(state, manifest_step, manifest.get("state_hash") or None)
         except _PEER_ERRORS as e:
@@ -445,13 +397,13 @@ class Replica:
         return len(await self._replica_ids())
 
     async def _wait_for_replicas(self) -> None:
-        if self.run.min_replicas <= 1:
+        if self.run_config.min_replicas <= 1:
             return
-        while not self._stop and await self._count_replicas() < self.run.min_replicas:
+        while not self._stop and await self._count_replicas() < self.run_config.min_replicas:
             await asyncio.sleep(1.0)
 
     async def _upload_checkpoint(self, step: int) -> None:
-        path = self.state_dir / f"step-{step:08d}"
+        path = self.state_dir / step_dir_name(step)
         coord = self.membership.coordinator
         if coord is None:
             return
@@ -460,13 +412,3 @@ class Replica:
             log.info("checkpoint of outer step %d stored by the coordinator", step)
         except _PEER_ERRORS as e:
             log.warning("checkpoint of outer step %d not stored: %s", step, e)
-
-
-def _read_manifest(path: Path) -> tuple[int, dict]:
-    manifest = json.loads((path / "manifest.json").read_text())
-    return int(manifest["step"]), manifest
-
-
-def run_config_of(assignment: RoleAssignment) -> RunConfig:
-    return RunConfig.from_json(assignment.config)
-

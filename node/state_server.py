@@ -3,13 +3,12 @@ streamed StateChunks. The coordinator serves its checkpoint store with it; a rep
 its own latest outer state, so joiners and stragglers download from peers first.
 
 A `source` is anything with the four methods of `CheckpointSource`; `DirectorySource` serves a
-directory of `step-XXXXXXXX/` checkpoints (the layout of node/checkpoint_client.py).
+directory of `step-XXXXXXXX/` checkpoints (the format of node/checkpoint_dir.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 from collections.abc import AsyncIterator
@@ -17,10 +16,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from protocol import CheckpointManifest, CheckpointQuery, RemoteProtocolError, StateChunk, StateRequest
-from protocol.manifest import step_of_dir_name
+from protocol.manifest import step_dir_name, step_of_dir_name
 
-from .checkpoint_client import CheckpointDirError, read_manifest
-from .transport import CallContext, RPCError, Transport
+from .checkpoint_dir import CheckpointDirError, file_list, read_manifest, read_range
+from .transport import CallContext, Registration, RPCError, Transport
 
 CHUNK = 4 << 20  # bytes per StateChunk
 PREFIX = "checkpoint/"  # StateRequest names: checkpoint/<step>/<file>
@@ -48,7 +47,7 @@ class DirectorySource:
         return sorted(s for s in (step_of_dir_name(n) for n in names) if s is not None)
 
     def _dir(self, step: int) -> Path:
-        return self.root / f"step-{step:08d}"
+        return self.root / step_dir_name(step)
 
     def manifest(self, step: int) -> dict[str, Any] | None:
         try:
@@ -66,26 +65,32 @@ class DirectorySource:
         m = self.manifest(step)
         if m is None:
             raise KeyError(step)
-        raw = (self._dir(step) / "manifest.json").read_bytes()
-        out = {name: (f["size"], f["sha256"]) for name, f in m["files"].items()}
-        out["manifest.json"] = (len(raw), hashlib.sha256(raw).hexdigest())
-        return out
+        return {name: (size, sha) for name, size, sha in file_list(self._dir(step), m)}
 
     def read_chunk(self, step: int, name: str, offset: int, length: int) -> bytes:
         if name not in self.files(step):  # only files the manifest names: no path tricks
             raise KeyError(name)
-        with open(self._dir(step) / name, "rb") as f:
-            f.seek(offset)
-            return f.read(length)
+        return read_range(self._dir(step) / name, offset, length)
 
 
 class CheckpointServer:
-    """Registers the checkpoint handlers on a transport for one source."""
+    """The checkpoint service of one source on a transport: `start()` registers its handlers
+    (one group; a second checkpoint service on the same transport is refused), `close()`
+    unregisters them."""
 
     def __init__(self, transport: Transport, source: CheckpointSource):
-        self.source = source
-        transport.on(CheckpointQuery, self.on_query)
-        transport.on(StateRequest, self.on_state_request)
+        self.transport, self.source = transport, source
+        self._registration: Registration | None = None
+
+    def start(self) -> CheckpointServer:
+        if self._registration is None:
+            self._registration = self.transport.serve({CheckpointQuery: self.on_query, StateRequest: self.on_state_request}, owner="checkpoints")
+        return self
+
+    def close(self) -> None:
+        if self._registration is not None:
+            self._registration.close()
+            self._registration = None
 
     async def on_query(self, ctx: CallContext) -> CheckpointManifest:
         step = ctx.request.step

@@ -1,0 +1,142 @@
+"""Roles: the work a node does for the swarm, and the runner that switches between them.
+
+A role is one object with three steps (`Role`):
+- `start()`: take the role's services (its averager namespace, its RPC handlers); raise
+  `RoleError` if the node cannot take it (nothing is left registered then);
+- `run()`: the work, until it ends or is cancelled (a role whose work runs in threads tells
+  them to return when it is cancelled);
+- `stop(planned)`: give everything back: cancel its tasks, unregister its services.
+  `planned` is True when the node leaves the role by plan (a new assignment, Ctrl-C): a role
+  with something to hand over (a pipeline stage's parameters, an expert) hands it over first;
+  False after a failure.
+
+`RoleRunner` holds at most one role. Each assignment from the coordinator goes to `want()`;
+switches run one at a time, in order, and the old role's `stop()` is awaited before the next
+role starts, so two roles never hold the same services (the transport and the averaging
+service refuse a second owner: a switch that did not wait would fail loudly, not steal).
+Assignments that arrive during a switch collapse into the newest.
+
+Adding a role: a class with `name`, `start`, `run`, `stop(planned)`; a case in the daemon's
+factory (`Node._make_role`) that builds it from its `RoleAssignment`; its services registered
+in `start` through `Transport.serve` (one group, one owner) and its averaging through an
+`Averager` of its own namespace.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import Callable
+
+from protocol import RoleAssignment
+
+log = logging.getLogger(__name__)
+
+
+class RoleError(Exception):
+    """This node cannot take the role it was assigned (the message says why)."""
+
+
+class Role(abc.ABC):
+    name: str = "role"
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def run(self) -> None: ...
+
+    @abc.abstractmethod
+    async def stop(self, planned: bool) -> None: ...
+
+
+def role_key(a: RoleAssignment | None) -> tuple | None:
+    """What identifies the work of an assignment (None: no role). The same work under a new
+    plan epoch is kept running; a new run configuration restarts it."""
+    if a is None or a.role == "idle":
+        return None
+    return (a.role, a.stage, a.expert, a.config)
+
+
+RoleFactory = Callable[[RoleAssignment], "Role | None"]
+
+
+class RoleRunner:
+    """At most one role at a time; each switch awaits the old role's teardown first."""
+
+    def __init__(self, factory: RoleFactory):
+        self._factory = factory
+        self.role: Role | None = None
+        self.key: tuple | None = None
+        self._wanted: RoleAssignment | None = None
+        self._switcher: asyncio.Task | None = None
+        self._run_task: asyncio.Task | None = None
+        self.switches = 0  # completed switches (for tests and logs)
+
+    def want(self, assignment: RoleAssignment) -> None:
+        """The coordinator assigned this (called from membership, on every change)."""
+        self._wanted = assignment
+        if self._switcher is None or self._switcher.done():
+            self._switcher = asyncio.create_task(self._switch(), name="role-switch")
+
+    async def settled(self) -> None:
+        """Until no switch is under way."""
+        while self._switcher is not None and not self._switcher.done():
+            await asyncio.shield(self._switcher)
+
+    async def _switch(self) -> None:
+        while self._wanted is not None:
+            a, self._wanted = self._wanted, None
+            key = role_key(a)
+            if key == self.key and self.role is not None:
+                continue
+            await self._stop_role(planned=True)
+            self.switches += 1
+            if key is None:
+                continue
+            try:
+                role = self._factory(a)
+            except RoleError as e:
+                log.error("cannot take the %s role: %s", a.role, e)
+                continue
+            if role is None:
+                continue
+            try:
+                await role.start()
+            except RoleError as e:
+                log.error("cannot take the %s role: %s", role.name, e)
+                await role.stop(planned=False)
+                continue
+            self.role, self.key = role, key
+            self._run_task = asyncio.create_task(self._run(role), name=role.name)
+
+    async def _run(self, role: Role) -> None:
+        try:
+            await role.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("the %s role failed", role.name)
+            if self.role is role:  # give its services back; the next assignment may start it anew
+                self.role, self.key, self._run_task = None, None, None
+                await role.stop(planned=False)
+
+    async def _stop_role(self, planned: bool) -> None:
+        role, task = self.role, self._run_task
+        self.role, self.key, self._run_task = None, None, None
+        if role is None:
+            return
+        log.info("leaving the %s role", role.name)
+        if task is not None:  # the work ends first, then its services go
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await role.stop(planned)
+
+    async def stop(self) -> None:
+        """Stop switching and stop the role (planned: the node is leaving)."""
+        self._wanted = None
+        if self._switcher is not None:
+            self._switcher.cancel()
+            await asyncio.gather(self._switcher, return_exceptions=True)
+        await self._stop_role(planned=True)

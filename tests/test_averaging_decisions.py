@@ -1,0 +1,183 @@
+"""The averager's pure decisions: matchmaking's state machines and the leader's choices, with
+time moved by hand (no network, no clock, no sleeping)."""
+
+import math
+
+import pytest
+
+from node.averaging.config import AveragerConfig
+from node.averaging.decisions import choose_pace, close_reason, decide_commit, decide_scatter, form_group, learn_bandwidth, learn_flow_rate
+from node.averaging.matchmaking import LOOK_AGAIN_S, MAX_REDIRECTS, RETRY_S, Lobby, Search
+from node.transport import RPCError
+from protocol import AvgGroup, AvgJoin, AvgReport
+
+A, B, C, D = "peer-a", "peer-b", "peer-c", "peer-d"  # A < B < C < D
+
+
+def group(*members):
+    n = len(members)
+    return AvgGroup(status="group", group_id="g", members=tuple(members), weights=(1.0,) * n, bounds=tuple(range(0, 10 * n + 1, 10)), deadline_s=1.0)
+
+
+# ---- closing a group ------------------------------------------------------------------------
+
+
+def test_a_leader_closes_when_the_expected_peers_joined_or_its_window_ends():
+    assert close_reason(now=1.0, deadline=5.0, joined={A, B}, expected=3) == ""
+    assert "3 of 3" in close_reason(now=1.0, deadline=5.0, joined={A, B, C}, expected=3)
+    # given ids, a peer nobody counted on does not take the place of one still on its way
+    assert close_reason(now=1.0, deadline=5.0, joined={A, B, D}, expected={A, B, C}) == ""
+    assert "every expected" in close_reason(now=1.0, deadline=5.0, joined={A, B, C, D}, expected={A, B, C})
+    assert close_reason(now=4.999, deadline=5.0, joined={A}, expected=None) == ""
+    assert "window ended" in close_reason(now=5.0, deadline=5.0, joined={A}, expected=None)
+
+
+def test_a_group_is_sized_by_its_slowest_member_and_needs_min_group_size():
+    cfg = AveragerConfig(codec="none", min_group_size=2, base_timeout_s=3.0, timeout_slack=4.0, slice_align=1)
+    joins = {B: AvgJoin(round_key="k", numel=1000, bandwidth=10e6), A: AvgJoin(round_key="k", numel=1000, bandwidth=1e6)}
+    g, why = form_group(joins, 1000, cfg, {}, "gid")
+    assert g.members == (A, B) and g.bounds[-1] == 1000
+    # 2 members, fp32: each moves 2·(1/2)·1000·4 bytes per phase at the slowest 1 MB/s
+    assert g.deadline_s == pytest.approx(3.0 + 4.0 * 4000 / 1e6)
+    assert "slowest 1.0 MB/s" in why
+    # the faster member gets the larger slice (half-octave steps: 10x the bandwidth -> 2^3.5)
+    assert g.bounds[2] - g.bounds[1] > 10 * (g.bounds[1] - g.bounds[0])
+    alone, why = form_group({A: joins[A]}, 1000, cfg, {}, "gid")
+    assert alone is None and "too few" in why
+
+
+# ---- a follower's search ----------------------------------------------------------------------
+
+
+def test_the_last_rounds_leader_is_asked_first_else_the_dht_is():
+    assert Search(B, "k", deadline=10, last_members=(A, B, C)).next().action == "call"
+    assert Search(B, "k", deadline=10, last_members=(A, B, C)).next().target == A
+    assert Search(B, "k", deadline=10, last_members=(A, C)).next().action == "lookup"  # we were not in it
+    s = Search(B, "k", deadline=10)
+    step = s.found({C, D})
+    assert step.action == "lead"  # nobody smaller wants the key
+    step = Search(B, "k", deadline=10).found({A, C})
+    assert (step.action, step.target) == ("call", A)
+
+
+def test_a_failed_leader_is_retried_once_then_skipped_and_a_timeout_is_not_retried():
+    s = Search(C, "k", deadline=10)
+    s.found({A, B})
+    step = s.call_failed(now=1.0, timed_out=False)
+    assert (step.action, step.target, step.wait_s) == ("call", A, RETRY_S)  # a stream can close under load
+    step = s.call_failed(now=1.2, timed_out=False)
+    assert step.action == "lookup" and A in s.excluded
+    assert s.found({A, B}).target == B  # A is not asked again
+    step = s.call_failed(now=2.0, timed_out=True)
+    assert step.action == "lookup" and B in s.excluded
+    assert s.found({A, B}).action == "lead"
+
+
+def test_a_search_past_its_deadline_fails():
+    s = Search(C, "k", deadline=10)
+    s.found({A})
+    step = s.call_failed(now=10.5, timed_out=True)
+    assert step.action == "fail" and not step.late and "before the join deadline" in step.reason
+
+
+def test_redirects_are_followed_but_not_forever():
+    s = Search(D, "k", deadline=10)
+    s.found({B})
+    s.excluded.add(A)  # an earlier call to A failed...
+    step = s.answered(AvgGroup(status="redirect", redirect=A), now=1.0)
+    assert (step.action, step.target) == ("call", A)  # ...but the others follow it: try again
+    assert A not in s.excluded
+    for i in range(MAX_REDIRECTS - 1):  # 16 redirects in all
+        step = s.answered(AvgGroup(status="redirect", redirect=B if i % 2 == 0 else A), now=1.0)
+    assert step.action == "call"
+    step = s.answered(AvgGroup(status="redirect", redirect=C), now=1.0)  # one too many: look again
+    assert (step.action, step.wait_s) == ("lookup", LOOK_AGAIN_S)
+    s.found({A, B, C})
+    step = s.answered(AvgGroup(status="redirect", redirect=s.target), now=11.0)  # to itself, late
+    assert step.action == "fail" and step.late
+
+
+def test_not_averaging_yet_spares_a_predicted_leader_but_not_one_found_in_the_dht():
+    s = Search(B, "k", deadline=10, last_members=(A, B))
+    step = s.answered(AvgGroup(status="closed", reason="not averaging this key"), now=1.0)
+    assert step.action == "lookup" and A not in s.excluded  # it may just not have started yet
+    s.found({A})
+    step = s.answered(AvgGroup(status="closed", reason="not averaging this key"), now=2.0)
+    assert step.action == "lookup" and A in s.excluded  # found there, yet not averaging: gone
+    s.found({A})
+    step = s.answered(AvgGroup(status="closed", reason="not averaging this key"), now=10.1)
+    assert step.action == "fail" and step.late
+
+
+def test_a_group_or_a_closed_group_ends_the_search():
+    s = Search(B, "k", deadline=10)
+    s.found({A})
+    assert s.answered(group(A, B), now=1.0).action == "done"
+    step = s.answered(AvgGroup(status="closed", reason="the group already formed"), now=1.0)
+    assert step.action == "fail" and step.late and "too late for round k" in step.reason
+    s.found({A})
+    assert s.answered("garbage", now=1.0).action == "lookup" and A in s.excluded
+
+
+# ---- a leader's lobby ------------------------------------------------------------------------
+
+
+def test_a_lobby_answers_joins_by_its_state():
+    lobby = Lobby("k", numel=10, codec="int8", window=5)
+    join = AvgJoin(round_key="k", numel=10, codec="int8")
+    assert lobby.answer(B, join) is None  # waits for the group
+    with pytest.raises(RPCError, match="elements"):
+        lobby.answer(B, AvgJoin(round_key="k", numel=11, codec="int8"))
+    with pytest.raises(RPCError, match="codec"):
+        lobby.answer(B, AvgJoin(round_key="k", numel=10, codec="fp16"))
+    lobby.group = group(A, B)
+    assert lobby.answer(B, join) is lobby.group  # a member asking again: its answer was lost
+    assert lobby.answer(C, join).status == "closed"
+    lobby.follow(A)
+    assert lobby.answer(C, join).redirect == A
+
+
+# ---- the leader's decisions ------------------------------------------------------------------
+
+
+def test_the_scatter_decision_excludes_the_liar_and_aborts_below_min_group_size():
+    reports = {
+        A: AvgReport(group_id="g", phase="scatter", received_from=(B,), blamed=(C,), reasons=("NaN",)),
+        B: AvgReport(group_id="g", phase="scatter", received_from=(A,), blamed=(C,), reasons=("NaN",)),
+        C: AvgReport(group_id="g", phase="scatter", received_from=(A, B)),
+    }
+    d = decide_scatter("g", (A, B, C), reports, min_group_size=2)
+    assert d.commit and d.survivors == (A, B) and d.owners == (A, B, A) and "NaN" in d.reason
+    d = decide_scatter("g", (A, B, C), reports, min_group_size=3)
+    assert not d.commit and "NaN" in d.reason
+
+
+def test_the_commit_needs_every_survivor_holding_every_slice():
+    ok = AvgReport(group_id="g", phase="gather", ok=True)
+    d = decide_commit("g", (A, B), (A, B), (A, B), {A: ok, B: ok})
+    assert d.commit and d.survivors == (A, B)
+    d = decide_commit("g", (A, B), (A, B), (A, B), {A: ok})
+    assert not d.commit and "did not report" in d.reason
+    bad = AvgReport(group_id="g", phase="gather", ok=False, blamed=(A,), reasons=("slice 0 never arrived",))
+    d = decide_commit("g", (A, B), (A, B), (A, B), {A: ok, B: bad})
+    assert not d.commit and "slice 0 never arrived" in d.reason
+
+
+def test_sends_are_paced_only_to_a_declared_rate_over_direct_links():
+    assert choose_pace(AveragerConfig(), True) == (None, "no bandwidth declared")
+    rate, why = choose_pace(AveragerConfig(bandwidth=12.5e6), True)
+    assert rate == pytest.approx(0.92 * 12.5e6) and "declared" in why
+    assert choose_pace(AveragerConfig(bandwidth=12.5e6), False)[0] is None
+    assert choose_pace(AveragerConfig(bandwidth=12.5e6, pace=False), True)[0] is None
+    assert choose_pace(AveragerConfig(bandwidth=1e9), True)[0] is None  # the CPU sets the pace
+
+
+def test_bandwidth_is_learned_from_rounds_big_enough_to_tell():
+    assert learn_bandwidth(None, {"scatter": 0.01, "gather": 0.01}, 10 << 20).value is None
+    assert learn_bandwidth(5e6, {"scatter": 1.0, "gather": 1.0}, 1000).value == 5e6
+    first = learn_bandwidth(None, {"scatter": 1.0, "gather": 1.0}, 20_000_000).value
+    assert first == pytest.approx(10e6)
+    assert learn_bandwidth(first, {"scatter": 1.0, "gather": 1.0}, 40_000_000).value == pytest.approx(0.7 * 10e6 + 0.3 * 20e6)
+    assert learn_flow_rate(None, 2 << 20, 1.0, paced=True).value is None  # a paced send says only what it was told
+    assert learn_flow_rate(None, 2 << 20, 1.0, paced=False).value == pytest.approx(2 << 20)
+    assert math.isclose(learn_flow_rate(1e6, 100, 1.0, paced=False).value, 1e6)
