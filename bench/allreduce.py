@@ -13,7 +13,7 @@ monotonic time ("go"). Per row, medians over `--rounds`:
 - allreduce_seconds: the data phase alone; matchmaking_seconds: forming the group.
 
 Implementations:
-- swarmtrain: node/averaging.py's Averager, one `average()` per round (matchmaking included;
+- swarmtrain: node.averaging's Averager, one `average()` per round (matchmaking included;
   its phases from the report). Bytes: payload bytes_sent from its report. Error
   feedback zeroed in "prepare" (untimed), so each round is measured against its own exact mean;
 - hivemind: DecentralizedAverager set up as hivemind's benchmarks/benchmark_averaging.py does,
@@ -97,10 +97,10 @@ def free_port() -> int:
 
 
 def have_swarmtrain_averager() -> str | None:
-    """None if node/averaging.py can be used, else why not."""
+    """None if node.averaging can be used, else why not."""
     try:
         if importlib.util.find_spec("node.averaging") is None:
-            return "node/averaging.py does not exist yet"
+            return "node.averaging cannot be found"
     except ImportError as e:
         return f"node package cannot be imported: {e}"
     return None

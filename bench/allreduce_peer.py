@@ -282,7 +282,7 @@ class HivemindArm(Arm):
 
 
 class SwarmtrainArm(Arm):
-    """Our averager (node/averaging.py) over our libp2p host and transport, on its own event loop thread."""
+    """Our averager (node.averaging) over our libp2p host and transport, on its own event loop thread."""
 
     def setup(self) -> dict:
         import asyncio

@@ -15,10 +15,6 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
 
 
-def have_our_averager() -> bool:
-    return (ROOT / "node" / "averaging.py").exists()
-
-
 def marked_pids(marker: str) -> list[int]:
     """Processes whose environment carries `marker` (every peer, DHT, averager and p2pd of one bench run)."""
     needle = f"STB_TEST_MARKER={marker}".encode()
@@ -61,7 +57,7 @@ def bench(*args: str, marker: str, timeout: float = 240) -> subprocess.Completed
 
 def test_allreduce_bench_json_loopback():
     # int8 only (plus gloo's fp32 anchor): one arm per implementation keeps this under a minute
-    impls = "gloo,hivemind" + (",swarmtrain" if have_our_averager() else "")
+    impls = "gloo,hivemind,swarmtrain"
     marker = uuid.uuid4().hex
     out = bench("--json", "--size-mb", "2", "--peers", "2", "--rounds", "1", "--impls", impls, "--codecs", "int8", marker=marker)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
@@ -85,22 +81,19 @@ def test_allreduce_bench_json_loopback():
     assert "int8" in result["ratios"]["hivemind/gloo"]
 
     ours = rows["swarmtrain", "int8"]
-    if have_our_averager():
-        assert ours["status"] == "ok", ours
-        assert ours["members"] == 2 and 0 < ours["seconds_per_round"] < 60
-        assert ours["rel_error"] < 0.1
-        assert ours["schedule"] == "in turn"  # nobody told the peers a link rate: nothing to pace to
-        # measured payload: one int8 slice out and one back, ~1/4 of fp32 plus a scale per block
-        assert gloo["bytes_per_peer"] / 4 <= ours["bytes_per_peer"] < gloo["bytes_per_peer"] / 3
-        assert "int8" in result["ratios"]["swarmtrain/gloo"] and "int8" in result["ratios"]["swarmtrain/hivemind"]
-    else:
-        assert ours["status"] == "skipped"
+    assert ours["status"] == "ok", ours
+    assert ours["members"] == 2 and 0 < ours["seconds_per_round"] < 60
+    assert ours["rel_error"] < 0.1
+    assert ours["schedule"] == "in turn"  # nobody told the peers a link rate: nothing to pace to
+    # measured payload: one int8 slice out and one back, ~1/4 of fp32 plus a scale per block
+    assert gloo["bytes_per_peer"] / 4 <= ours["bytes_per_peer"] < gloo["bytes_per_peer"] / 3
+    assert "int8" in result["ratios"]["swarmtrain/gloo"] and "int8" in result["ratios"]["swarmtrain/hivemind"]
     assert leftovers(marker) == []
 
 
 def test_allreduce_bench_netns_or_skipped():
     marker = uuid.uuid4().hex
-    impls = "gloo" + (",swarmtrain" if have_our_averager() else "")
+    impls = "gloo,swarmtrain"
     out = bench("--json", "--netns", "--size-mb", "1", "--peers", "2", "--rounds", "1", "--impls", impls, "--codecs", "int8", "--no-link-check", marker=marker)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
     result = json.loads(out.stdout)
@@ -114,10 +107,10 @@ def test_allreduce_bench_netns_or_skipped():
     assert gloo["bound_seconds"] == pytest.approx(2 * 1 / 2 * (1 << 20) * 8 / 100e6, rel=1e-3)
     assert 0.9 < gloo["ratio_to_bound"] < 20
     assert gloo["wire_bytes_per_peer"] >= gloo["bytes_per_peer"]  # headers and ACKs come on top
-    if have_our_averager():  # told its link rate (the default), each peer paces its parts to 92% of it
-        assert result["config"]["declared_bandwidth"] == 100e6 / 8
-        ours = rows["swarmtrain"]
-        assert ours["status"] == "ok" and ours["rel_error"] < 0.1 and ours["schedule"] == "paced", ours
+    # told its link rate (the default), each peer paces its parts to 92% of it
+    assert result["config"]["declared_bandwidth"] == 100e6 / 8
+    ours = rows["swarmtrain"]
+    assert ours["status"] == "ok" and ours["rel_error"] < 0.1 and ours["schedule"] == "paced", ours
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     assert not [line for line in namespaces.splitlines() if line.startswith(f"stb{out.pid}-")]
     assert leftovers(marker) == []
