@@ -204,7 +204,7 @@ class HivemindArm(Arm):
         self.averager = DecentralizedAverager(
             self.work,
             self.dht,
-            namespace=f"bench_{codec}",
+            prefix=f"bench_{codec}",
             target_group_size=self.n,
             min_group_size=self.n,  # a round counts only with every peer in it
             min_matchmaking_time=self.cfg["hivemind_min_matchmaking_time"],
