@@ -476,8 +476,7 @@ class Transport:
                         else:
                             async for msg in result:
                                 await _write(writer, _with_id(msg, request_id), self.config.max_frame_size)
-                    if not isinstance(request, Ping):  # a ping proves a peer alive, not well-behaved
-                        self.scores.reward(peer_id)
+                    self.scores.reward(peer_id)
                     ok = True
                 except RemoteProtocolError as e:
                     self.stats["bad_frames"] += 1
