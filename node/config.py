@@ -190,6 +190,7 @@ class TransportSettings:
     max_bytes_in_flight_per_peer: int | None = None  # bytes of one peer's requests held in memory at once; at least the frame size limit
     ban_score: float | None = None  # a peer whose score falls to this (< 0; a new peer has 0) is refused for ban_s
     ban_s: float | None = None  # seconds of a peer's first ban; each further ban doubles it
+    score_window_s: float | None = None  # seconds a penalty counts against a peer (its score recovers with time, never with calls)
     direct_connect_s: float | None = None  # seconds for a whole direct TCP connection attempt
     direct_retry_s: float | None = None  # seconds that a peer's traffic stays on libp2p after a failed direct attempt
     direct_congestion: str | None = None  # TCP congestion control of direct connections (cubic, bbr, ...); "": the kernel's default
@@ -206,7 +207,7 @@ _TRANSPORT_CHECKS: dict[str, Check] = {
     "call_timeout_s": positive, "handler_timeout_s": positive, "request_read_timeout_s": positive,
     "max_concurrent_per_peer": at_least(1), "max_bytes_in_flight_per_peer": at_least(1),
     "ban_score": lambda v: None if -math.inf < v < 0 else "must be < 0 and finite", "ban_s": non_negative,
-    "direct_connect_s": positive, "direct_retry_s": non_negative,
+    "score_window_s": positive, "direct_connect_s": positive, "direct_retry_s": non_negative,
     "direct_congestion": lambda v: None if re.fullmatch(r"[A-Za-z0-9_-]{0,15}", v) else "must be a congestion control name like cubic or bbr",
 }  # fmt: skip
 

@@ -25,9 +25,9 @@ import dataclasses
 import logging
 import os
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protocol import Decoder, DirectAddress, DirectOpen, Error, Message, Ping, Pong, Probe, RemoteProtocolError
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, encode_buffers
@@ -83,6 +83,9 @@ class TransportConfig:
     max_bytes_in_flight_per_peer: int = 256 << 20  # request bytes of one peer held in our memory at once (received, not yet handled)
     ban_score: float = -10.0  # a peer at or below this score is refused for `ban_s`
     ban_s: float = 60.0  # first ban; doubles with each further ban
+    # a peer's score is minus its penalties of the last `score_window_s`: it recovers with time,
+    # never with calls (a peer that sends bad input cannot wash its score with cheap valid calls)
+    score_window_s: float = 600.0
     pipe_idle_s: float = 300.0  # a pipe with no call for this long is closed (by the server; callers reuse one for half of it)
     pipes_per_peer: int = 4  # idle pipes kept open to one peer
     # pipes go over direct TCP (sealed, see node/direct.py) where the peer can be reached, else
@@ -100,7 +103,7 @@ class TransportConfig:
 
 @dataclass
 class _PeerState:
-    score: float = 0.0
+    penalties: deque[tuple[float, float]] = field(default_factory=deque)  # (when, amount), within the score window
     active: int = 0
     bytes_in_flight: int = 0
     banned_until: float = 0.0
@@ -117,22 +120,24 @@ class PeerScores:
 
     def penalize(self, peer_id: str, amount: float, now: float) -> None:
         st = self.peers[peer_id]
-        st.score -= amount
-        if st.score <= self.config.ban_score:
+        st.penalties.append((now, amount))
+        if self._score(st, now) <= self.config.ban_score:
             st.banned_until = now + self.config.ban_s * (2**st.bans)
             st.bans += 1
-            st.score = 0.0
+            st.penalties.clear()
 
-    def reward(self, peer_id: str, amount: float = 0.1) -> None:
-        st = self.peers[peer_id]
-        st.score = min(st.score + amount, 5.0)
+    def _score(self, st: _PeerState, now: float) -> float:
+        while st.penalties and st.penalties[0][0] <= now - self.config.score_window_s:
+            st.penalties.popleft()
+        return -sum(amount for _, amount in st.penalties)
 
     def banned(self, peer_id: str, now: float) -> float:
         """Seconds of ban left (0: not banned)."""
         return max(0.0, self.peers[peer_id].banned_until - now)
 
-    def score(self, peer_id: str) -> float:
-        return self.peers[peer_id].score
+    def score(self, peer_id: str, now: float | None = None) -> float:
+        """Minus the peer's penalties within the score window (0: none)."""
+        return self._score(self.peers[peer_id], time.monotonic() if now is None else now)
 
 
 class CallContext:
@@ -476,7 +481,6 @@ class Transport:
                         else:
                             async for msg in result:
                                 await _write(writer, _with_id(msg, request_id), self.config.max_frame_size)
-                    self.scores.reward(peer_id)
                     ok = True
                 except RemoteProtocolError as e:
                     self.stats["bad_frames"] += 1

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from node.transport import RPC_PROTOCOL, CallTimeout, RemoteError, RPCError, Transport, TransportConfig
+from node.transport import RPC_PROTOCOL, CallTimeout, PeerScores, RemoteError, RPCError, Transport, TransportConfig
 from protocol import Ack, Decoder, Error, Ping, Pong, StateChunk
 from tests.swarm import start_hosts
 
@@ -93,6 +93,40 @@ def test_repeated_garbage_gets_a_peer_banned_and_others_keep_being_served():
         assert server.stats["bad_frames"] == 5
 
     run(scenario, n_hosts=3, ban_score=-10.0)
+
+
+def test_valid_calls_between_bad_frames_do_not_wash_a_score():
+    """A peer that sends a bad frame, then many cheap valid calls, again and again, is banned
+    after as many bad frames as one that sends only bad frames."""
+
+    async def scenario(server, clients):
+        (bad,) = clients
+        for k in range(5):
+            if k:  # cheap valid calls between bad frames
+                for _ in range(30):
+                    assert isinstance(await bad.call(server.peer_id, Ping(), timeout=10), Pong)
+            reader, writer = await bad.host.open_stream(server.peer_id, RPC_PROTOCOL)
+            writer.write(b"\x00\x00\x00\x03abc")
+            await writer.drain()
+            (reply,) = Decoder().feed(await asyncio.wait_for(reader.read(1 << 16), 10))
+            writer.close()
+            assert reply.code == "bad_request"
+        with pytest.raises(RemoteError, match="banned"):
+            await bad.call(server.peer_id, Ping(), timeout=10)
+
+    run(scenario, ban_score=-10.0)
+
+
+def test_penalties_count_for_a_window_of_time_then_are_forgiven():
+    scores = PeerScores(TransportConfig(ban_score=-10.0, score_window_s=100.0))
+    scores.penalize("p", 6.0, now=0.0)
+    scores.penalize("p", 2.0, now=50.0)
+    assert scores.score("p", now=60.0) == -8.0
+    scores.penalize("p", 3.0, now=101.0)  # the first penalty is forgiven by now: -5
+    assert not scores.banned("p", 101.0) and scores.score("p", now=101.0) == -5.0
+    scores.penalize("p", 5.0, now=102.0)  # -10: banned, and the slate is clean after the ban
+    assert scores.banned("p", 102.0) == pytest.approx(TransportConfig().ban_s)
+    assert scores.score("p", now=102.0) == 0.0
 
 
 def test_every_call_has_a_deadline():

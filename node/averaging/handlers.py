@@ -71,6 +71,13 @@ class RoundHandlers:
             if phase != "early":  # a broken early slice is just not used: the commit says if it is missing
                 rnd.blamed.setdefault(sender, f"bad {phase} part: {e}")
                 rnd.arrived.set()
+            # one penalty per sender and round, at every receiver alike: how many of a sender's
+            # bad parts reach us before the round is decided is a race, and a ban must not
+            # depend on it (else one receiver bans, the sender is left out of its groups, and
+            # the other receivers never see enough to ban it)
+            if sender in rnd.refused:
+                raise RPCError("bad_request", str(e)) from None
+            rnd.refused.add(sender)
             raise
         if phase == "scatter":
             rnd.received.setdefault((phase, j), {})[sender] = tensor

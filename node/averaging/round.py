@@ -39,6 +39,7 @@ class Round:
     started: float = field(default_factory=time.monotonic)
     received: dict[tuple[str, int], dict[str, torch.Tensor]] = field(default_factory=dict)  # (phase, slice) -> sender -> part
     blamed: dict[str, str] = field(default_factory=dict)  # sender -> reason
+    refused: set[str] = field(default_factory=set)  # senders whose bad input this round already scored down
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     reports: dict[str, dict[str, AvgReport]] = field(default_factory=lambda: {"scatter": {}, "gather": {}})
     reported: dict[str, asyncio.Event] = field(default_factory=lambda: {"scatter": asyncio.Event(), "gather": asyncio.Event()})
