@@ -6,7 +6,7 @@ import math
 import pytest
 
 from node.averaging.config import AveragerConfig
-from node.averaging.decisions import choose_pace, close_reason, decide_commit, decide_scatter, form_group, learn_bandwidth, learn_flow_rate
+from node.averaging.decisions import Liveness, choose_pace, close_reason, decide_commit, decide_scatter, form_group, learn_bandwidth, learn_flow_rate
 from node.averaging.matchmaking import LOOK_AGAIN_S, MAX_REDIRECTS, RETRY_S, Lobby, Search
 from node.transport import RPCError
 from protocol import AvgGroup, AvgJoin, AvgReport
@@ -181,3 +181,27 @@ def test_bandwidth_is_learned_from_rounds_big_enough_to_tell():
     assert learn_flow_rate(None, 2 << 20, 1.0, paced=True).value is None  # a paced send says only what it was told
     assert learn_flow_rate(None, 2 << 20, 1.0, paced=False).value == pytest.approx(2 << 20)
     assert math.isclose(learn_flow_rate(1e6, 100, 1.0, paced=False).value, 1e6)
+
+
+def test_a_leader_that_stops_answering_probes_is_silent_after_two_misses():
+    live = Liveness()
+    assert live.probe_timeout() == pytest.approx(2.0)  # nothing measured yet
+    live.answered(0.002)
+    assert live.probe_timeout() == pytest.approx(1.5)  # 10x a loopback round trip, at least 1.5 s
+    live.unanswered()
+    assert live.silent() == ""  # one lost probe is not enough
+    live.answered(0.004)  # it answered again: the count starts over
+    live.unanswered()
+    assert live.silent() == ""
+    live.unanswered()
+    assert "2 probes in a row" in live.silent()
+
+
+def test_a_slow_but_steady_peer_gets_probes_that_wait_for_it():
+    live = Liveness()
+    for _ in range(10):
+        live.answered(0.4)  # a peer 0.4 s away
+    assert live.probe_timeout() == pytest.approx(4.0)
+    for _ in range(10):
+        live.answered(2.0)
+    assert live.probe_timeout() == pytest.approx(5.0)  # capped: silence is still found in seconds

@@ -50,3 +50,32 @@ def test_a_taken_message_type_is_refused_and_a_group_registers_all_or_nothing():
                 await h.shutdown()
 
     asyncio.run(main())
+
+
+def test_pings_earn_no_reputation():
+    """Followers probe their leader every half second while they wait: if each ping counted as
+    good behaviour, a peer sending bad parts would talk its way out of a ban."""
+
+    async def main():
+        server_host, client_host = await start_hosts(2)
+        server, client = Transport(server_host), Transport(client_host)
+
+        async def ok(ctx):
+            return Ack()
+
+        try:
+            await server.start()
+            await client.start()
+            for _ in range(5):
+                await client.ping(server.peer_id, timeout=10)
+            assert server.scores.score(client.peer_id) == 0.0
+            server.on(CheckpointQuery, ok)
+            await client.call(server.peer_id, CheckpointQuery(), timeout=10)
+            assert server.scores.score(client.peer_id) > 0.0
+        finally:
+            await client.close()
+            await server.close()
+            for h in (server_host, client_host):
+                await h.shutdown()
+
+    asyncio.run(main())

@@ -86,6 +86,46 @@ def form_group(
     return group, f"{n} members; slowest {min(bws) / 1e6:.1f} MB/s: {expected_s:.2f} s per phase expected, deadline {deadline_s:.2f} s"
 
 
+# ---- matchmaking: is the leader we wait on still there? ----------------------------------------
+
+
+@dataclass
+class Liveness:
+    """Whether a peer we wait on (a leader holding our join until its group forms) still
+    answers, judged from probes (pings) and their measured round trips. A frozen, suspended or
+    cut-off peer answers nothing: after `misses` probes in a row go unanswered, it is silent,
+    and the follower moves on to the next candidate instead of waiting out the join call's own
+    timeout (three join windows: tens of seconds). A probe waits `factor` × the peer's measured
+    round trip, within [min_timeout_s, max_timeout_s], so a slow but steady peer keeps its
+    place."""
+
+    rtt: float | None = None  # seconds, EMA of the answered probes (None: none yet)
+    missed: int = 0  # probes in a row without an answer
+    interval_s: float = 0.5  # between one probe's end and the next (the first goes at once)
+    misses: int = 2
+    factor: float = 10.0
+    min_timeout_s: float = 1.5
+    max_timeout_s: float = 5.0
+
+    def probe_timeout(self) -> float:
+        if self.rtt is None:
+            return 2.0
+        return min(max(self.factor * self.rtt, self.min_timeout_s), self.max_timeout_s)
+
+    def answered(self, rtt: float) -> None:
+        self.missed = 0
+        self.rtt = rtt if self.rtt is None else 0.7 * self.rtt + 0.3 * rtt
+
+    def unanswered(self) -> None:
+        self.missed += 1
+
+    def silent(self) -> str:
+        """Why the peer counts as gone ("": it does not)."""
+        if self.missed >= self.misses:
+            return f"{self.missed} probes in a row unanswered (each waited {self.probe_timeout():.1f} s)"
+        return ""
+
+
 # ---- after the scatter: who survives, who owns what ------------------------------------------
 
 

@@ -29,7 +29,7 @@ from protocol.records import MemberRecord
 
 from ..transport import NETWORK_ERRORS, CallContext, CallTimeout, RPCError
 from .config import MAX_EARLY_KEYS, AverageReport, AveragerConfig, RoundFailed
-from .decisions import close_reason, form_group
+from .decisions import Liveness, close_reason, form_group
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,7 @@ class Matchmaker:
         self.closed_keys: dict[str, float] = {}  # round keys we finished recently -> when
         self.key_started: dict[str, asyncio.Event] = {}  # keys joins wait for us to start averaging
         self.last_members: tuple[str, ...] = ()  # the last group we completed a round with
+        self.rtts: dict[str, float] = {}  # peer -> measured probe round trip, seconds (see `Liveness`)
         self.joins_to_lose = averager.faults.lose_join_replies
 
     def dht_key(self, key: str) -> str:
@@ -227,7 +228,7 @@ class Matchmaker:
                 lobby.follow(step.target)
                 try:
                     # a leader answers by the end of its own window, which may be longer than ours
-                    reply = await avg.transport.call(step.target, join, timeout=3 * window + 2 * self.config.decision_grace_s)
+                    reply = await self._call_leader(step.target, join, timeout=3 * window + 2 * self.config.decision_grace_s)
                 except NETWORK_ERRORS as e:
                     log.debug("matchmaking %s: %s unusable as leader: %s", key, step.target[-8:], e)
                     step = search.call_failed(time.monotonic(), isinstance(e, CallTimeout))
@@ -241,6 +242,36 @@ class Matchmaker:
                 return step.group
             else:
                 raise RoundFailed(step.reason, late=step.late)
+
+    async def _call_leader(self, target: str, join: AvgJoin, timeout: float) -> object:
+        """The join call to `target`, while probing that it is still there (`Liveness`): a
+        leader that stops answering is given up on within seconds (CallTimeout), not after the
+        call's own timeout."""
+        transport = self.avg.transport
+        call = asyncio.create_task(transport.call(target, join, timeout=timeout))
+        live = Liveness(rtt=self.rtts.get(target))
+        try:
+            while True:
+                probe = asyncio.create_task(transport.ping(target, timeout=live.probe_timeout()))
+                await asyncio.wait([call, probe], return_when=asyncio.FIRST_COMPLETED)
+                if call.done():
+                    probe.cancel()
+                    await asyncio.gather(probe, return_exceptions=True)
+                    return call.result()
+                try:
+                    live.answered(probe.result())
+                    self.rtts[target] = live.rtt
+                except NETWORK_ERRORS:
+                    live.unanswered()
+                if why := live.silent():
+                    raise CallTimeout(f"leader {target[-8:]} went silent: {why}")
+                done, _ = await asyncio.wait([call], timeout=live.interval_s)
+                if done:
+                    return call.result()
+        finally:
+            if not call.done():
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
 
     async def candidates(self, key: str) -> set[str]:
         """Peers whose valid record says they want this key."""

@@ -1,0 +1,56 @@
+"""Peers that stop without dying (SIGSTOP: a closed laptop lid, a paused VM): real averaging
+peers in their own processes, real p2pd. A frozen leader costs its followers seconds, not the
+join call's own timeout, and is back in rounds once it resumes."""
+
+import os
+import signal
+
+import pytest
+
+from tests.swarm import session_pids
+from tests.test_swarm_averaging import Peer, run_round
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+
+def freeze(p: Peer) -> None:
+    for pid in session_pids(p.proc.pid):  # the peer, its DHT process and its p2pd
+        os.kill(pid, signal.SIGSTOP)
+
+
+def thaw(p: Peer) -> None:
+    for pid in session_pids(p.proc.pid):
+        os.kill(pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def trio(tmp_path):
+    first = Peer("f0", [], tmp_path)
+    ps = [first] + [Peer(f"f{i}", [first.maddr], tmp_path) for i in (1, 2)]
+    yield ps
+    for p in ps:
+        thaw(p)
+    leftovers = {p.name: p.close() for p in ps}
+    assert not any(leftovers.values()), leftovers
+
+
+def test_followers_of_a_frozen_leader_form_their_own_group_within_the_window(trio):
+    # the join call to a leader waits up to 3 windows + grace (here 34 s); the window is 10 s
+    for p in trio:
+        p.configure(join_timeout_s=10.0)
+    first = run_round(trio, "frozen-0", 20_000)
+    assert all(r["ok"] for r in first.values()), first
+    leader = min(trio, key=lambda p: p.peer_id)
+    assert all(r["leader"] == leader.peer_id for r in first.values())
+    others = [p for p in trio if p is not leader]
+    freeze(leader)
+    # the followers ask the last round's leader first: it never answers, its probes neither
+    second = run_round(others, "frozen-1", 20_000, expected=2)
+    for name, r in second.items():
+        assert r["ok"], (name, r)
+        assert sorted(r["members"]) == sorted(p.peer_id for p in others)
+        assert r["sha"] == second[others[0].name]["sha"]
+    thaw(leader)
+    third = run_round(trio, "frozen-2", 20_000)
+    assert all(r["ok"] for r in third.values()), third
+    assert all(sorted(r["members"]) == sorted(p.peer_id for p in trio) for r in third.values())
