@@ -44,6 +44,7 @@ from .faults import Faults
 from .config import averager_config
 from .diloco import InnerTrainer, OuterOptimizer, copy_into, state_hash
 from .membership import read_members
+from .pause import PauseWatch
 from .model import GPT, GPTConfig, init_model
 from .runconfig import RunConfig, RunConfigError, run_config_of  # noqa: F401 (re-exported)
 from .state_server import CheckpointServer, DirectorySource
@@ -121,6 +122,7 @@ class Replica(Role):
         self.history: list[dict[str, Any]] = []
         self._stop = False
         self._uploads: set[asyncio.Task] = set()
+        self.pauses = PauseWatch()
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -132,11 +134,15 @@ class Replica(Role):
             raise RoleError(str(e)) from None
 
     async def run(self) -> None:
+        watch = asyncio.create_task(self.pauses.run(), name="pause-watch")
         try:
             await self._train()
         except asyncio.CancelledError:
             self._stop = True  # the training thread returns between inner steps
             raise
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
 
     async def _train(self) -> None:
         threads = self.node_config.threads or max(1, (os.cpu_count() or 2) - 1)
@@ -188,6 +194,15 @@ class Replica(Role):
         if self._stop:
             return
         t_inner = time.monotonic() - t0
+        paused = self.pauses.paused_since(t0)
+        if paused:
+            # frozen (SIGSTOP, a suspended machine): the swarm has most likely moved on. Its
+            # state, hash-verified, instead of a round nobody else is in; and the pause is no
+            # measure of how long our inner phase takes (it sizes the join window below)
+            t_inner = max(t_inner - paused, 0.0)
+            log.warning("outer step %d: woke up after a pause of %.0f s; looking for the swarm's state", self.round, paused)
+            if await self._adopt_if_behind():
+                return
         pseudo = self.outer.pseudo_gradient(self.model.parameters())
         expected = await self._replica_ids()
         key = f"outer-{self.round}-{self.hash[:8]}"
@@ -373,16 +388,19 @@ class Replica(Role):
         """After a failed round: if the other replicas got further, take their state."""
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not self._stop:
-            states = await self._peer_states()
-            best = choose_state((self.round, self.hash), states)
-            if best is not None:
-                for peer, s in states.items():
-                    if s == best and await self._download_and_adopt(peer, best[0]):
-                        return True
-            if states and all(s == (self.round, self.hash) for s in states.values()):
-                # every peer is where we are; wait for one of them to finish the round, or time out
-                pass
+            if await self._adopt_if_behind():
+                return True
             await asyncio.sleep(1.0)
+        return False
+
+    async def _adopt_if_behind(self) -> bool:
+        """One look at the other replicas' states; take theirs if it is ahead of ours."""
+        states = await self._peer_states()
+        best = choose_state((self.round, self.hash), states)
+        if best is not None:
+            for peer, s in states.items():
+                if s == best and await self._download_and_adopt(peer, best[0]):
+                    return True
         return False
 
     async def _replica_ids(self) -> set[str]:
