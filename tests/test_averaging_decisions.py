@@ -103,10 +103,26 @@ def test_not_averaging_yet_spares_a_predicted_leader_but_not_one_found_in_the_dh
     assert step.action == "lookup" and A not in s.excluded  # it may just not have started yet
     s.found({A})
     step = s.answered(AvgGroup(status="closed", reason="not averaging this key"), now=2.0)
-    assert step.action == "lookup" and A in s.excluded  # found there, yet not averaging: gone
+    assert A in s.excluded  # found there, yet not averaging: gone
+    assert step.action == "lead"  # and we are what is left of the last group
+    s = Search(C, "k", deadline=10)
     s.found({A})
     step = s.answered(AvgGroup(status="closed", reason="not averaging this key"), now=10.1)
     assert step.action == "fail" and step.late
+
+
+def test_when_the_last_leader_is_gone_the_next_member_of_the_last_group_is_asked_not_the_dht():
+    """While a peer is silent, DHT look-ups can take seconds (they ask its DHT node too): the
+    survivors of the last group find each other without it."""
+    c = Search(C, "k", deadline=10, last_members=(A, B, C))
+    b = Search(B, "k", deadline=10, last_members=(A, B, C))
+    assert c.next().target == A and b.next().target == A
+    assert (c.call_failed(now=4.5, timed_out=True).action, c.target) == ("call", B)
+    assert b.call_failed(now=4.5, timed_out=True).action == "lead"
+    # B, asked by C, is gone too: C is what is left of the last group
+    assert c.call_failed(now=5.0, timed_out=True).action == "lead"
+    d = Search(D, "k", deadline=10, last_members=(A, D))
+    assert d.call_failed(now=1.0, timed_out=True).action == "lead"
 
 
 def test_a_group_or_a_closed_group_ends_the_search():

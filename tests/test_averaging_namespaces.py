@@ -93,3 +93,20 @@ def test_bad_namespaces_are_refused_by_the_config():
     for bad in ("", "a/b", "x" * 65, "two words"):
         with pytest.raises(ValueError, match="namespace"):
             AveragerConfig(namespace=bad)
+
+
+def test_a_peer_that_went_silent_is_not_waited_for_until_it_joins_again():
+    async def main():
+        from node.transport import Transport
+
+        (host,) = await start_hosts(1)
+        transport = Transport(host)
+        avg = Averager(host, transport, AveragerConfig())
+        mm = avg.matchmaker
+        mm.silent = {"gone": 100.0, "old": 10.0}
+        assert mm.recently_silent(now=120.0) == {"gone"}  # "old" went silent more than a minute ago
+        assert "old" not in mm.silent
+        await transport.close()
+        await host.shutdown()
+
+    asyncio.run(main())

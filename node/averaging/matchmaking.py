@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 MAX_REDIRECTS = 16  # a joiner follows at most this many redirects in one search
 RETRY_S = 0.1  # pause before asking a leader again whose stream closed (once)
 LOOK_AGAIN_S = 0.05  # pause before looking in the DHT again
+SILENT_FOR_S = 60.0  # a leader that went silent on us is not waited for this long (unless it joins)
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,10 @@ class Search:
 
     def __init__(self, me: str, key: str, deadline: float, last_members: Collection[str] = ()):
         self.me, self.key, self.deadline = me, key, deadline
-        # the leader of the last round is most likely the leader of this one
-        self.target: str | None = min(last_members) if me in last_members else None
+        # the leader of the last round is most likely the leader of this one; if it is gone,
+        # the next smallest member of that group (the DHT may be slow while a peer is silent)
+        self.last = set(last_members) if me in last_members else set()
+        self.target: str | None = min(self.last) if self.last else None
         self.predicted = self.target is not None
         self.excluded: set[str] = set()
         self.redirects = 0
@@ -72,8 +75,14 @@ class Search:
         return Next("call", self.target, wait_s=wait_s)
 
     def _drop(self, exclude: bool = True) -> None:
+        """Give up on the target; `exclude`: for good (then the next member of the last
+        group is tried before the DHT)."""
         if exclude and self.target is not None:
             self.excluded.add(self.target)
+            rest = sorted(self.last - self.excluded)
+            if rest:
+                self.target, self.predicted = rest[0], True
+                return
         self.target, self.predicted = None, False
 
     def found(self, candidates: Collection[str]) -> Next:
@@ -189,6 +198,7 @@ class Matchmaker:
         self.key_started: dict[str, asyncio.Event] = {}  # keys joins wait for us to start averaging
         self.last_members: tuple[str, ...] = ()  # the last group we completed a round with
         self.rtts: dict[str, float] = {}  # peer -> measured probe round trip, seconds (see `Liveness`)
+        self.silent: dict[str, float] = {}  # peer -> when it last went silent on us (monotonic)
         self.joins_to_lose = averager.faults.lose_join_replies
 
     def dht_key(self, key: str) -> str:
@@ -243,6 +253,13 @@ class Matchmaker:
             else:
                 raise RoundFailed(step.reason, late=step.late)
 
+    def recently_silent(self, now: float | None = None) -> set[str]:
+        """Peers that went silent on us within SILENT_FOR_S and have not joined us since."""
+        now = time.monotonic() if now is None else now
+        for p in [p for p, t in self.silent.items() if now - t > SILENT_FOR_S]:
+            del self.silent[p]
+        return set(self.silent)
+
     async def _call_leader(self, target: str, join: AvgJoin, timeout: float) -> object:
         """The join call to `target`, while probing that it is still there (`Liveness`): a
         leader that stops answering is given up on within seconds (CallTimeout), not after the
@@ -264,6 +281,7 @@ class Matchmaker:
                 except NETWORK_ERRORS:
                     live.unanswered()
                 if why := live.silent():
+                    self.silent[target] = time.monotonic()
                     raise CallTimeout(f"leader {target[-8:]} went silent: {why}")
                 done, _ = await asyncio.wait([call], timeout=live.interval_s)
                 if done:
@@ -290,11 +308,15 @@ class Matchmaker:
     async def _lead(self, lobby: Lobby, own: AvgJoin, deadline: float, expected: int | Collection[str] | None, excluded: set[str]) -> str | None:
         """Lead until the window closes (form the group) or a smaller peer shows up (return it)."""
         me = self.avg.peer_id
-        while not (why := close_reason(time.monotonic(), deadline, lobby.joined(me), expected)):
+
+        def waited_for():  # a peer that went silent on us lately is not waited for (it may still join)
+            return expected if expected is None or isinstance(expected, int) else set(expected) - self.recently_silent()
+
+        while not (why := close_reason(time.monotonic(), deadline, lobby.joined(me), waited_for())):
             lobby.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(lobby.changed.wait(), timeout=min(0.3, max(0.0, deadline - time.monotonic())))
-            if why := close_reason(-1.0, deadline, lobby.joined(me), expected):  # everyone expected is here
+            if why := close_reason(-1.0, deadline, lobby.joined(me), waited_for()):  # everyone expected is here
                 break
             try:  # a slow DHT must not hold the group past the window: joiners stop waiting
                 found = await asyncio.wait_for(self.candidates(lobby.key), timeout=max(0.05, deadline - time.monotonic()))
@@ -325,6 +347,7 @@ class Matchmaker:
 
     async def on_join(self, ctx: CallContext) -> AvgGroup:
         req: AvgJoin = ctx.request
+        self.silent.pop(ctx.peer_id, None)  # whatever it wants, it is back
         lobby = self.lobbies.get(req.round_key)
         if lobby is None and req.round_key not in self.closed_keys and len(self.key_started) < MAX_EARLY_KEYS:
             # a peer that predicted us as leader may be a few ms ahead of our own call for this
