@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 MAX_REDIRECTS = 16  # a joiner follows at most this many redirects in one search
 RETRY_S = 0.1  # pause before asking a leader again whose stream closed (once)
 LOOK_AGAIN_S = 0.05  # pause before looking in the DHT again
-SILENT_FOR_S = 60.0  # a leader that went silent on us is not waited for this long (unless it joins)
+SILENT_FOR_S = 20.0  # a leader that went silent on us is not waited for this long (unless it joins): about until its DHT record is stale, so that a peer back from a long freeze is waited for again
 
 
 @dataclass(frozen=True)
