@@ -2,6 +2,7 @@
 handlers as one group. Real p2pd hosts, real calls."""
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -12,20 +13,31 @@ from tests.swarm import start_hosts
 pytestmark = pytest.mark.timeout(60)
 
 
+@contextlib.asynccontextmanager
+async def server_and_client():
+    """Two started transports on real hosts; closed afterwards."""
+    hosts = await start_hosts(2)
+    server, client = Transport(hosts[0]), Transport(hosts[1])
+    try:
+        await server.start()
+        await client.start()
+        yield server, client
+    finally:
+        await client.close()
+        await server.close()
+        for h in hosts:
+            await h.shutdown()
+
+
 def test_a_taken_message_type_is_refused_and_a_group_registers_all_or_nothing():
     async def main():
-        server_host, client_host = await start_hosts(2)
-        server, client = Transport(server_host), Transport(client_host)
-
         async def first(ctx):
             return Ack(info={"by": "first"})
 
         async def second(ctx):
             return Ack(info={"by": "second"})
 
-        try:
-            await server.start()
-            await client.start()
+        async with server_and_client() as (server, client):
             reg = server.serve({CheckpointQuery: first, StateRequest: first}, owner="state")
             with pytest.raises(HandlerTaken, match="CheckpointQuery"):
                 server.on(CheckpointQuery, second)
@@ -43,11 +55,6 @@ def test_a_taken_message_type_is_refused_and_a_group_registers_all_or_nothing():
                 reply = await client.call(server.peer_id, CheckpointQuery(), timeout=10)
                 assert reply.info == {"by": "second"}
             assert CheckpointQuery not in server.handlers
-        finally:
-            await client.close()
-            await server.close()
-            for h in (server_host, client_host):
-                await h.shutdown()
 
     asyncio.run(main())
 
@@ -57,25 +64,15 @@ def test_pings_earn_no_reputation():
     good behaviour, a peer sending bad parts would talk its way out of a ban."""
 
     async def main():
-        server_host, client_host = await start_hosts(2)
-        server, client = Transport(server_host), Transport(client_host)
-
         async def ok(ctx):
             return Ack()
 
-        try:
-            await server.start()
-            await client.start()
+        async with server_and_client() as (server, client):
             for _ in range(5):
                 await client.ping(server.peer_id, timeout=10)
             assert server.scores.score(client.peer_id) == 0.0
             server.on(CheckpointQuery, ok)
             await client.call(server.peer_id, CheckpointQuery(), timeout=10)
             assert server.scores.score(client.peer_id) > 0.0
-        finally:
-            await client.close()
-            await server.close()
-            for h in (server_host, client_host):
-                await h.shutdown()
 
     asyncio.run(main())
