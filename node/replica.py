@@ -348,12 +348,8 @@ class Replica(Role):
     async def _obtain_state(self) -> None:
         """Peers first, then the coordinator's checkpoint, then (a new run) the seeded init."""
         while not self._stop:
-            states = await self._peer_states()
-            best = choose_state(None, states)
-            if best is not None:
-                for peer, s in states.items():
-                    if s == best and await self._download_and_adopt(peer, best[0]):
-                        return
+            if await self._adopt_from_peers(mine=None):
+                return
             coord = self.membership.coordinator
             if coord is not None:
                 try:
@@ -395,8 +391,12 @@ class Replica(Role):
 
     async def _adopt_if_behind(self) -> bool:
         """One look at the other replicas' states; take theirs if it is ahead of ours."""
+        return await self._adopt_from_peers(mine=(self.round, self.hash))
+
+    async def _adopt_from_peers(self, mine: tuple[int, str] | None) -> bool:
+        """Take the state `choose_state` picks among the other replicas' (None: we hold none)."""
         states = await self._peer_states()
-        best = choose_state((self.round, self.hash), states)
+        best = choose_state(mine, states)
         if best is not None:
             for peer, s in states.items():
                 if s == best and await self._download_and_adopt(peer, best[0]):
