@@ -4,6 +4,7 @@
         topo.wrap(i, [python, "-m", "bench.allreduce_peer"])   # argv that runs inside peer i's namespace
         topo.ip(i)                                              # "10.77.0.<i+1>"
         topo.tx_bytes()                                         # bytes each peer has sent so far
+        topo.cut(i); topo.restore(i)                            # peer i's link down / up again
 
 Layout (nothing is added to the root namespace, so the host's own networking is untouched):
 
@@ -142,6 +143,14 @@ class Topology:
             _tc(ns, "qdisc", "add", "dev", "eth0", *tbf)
             if shape_download:
                 _tc(br, "qdisc", "add", "dev", f"vp{i}", *tbf)
+
+    def cut(self, i: int) -> None:
+        """Take peer i's link down at the bridge: its packets go nowhere, nobody reaches it (a
+        router that dropped, a cable pulled). Its own interface stays up, addresses and routes kept."""
+        _ip("-n", self.bridge_ns, "link", "set", f"vp{i}", "down")
+
+    def restore(self, i: int) -> None:
+        _ip("-n", self.bridge_ns, "link", "set", f"vp{i}", "up")
 
     def tx_bytes(self) -> list[int]:
         """Bytes each peer has put on its link so far (L2, i.e. with TCP/IP/Ethernet headers)."""

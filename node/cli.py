@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-shards", type=int, help=f"number of data shards (default {d.num_shards})")
     p.add_argument("--threads", type=int, help="torch threads (default: cores - 1)")
     p.add_argument("--fault-delay-parts-s", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
+    p.add_argument("--fault-slowdown", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
     p.add_argument("--log-level", choices=LOG_LEVELS)
     avg = p.add_argument_group("averaging (more in the config file's [averager] table)")
     avg.add_argument("--aggregator", dest="averager.aggregator", choices=AGGREGATORS, help="how averaged contributions are combined; trimmed_mean and centered_clip survive some malicious peers (default: the plain mean)")

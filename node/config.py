@@ -236,6 +236,7 @@ class NodeConfig:
     num_shards: int = 8  # how many shards the data is cut into
     threads: int = 0  # torch threads for training; 0: cores - 1 (p2pd and the DHT need the rest)
     fault_delay_parts_s: float = 0.0  # chaos drills and tests only: hold each averaging part this long (seconds) before sending
+    fault_slowdown: float = 1.0  # chaos drills and tests only: each inner step takes this many times as long (a slower machine)
     averager: AveragerSettings = field(default_factory=AveragerSettings)  # [averager] in the config file
     transport: TransportSettings = field(default_factory=TransportSettings)  # [transport] in the config file
 
@@ -254,6 +255,7 @@ _NODE_CHECKS: dict[str, Check] = {
     "heartbeat_interval_s": positive, "record_ttl_s": positive, "rpc_timeout_s": positive, "max_backoff_s": positive,
     "bandwidth_mbps": non_negative, "log_level": one_of(*LOG_LEVELS), "shard_index": at_least(-1), "num_shards": at_least(1),
     "threads": at_least(0), "fault_delay_parts_s": non_negative,
+    "fault_slowdown": lambda v: None if 1.0 <= v <= 100.0 else "must be in [1, 100]",
 }  # fmt: skip
 
 

@@ -17,8 +17,8 @@ from protocol.messages import ROLES
 
 from . import capabilities
 from .config import ConfigError, NodeConfig, averager_config, transport_config
-from .membership import Membership, split_peer_maddr
-from .p2p import Host, HostConfig
+from .membership import Membership
+from .p2p import Host, HostConfig, split_peer_maddr
 from .roles import Role, RoleError, RoleRunner
 from .transport import CallContext, Transport
 
@@ -109,6 +109,7 @@ class Node:
         self._tasks += [
             asyncio.create_task(self.membership.run(), name="membership"),
             asyncio.create_task(self.membership.publish_records(), name="member-records"),
+            asyncio.create_task(self.host.keep_joined(self.membership.known_peers), name="dht-rejoin"),
         ]
 
     def _make_role(self, assignment: RoleAssignment) -> Role | None:

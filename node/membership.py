@@ -15,7 +15,7 @@ from protocol import Deregister, Heartbeat, Probe, Register, RemoteProtocolError
 from protocol.records import CoordinatorRecord, MemberRecord, coordinator_key, members_key
 
 from .config import NodeConfig
-from .p2p import Host
+from .p2p import Host, split_peer_maddr
 from .transport import NETWORK_ERRORS, RemoteError, Transport
 
 log = logging.getLogger(__name__)
@@ -25,14 +25,6 @@ PROBE_BYTES = 2 << 20
 
 class CoordinatorNotFound(Exception):
     pass
-
-
-def split_peer_maddr(maddr: str) -> tuple[str, str]:
-    """'/ip4/../p2p/<id>' -> (transport part, peer id)."""
-    head, sep, peer_id = maddr.rpartition("/p2p/")
-    if not sep or not peer_id or "/" in peer_id:
-        raise ValueError(f"{maddr} lacks a /p2p/<peer id> suffix")
-    return head, peer_id
 
 
 @dataclass
@@ -53,6 +45,7 @@ class Membership:
         self.token = token
         self.progress = Progress()
         self.coordinator: str | None = None  # peer id
+        self.known_coordinator: tuple[str, list[str]] | None = None  # (peer id, maddrs) last found in the DHT
         self.assignment: RoleAssignment | None = None
         self.registered = asyncio.Event()
         self.on_assignment: Callable[[RoleAssignment], None] | None = None
@@ -71,10 +64,23 @@ class Membership:
             return peer_id
         raw = await self.host.dht_get(coordinator_key(self.config.swarm_id))
         if raw is None:
+            if self.known_coordinator is not None:
+                # our DHT may have lost its neighbours (a link that was down): the coordinator
+                # we knew is most likely still where it was
+                peer_id, maddrs = self.known_coordinator
+                await self.host.connect(peer_id, maddrs)
+                return peer_id
             raise CoordinatorNotFound(f"no coordinator record for swarm {self.config.swarm_id!r} in the DHT")
         rec = CoordinatorRecord.from_bytes(raw, self.config.swarm_id)
         await self.host.connect(rec.peer_id, list(rec.maddrs))
+        self.known_coordinator = (rec.peer_id, list(rec.maddrs))
         return rec.peer_id
+
+    def known_peers(self) -> dict[str, list[str]]:
+        """Peers to join the DHT through again if it lost every neighbour: the coordinator."""
+        if self.config.coordinator:
+            return {split_peer_maddr(self.config.coordinator)[1]: [self.config.coordinator]}
+        return dict([self.known_coordinator]) if self.known_coordinator else {}
 
     async def measure_bandwidth(self, peer_id: str) -> None:
         if self.config.bandwidth_mbps > 0:

@@ -19,6 +19,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Awaitable, Callable, Sequence
 
 with warnings.catch_warnings():
@@ -215,6 +216,47 @@ class Host:
             return {k: v.value for k, v in value.items()}
         return value
 
+    async def dht_neighbours(self) -> int:
+        """How many peers the DHT's routing table holds now."""
+        return await self.dht.run_coroutine(_routing_table_size, return_future=True)
+
+    async def rejoin_dht(self, peers: dict[str, Sequence[str]], timeout: float = 10.0) -> int:
+        """Ping `peers` (peer id -> multiaddrs) from the DHT, then look up our own id there:
+        how a DHT that lost every neighbour (a link that was down: every request failed, each
+        failure took a neighbour out of the routing table) gets back in. Returns how many answered."""
+        for peer_id, maddrs in peers.items():
+            if not maddrs:  # p2pd may still know where it is
+                continue
+            try:
+                await asyncio.wait_for(self.connect(peer_id, maddrs), timeout)
+            except (PeerUnreachable, TimeoutError) as e:
+                log.debug("rejoin: %s: %s", peer_id[-8:], e)
+        return await self.dht.run_coroutine(partial(_rejoin, peers=list(peers), timeout=timeout), return_future=True)
+
+    async def keep_joined(self, extra: Callable[[], dict[str, Sequence[str]]] = dict, interval: float = 5.0) -> None:
+        """Forever: when the DHT has no neighbour left, join again through the initial peers
+        and `extra()` (e.g. the coordinator). hivemind's DHT bootstraps only at start; a node
+        whose link went down for longer than its requests' timeouts would stay alone."""
+        alone_since: float | None = None
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if await self.dht_neighbours():
+                    alone_since = None
+                    continue
+                alone_since = alone_since or time.monotonic()
+                peers = {split_peer_maddr(m)[1]: [m] for m in self.config.initial_peers}
+                peers.update(extra())
+                peers.pop(self.peer_id, None)
+                answered = await self.rejoin_dht(peers) if peers else 0
+                if answered:
+                    log.info("DHT: no neighbour left for %.0f s; joined again through %d of %d peers", time.monotonic() - alone_since, answered, len(peers))
+                    alone_since = None
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the DHT process may be busy or restarting; next time
+                log.debug("DHT rejoin check failed: %s", e)
+
     async def shutdown(self) -> None:
         if self._closed:
             return
@@ -225,6 +267,30 @@ class Host:
             log.debug("p2p replica shutdown: %s", e)
         await asyncio.get_running_loop().run_in_executor(None, _stop_dht, self.dht)
         _remove_dir(self._keyfile_dir)
+
+
+def split_peer_maddr(maddr: str) -> tuple[str, str]:
+    """'/ip4/../p2p/<id>' -> (transport part, peer id)."""
+    head, sep, peer_id = maddr.rpartition("/p2p/")
+    if not sep or not peer_id or "/" in peer_id:
+        raise ValueError(f"{maddr} lacks a /p2p/<peer id> suffix")
+    return head, peer_id
+
+
+async def _routing_table_size(_dht, node) -> int:  # runs in the DHT's process
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+async def _rejoin(_dht, node, peers: list[str], timeout: float) -> int:  # runs in the DHT's process
+    pings = [node.protocol.call_ping(PeerID.from_base58(p), validate=False, strict=False) for p in peers]
+    try:
+        answers = await asyncio.wait_for(asyncio.gather(*pings, return_exceptions=True), timeout)
+    except TimeoutError:
+        return 0
+    answered = sum(1 for a in answers if a is not None and not isinstance(a, BaseException))
+    if answered:  # the routing table has them again; fill it further from theirs
+        await asyncio.wait([asyncio.ensure_future(node.find_nearest_nodes([node.node_id]))], timeout=timeout)
+    return answered
 
 
 def tcp_ip4s(maddrs: Sequence[str]) -> list[str]:

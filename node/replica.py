@@ -123,6 +123,7 @@ class Replica(Role):
         self._stop = False
         self._uploads: set[asyncio.Task] = set()
         self.pauses = PauseWatch()
+        self.slowdown = node_config.fault_slowdown
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -251,7 +252,10 @@ class Replica(Role):
         for _ in range(n):
             if self._stop:
                 break
+            t0 = time.monotonic()
             losses.append(self.inner.step())
+            if self.slowdown > 1.0:  # fault injection: a slower machine
+                time.sleep((self.slowdown - 1.0) * (time.monotonic() - t0))
         return losses or [math.nan]
 
     def _evaluate(self) -> float:

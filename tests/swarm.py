@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from node.osutil import session_pids
@@ -154,8 +155,9 @@ class Swarm:
         script = Path(sys.executable).parent / name
         return str(script) if script.exists() else name
 
-    def start(self, name: str, script: str, *args: str, env: dict | None = None) -> Proc:
-        p = Proc(name, [self._bin(script), *args], self.tmp / f"{name}.log", env)
+    def start(self, name: str, script: str, *args: str, env: dict | None = None, prefix: Sequence[str] = ()) -> Proc:
+        """`prefix`: argv the daemon runs under (e.g. `ip netns exec NS`: its own network namespace)."""
+        p = Proc(name, [*prefix, self._bin(script), *args], self.tmp / f"{name}.log", env)
         self.procs.append(p)
         return p
 
@@ -170,8 +172,8 @@ class Swarm:
         """Start a coordinator again with the same data dir, ports and flags."""
         return Coordinator(self.start(name, "swarmtrain-coordinator", *coord.args), coord.port, coord.http_port, coord.args)
 
-    def node(self, name: str, initial_peers: list[str], *extra: str) -> Proc:
-        return self.start(name, "swarmtrain-node", "--data-dir", str(self.tmp / name), "--initial-peers", *initial_peers, *extra)
+    def node(self, name: str, initial_peers: list[str], *extra: str, prefix: Sequence[str] = ()) -> Proc:
+        return self.start(name, "swarmtrain-node", "--data-dir", str(self.tmp / name), "--initial-peers", *initial_peers, *extra, prefix=prefix)
 
     def close(self) -> list[str]:
         """Kill what is left; report processes that outlived a daemon that had exited."""

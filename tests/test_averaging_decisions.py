@@ -6,7 +6,7 @@ import math
 import pytest
 
 from node.averaging.config import AveragerConfig
-from node.averaging.decisions import Liveness, choose_pace, close_reason, decide_commit, decide_scatter, form_group, learn_bandwidth, learn_flow_rate
+from node.averaging.decisions import Arrivals, Liveness, choose_pace, close_reason, decide_commit, decide_scatter, form_group, learn_bandwidth, learn_flow_rate
 from node.averaging.matchmaking import LOOK_AGAIN_S, MAX_REDIRECTS, RETRY_S, Lobby, Search
 from node.transport import RPCError
 from protocol import AvgGroup, AvgJoin, AvgReport
@@ -30,6 +30,43 @@ def test_a_leader_closes_when_the_expected_peers_joined_or_its_window_ends():
     assert "every expected" in close_reason(now=1.0, deadline=5.0, joined={A, B, C, D}, expected={A, B, C})
     assert close_reason(now=4.999, deadline=5.0, joined={A}, expected=None) == ""
     assert "window ended" in close_reason(now=5.0, deadline=5.0, joined={A}, expected=None)
+
+
+def test_a_leader_stops_waiting_for_overdue_peers_only():
+    # C is expected but overdue: the group closes once everyone else is in, and says who it left
+    why = close_reason(now=1.0, deadline=15.0, joined={A, B}, expected={A, B, C}, overdue={C})
+    assert "overdue" in why and C[-8:] in why
+    # an overdue peer does not close a group that still waits for someone else
+    assert close_reason(now=1.0, deadline=15.0, joined={A}, expected={A, B, C}, overdue={C}) == ""
+
+
+def test_arrivals_wait_for_a_peer_as_long_as_it_is_usually_late():
+    arr = Arrivals(factor=2.0, slack_s=2.0, keep=4)
+    window = 15.0
+    # not measured: the whole window
+    assert arr.allowance(B, window)[0] == window and arr.overdue({B}, 14.9, window) == set()
+    # a steady peer that comes within 0.3 s: waited for 2.6 s, then the others go on (frozen, cut off)
+    for late in (0.1, 0.3, 0.2):
+        arr.arrived(B, late)
+    assert arr.allowance(B, window)[0] == pytest.approx(2.6)
+    assert arr.overdue({B}, 2.5, window) == set() and arr.overdue({B}, 2.6, window) == {B}
+    assert arr.next_overdue({B}, 1.0, window) == pytest.approx(1.6)
+    # a slow but steady peer (2x slower: 3 s after the others every round) keeps its place
+    for _ in range(4):
+        arr.arrived(C, 3.0)
+    assert arr.overdue({C}, 7.9, window) == set() and arr.overdue({C}, 8.0, window) == {C}
+    # a peer that turned slower: its late join (after the group closed) is measured, and the
+    # next round waits for it; old measurements age out after `keep` joins
+    arr.arrived(B, 5.0)
+    assert arr.allowance(B, window)[0] == pytest.approx(12.0)
+    for _ in range(4):
+        arr.arrived(B, 0.2)
+    assert arr.allowance(B, window)[0] == pytest.approx(2.4)
+    # never longer than the window; a peer that arrived before us counts as on time
+    arr.arrived(D, 20.0)
+    assert arr.allowance(D, window)[0] == window and arr.next_overdue({D}, 0.0, window) == math.inf
+    arr.arrived(A, -3.0)
+    assert arr.allowance(A, window)[0] == pytest.approx(2.0)
 
 
 def test_a_group_is_sized_by_its_slowest_member_and_needs_min_group_size():

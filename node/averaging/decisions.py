@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protocol import AvgDecision, AvgGroup, AvgJoin, AvgReport
 
@@ -43,17 +43,64 @@ def slice_bounds(numel: int, bandwidths: Sequence[float], align: int) -> tuple[i
 # ---- matchmaking: the leader's side -----------------------------------------------------------
 
 
-def close_reason(now: float, deadline: float, joined: Collection[str], expected: int | Collection[str] | None) -> str:
+def close_reason(
+    now: float, deadline: float, joined: Collection[str], expected: int | Collection[str] | None, overdue: Collection[str] = ()
+) -> str:
     """Why a leader closes its group now ("" : keep it open). `expected`: a count of peers, or
-    the peer ids (a peer nobody counted on does not take the place of one still on its way)."""
+    the peer ids (a peer nobody counted on does not take the place of one still on its way).
+    `overdue`: expected peers no longer waited for (silent, or later than they usually are)."""
     if expected:
         if isinstance(expected, int) and len(joined) >= expected:
             return f"{len(joined)} of {expected} expected peers joined"
-        if not isinstance(expected, int) and set(joined) >= set(expected):
-            return "every expected peer joined"
+        if not isinstance(expected, int):
+            waiting = set(expected) - set(joined)
+            if not waiting:
+                return "every expected peer joined"
+            if waiting <= set(overdue):
+                return f"every expected peer joined but {len(waiting)} overdue ({', '.join(sorted(p[-8:] for p in waiting))})"
     if now >= deadline:
         return "the join window ended"
     return ""
+
+
+@dataclass
+class Arrivals:
+    """How late each peer joins the groups we lead: seconds after our group opened (0 when it
+    was there before us), its last `keep` joins, whether in time or after the group closed.
+    A leader waits for an expected peer `factor` × its latest recent arrival + `slack_s`, never
+    longer than the join window; for a peer it has not measured, the whole window. So a slow
+    but steady peer keeps its place (its lateness is what is measured), a peer that turned
+    slower is measured by its late join and waited for in the next round, and one that went
+    silent (frozen, cut off, dead) costs the others its allowance, not the window."""
+
+    keep: int = 8
+    factor: float = 2.0
+    slack_s: float = 2.0
+    seen: dict[str, list[float]] = field(default_factory=dict)
+
+    def arrived(self, peer: str, lateness: float) -> None:
+        recent = self.seen.setdefault(peer, [])
+        recent.append(max(0.0, lateness))
+        del recent[: -self.keep]
+
+    def allowance(self, peer: str, window: float) -> tuple[float, str]:
+        """Seconds after the group opened that `peer` is waited for, and why."""
+        recent = self.seen.get(peer)
+        if not recent:
+            return window, "not measured yet: the whole window"
+        wait = self.factor * max(recent) + self.slack_s
+        if wait >= window:
+            return window, f"up to {max(recent):.1f} s late lately: the whole window"
+        return wait, f"up to {max(recent):.1f} s late in its last {len(recent)} joins"
+
+    def overdue(self, waiting: Collection[str], elapsed: float, window: float) -> set[str]:
+        """The peers of `waiting` not waited for any more, `elapsed` s after the group opened."""
+        return {p for p in waiting if elapsed >= self.allowance(p, window)[0]}
+
+    def next_overdue(self, waiting: Collection[str], elapsed: float, window: float) -> float:
+        """Seconds until the next peer of `waiting` becomes overdue (inf: none will before the window)."""
+        left = [a - elapsed for p in waiting if elapsed < (a := self.allowance(p, window)[0]) < window]
+        return min(left, default=math.inf)
 
 
 def form_group(

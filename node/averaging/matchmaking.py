@@ -29,7 +29,7 @@ from protocol.records import MemberRecord
 
 from ..transport import NETWORK_ERRORS, CallContext, CallTimeout, RPCError
 from .config import MAX_EARLY_KEYS, AverageReport, AveragerConfig, RoundFailed
-from .decisions import Liveness, close_reason, form_group
+from .decisions import Arrivals, Liveness, close_reason, form_group
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +144,13 @@ class Lobby:
     numel: int
     codec: str
     window: float  # seconds this peer, as leader, keeps the group open
+    opened: float = field(default_factory=time.monotonic)  # when this peer started on the key
     mode: str = "candidate"  # candidate | leader | follower | closed
     following: str = ""
     pending: dict[str, tuple[AvgJoin, asyncio.Future]] = field(default_factory=dict)
     group: AvgGroup | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    measured: set[str] = field(default_factory=set)  # joiners whose arrival time was taken
 
     def answer(self, peer: str, req: AvgJoin) -> AvgGroup | None:
         """The answer to a join right away, or None: it waits for the group (see `admit`)."""
@@ -199,6 +201,8 @@ class Matchmaker:
         self.last_members: tuple[str, ...] = ()  # the last group we completed a round with
         self.rtts: dict[str, float] = {}  # peer -> measured probe round trip, seconds (see `Liveness`)
         self.silent: dict[str, float] = {}  # peer -> when it last went silent on us (monotonic)
+        self.arrivals = Arrivals()  # how late each peer joins the groups we lead
+        self.closed_opened: dict[str, float] = {}  # round keys we finished recently -> when we started on them
         self.joins_to_lose = averager.faults.lose_join_replies
 
     def dht_key(self, key: str) -> str:
@@ -309,17 +313,34 @@ class Matchmaker:
         """Lead until the window closes (form the group) or a smaller peer shows up (return it)."""
         me = self.avg.peer_id
 
-        def waited_for():  # a peer that went silent on us lately is not waited for (it may still join)
-            return expected if expected is None or isinstance(expected, int) else set(expected) - self.recently_silent()
+        def overdue(now: float) -> set[str]:
+            """Expected peers not waited for any more: silent on us lately (they may still
+            join), or later than their measured arrivals say they come (`Arrivals`)."""
+            if expected is None or isinstance(expected, int):
+                return set()
+            waiting = set(expected) - lobby.joined(me)
+            return (waiting & self.recently_silent(now)) | self.arrivals.overdue(waiting, now - lobby.opened, lobby.window)
 
-        while not (why := close_reason(time.monotonic(), deadline, lobby.joined(me), waited_for())):
+        def check(now: float) -> str:
+            joined = lobby.joined(me)
+            if len(joined) < self.config.min_group_size:
+                # too few to average: closing now fails the round for sure, waiting out the
+                # window costs nobody anything, and a peer may still come (one that is late,
+                # or one our expectations missed: the DHT's records lag while a peer is cut off)
+                return close_reason(now, deadline, joined, None)
+            return close_reason(now, deadline, joined, expected, overdue(now))
+
+        while not (why := check(time.monotonic())):
             lobby.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(lobby.changed.wait(), timeout=min(0.3, max(0.0, deadline - time.monotonic())))
-            if why := close_reason(-1.0, deadline, lobby.joined(me), waited_for()):  # everyone expected is here
+            if why := check(time.monotonic()):  # everyone expected is here (or overdue)
                 break
-            try:  # a slow DHT must not hold the group past the window: joiners stop waiting
-                found = await asyncio.wait_for(self.candidates(lobby.key), timeout=max(0.05, deadline - time.monotonic()))
+            now = time.monotonic()
+            waiting = set(expected) - lobby.joined(me) if expected is not None and not isinstance(expected, int) else set()
+            until = min(deadline - now, self.arrivals.next_overdue(waiting, now - lobby.opened, lobby.window))
+            try:  # a slow DHT must not hold the group past the window (or an overdue peer's allowance)
+                found = await asyncio.wait_for(self.candidates(lobby.key), timeout=max(0.05, until))
             except TimeoutError:
                 found = set()
             smaller = sorted(c for c in found - excluded if c < me)
@@ -360,8 +381,14 @@ class Matchmaker:
                 del self.key_started[req.round_key]
         if lobby is None:
             if req.round_key in self.closed_keys:
+                opened = self.closed_opened.pop(req.round_key, None)
+                if opened is not None:  # a join after our round was over: how late it is, measured
+                    self.arrivals.arrived(ctx.peer_id, time.monotonic() - opened)
                 return AvgGroup(status="closed", reason="this round is over here")
             return AvgGroup(status="closed", reason="not averaging this key")
+        if lobby.mode != "follower" and ctx.peer_id not in lobby.measured:
+            lobby.measured.add(ctx.peer_id)
+            self.arrivals.arrived(ctx.peer_id, time.monotonic() - lobby.opened)
         answer = lobby.answer(ctx.peer_id, req)
         if answer is not None:
             return answer
@@ -379,9 +406,12 @@ class Matchmaker:
 
     def forget_key(self, key: str) -> None:
         """The round of `key` is over here: joins for it are told so (for ten minutes)."""
-        self.lobbies.pop(key, None)
+        lobby = self.lobbies.pop(key, None)
         now = time.monotonic()
         self.closed_keys[key] = now
+        if lobby is not None and lobby.mode == "closed":  # we led it: a late join is measured
+            self.closed_opened[key] = lobby.opened
         for k, t in list(self.closed_keys.items()):
             if now - t > 600:
                 del self.closed_keys[k]
+                self.closed_opened.pop(k, None)
