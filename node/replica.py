@@ -78,6 +78,16 @@ def choose_state(mine: tuple[int, str] | None, peers: dict[str, tuple[int, str]]
     return None
 
 
+async def _finish(task: asyncio.Task | None) -> bool:
+    """Stop a task; whether it had finished by itself with a true result."""
+    if task is None:
+        return False
+    done = task.done() and not task.cancelled() and task.exception() is None and bool(task.result())
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return done
+
+
 def shard_of(peer_id: str, num_shards: int) -> int:
     return zlib.crc32(peer_id.encode()) % num_shards
 
@@ -124,6 +134,7 @@ class Replica(Role):
         self._uploads: set[asyncio.Task] = set()
         self.pauses = PauseWatch()
         self.slowdown = node_config.fault_slowdown
+        self._out_of_step = False  # the last round failed: we may have been left behind
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -204,6 +215,7 @@ class Replica(Role):
             log.warning("outer step %d: woke up after a pause of %.0f s; looking for the swarm's state", self.round, paused)
             if await self._adopt_if_behind():
                 return
+            self._out_of_step = True  # not reachable yet, maybe: keep looking while we matchmake
         pseudo = self.outer.pseudo_gradient(self.model.parameters())
         expected = await self._replica_ids()
         key = f"outer-{self.round}-{self.hash[:8]}"
@@ -211,18 +223,28 @@ class Replica(Role):
         # wait for slower replicas up to one inner phase: replicas differ in speed, and a
         # window shorter than that difference would leave the fast and the slow ones alone
         window = max(self.run_config.join_timeout_s, t_inner)
+        # after a failed round we may be the one left behind (cut off, or back from a pause the
+        # clocks did not show): while we wait alone for others, look whether the swarm moved on
+        watch = asyncio.create_task(self._watch_swarm(key)) if self._out_of_step else None
+        failed: AveragingFailed | None = None
         try:
             avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=expected, state_key="outer", join_timeout_s=window)
         except AveragingFailed as e:
-            log.warning("outer step %d: averaging failed (%s)", self.round, e.report.reason)
+            failed = e
+        finally:
+            moved_on = await _finish(watch)
+        if failed is not None:
+            self._out_of_step = True
+            log.warning("outer step %d: averaging failed (%s)", self.round, failed.report.reason)
             # late: the others may be averaging without us right now; wait for their result.
             # Otherwise the round failed for everyone: a quick look, then move on together.
-            if not await self._catch_up(wait_s=window + t_inner + 5 if e.report.late else 3.0):
+            if not await self._catch_up(wait_s=window + t_inner + 5 if failed.report.late or moved_on else 3.0):
                 # nobody got further: the round failed for everyone; keep our local progress
                 # and move on together (the next pseudo-gradient covers both rounds' steps)
                 self.round += 1
                 self._publish_progress(None)
             return
+        self._out_of_step = False
         new = self.outer.apply(avg)
         copy_into(self.model.parameters(), new)
         self.round += 1
@@ -383,6 +405,15 @@ class Replica(Role):
         except _PEER_ERRORS as e:
             log.info("the initial state came from another replica (%s)", e)
         shutil.rmtree(path, ignore_errors=True)
+
+    async def _watch_swarm(self, key: str, every_s: float = 2.0) -> bool:
+        """While the round of `key` matchmakes: once the other replicas are ahead of us, give
+        the round up (we would wait alone for the whole join window) and catch up instead."""
+        while True:
+            await asyncio.sleep(every_s)
+            best = choose_state((self.round, self.hash), await self._peer_states())
+            if best is not None and best[0] > self.round and self.averager.abandon(key, f"the others are at outer step {best[0]}"):
+                return True
 
     async def _catch_up(self, wait_s: float) -> bool:
         """After a failed round: if the other replicas got further, take their state."""

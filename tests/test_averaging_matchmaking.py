@@ -6,6 +6,7 @@ import asyncio
 import pytest
 import torch
 
+from node.averaging import AveragingFailed
 from protocol import AvgJoin
 from tests.swarm import averagers
 
@@ -28,5 +29,23 @@ def test_a_join_that_arrives_before_its_leader_starts_waits_for_it():
             reply = await other.transport.call(leader.peer_id, AvgJoin(round_key="never", numel=100, codec="none"), timeout=30)
             assert reply.status == "closed" and "not averaging" in reply.reason
             assert not leader.matchmaker.key_started  # nothing left waiting
+
+    asyncio.run(main())
+
+
+def test_a_leader_alone_waits_its_window_and_can_give_the_round_up():
+    async def main():
+        async with averagers(2, join_timeout_s=30) as (a, b):
+            # it expects only itself (its view of the swarm may lag): alone, it still waits for
+            # others instead of failing at once; it gives the round up when told the swarm moved on
+            me = a.peer_id if a.peer_id < b.peer_id else b.peer_id
+            alone = a if a.peer_id == me else b
+            round_ = asyncio.create_task(alone.average("alone", [torch.ones(100)], expected_peers={me}))
+            await asyncio.sleep(1.0)
+            assert not round_.done()
+            assert not alone.abandon("another key", "test")
+            assert alone.abandon("alone", "the others are at outer step 9")
+            with pytest.raises(AveragingFailed, match="gave round alone up: the others are at outer step 9"):
+                await asyncio.wait_for(round_, 5)
 
     asyncio.run(main())

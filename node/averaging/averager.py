@@ -138,6 +138,12 @@ class Averager:
             self.buffers.last_own[numel] = (report.bounds[i], report.bounds[i + 1])
         return unflatten(result, tensors), report
 
+    def abandon(self, key: str, why: str) -> bool:
+        """Give up the round of `key` while we still wait, alone, as its leader for others to
+        join (e.g. the swarm is known to be ahead of us): its `average()` raises AveragingFailed
+        at once. False when the round is past that point (a group formed, or we follow)."""
+        return self.matchmaker.abandon(key, why)
+
     async def _run_round(self, group, prepared, state_key: str, report: AverageReport) -> tuple[torch.Tensor, dict]:
         """The round's result and what its gather lost per slice we own (for the feedback)."""
         rnd = Round(group=group, me=self.peer_id, leader=report.leader, report=report, state_key=state_key)

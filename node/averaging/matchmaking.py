@@ -151,6 +151,7 @@ class Lobby:
     group: AvgGroup | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     measured: set[str] = field(default_factory=set)  # joiners whose arrival time was taken
+    abandoned: str = ""  # why we gave the key up while leading it (see `Matchmaker.abandon`)
 
     def answer(self, peer: str, req: AvgJoin) -> AvgGroup | None:
         """The answer to a join right away, or None: it waits for the group (see `admit`)."""
@@ -257,6 +258,16 @@ class Matchmaker:
             else:
                 raise RoundFailed(step.reason, late=step.late)
 
+    def abandon(self, key: str, why: str) -> bool:
+        """Give up leading `key` before its group formed (the caller learned that the others
+        moved on without us): `average()` fails at once with `why`. False if too late for that."""
+        lobby = self.lobbies.get(key)
+        if lobby is None or lobby.group is not None or lobby.mode != "leader":
+            return False
+        lobby.abandoned = why
+        lobby.changed.set()
+        return True
+
     def recently_silent(self, now: float | None = None) -> set[str]:
         """Peers that went silent on us within SILENT_FOR_S and have not joined us since."""
         now = time.monotonic() if now is None else now
@@ -330,11 +341,11 @@ class Matchmaker:
                 return close_reason(now, deadline, joined, None)
             return close_reason(now, deadline, joined, expected, overdue(now))
 
-        while not (why := check(time.monotonic())):
+        while not (why := check(time.monotonic())) and not lobby.abandoned:
             lobby.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(lobby.changed.wait(), timeout=min(0.3, max(0.0, deadline - time.monotonic())))
-            if why := check(time.monotonic()):  # everyone expected is here (or overdue)
+            if (why := check(time.monotonic())) or lobby.abandoned:  # everyone expected is here (or overdue)
                 break
             now = time.monotonic()
             waiting = set(expected) - lobby.joined(me) if expected is not None and not isinstance(expected, int) else set()
@@ -347,6 +358,9 @@ class Matchmaker:
             if smaller:
                 return smaller[0]
         lobby.mode = "closed"
+        if lobby.abandoned:
+            lobby.answer_all(AvgGroup(status="closed", reason=f"the leader gave the round up: {lobby.abandoned}"))
+            raise RoundFailed(f"gave round {lobby.key} up: {lobby.abandoned}")
         joins = {me: own, **{p: j for p, (j, _) in lobby.pending.items()}}
         params = self.avg.codec.params() if self.config.codec != "none" else {}
         group, reason = form_group(joins, own.numel, self.config, params, secrets.token_hex(8))
