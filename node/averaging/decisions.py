@@ -71,7 +71,9 @@ class Arrivals:
     longer than the join window; for a peer it has not measured, the whole window. So a slow
     but steady peer keeps its place (its lateness is what is measured), a peer that turned
     slower is measured by its late join and waited for in the next round, and one that went
-    silent (frozen, cut off, dead) costs the others its allowance, not the window."""
+    silent (frozen, cut off, dead) costs the others its allowance, not the window. (The
+    matchmaker lets a peer past its allowance go only if it does not answer a probe either:
+    one that answers is alive, most likely on its way, and keeps the window.)"""
 
     keep: int = 8
     factor: float = 2.0

@@ -189,6 +189,44 @@ class Lobby:
         self.pending.clear()
 
 
+class Probes:
+    """Pings the peers a leader waits for, while it waits (each peer's next probe once its last
+    one ended, `Liveness.interval_s` apart): an expected peer that is later than its measured
+    arrivals say is let go only if its latest probe went unanswered too. A peer that answers is
+    alive and most likely on its way (a slow inner phase, a starved CPU): it keeps the window."""
+
+    def __init__(self, transport, rtts: dict[str, float]):
+        self.transport, self.rtts = transport, rtts
+        self.live: dict[str, Liveness] = {}
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def silent(self, peers: Collection[str]) -> set[str]:
+        """Of `peers` (probed from now on), those whose latest probe went unanswered."""
+        for p in peers:
+            live = self.live.setdefault(p, Liveness(rtt=self.rtts.get(p)))
+            task = self.tasks.get(p)
+            if task is not None and task.done():
+                try:
+                    live.answered(task.result())
+                    self.rtts[p] = live.rtt
+                except NETWORK_ERRORS:
+                    live.unanswered()
+                task = None
+            if task is None:
+                first = p not in self.tasks
+                self.tasks[p] = asyncio.create_task(self._probe(p, live.probe_timeout(), 0.0 if first else live.interval_s))
+        return {p for p in peers if self.live[p].missed}
+
+    async def _probe(self, peer: str, timeout: float, after: float) -> float:
+        await asyncio.sleep(after)
+        return await self.transport.ping(peer, timeout=timeout)
+
+    async def close(self) -> None:
+        for t in self.tasks.values():
+            t.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+
 class Matchmaker:
     """The async driver: DHT records and look-ups, calls to leaders, leading, serving joins.
     One per averager; its keys are those of the averager's namespace."""
@@ -324,13 +362,17 @@ class Matchmaker:
         """Lead until the window closes (form the group) or a smaller peer shows up (return it)."""
         me = self.avg.peer_id
 
+        probes = Probes(self.avg.transport, self.rtts)
+
         def overdue(now: float) -> set[str]:
             """Expected peers not waited for any more: silent on us lately (they may still
-            join), or later than their measured arrivals say they come (`Arrivals`)."""
+            join), or later than their measured arrivals say they come (`Arrivals`) and not
+            answering a probe either (`Probes`)."""
             if expected is None or isinstance(expected, int):
                 return set()
             waiting = set(expected) - lobby.joined(me)
-            return (waiting & self.recently_silent(now)) | self.arrivals.overdue(waiting, now - lobby.opened, lobby.window)
+            silent = probes.silent(waiting)
+            return (waiting & self.recently_silent(now)) | (self.arrivals.overdue(waiting, now - lobby.opened, lobby.window) & silent)
 
         def check(now: float) -> str:
             joined = lobby.joined(me)
@@ -341,22 +383,25 @@ class Matchmaker:
                 return close_reason(now, deadline, joined, None)
             return close_reason(now, deadline, joined, expected, overdue(now))
 
-        while not (why := check(time.monotonic())) and not lobby.abandoned:
-            lobby.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(lobby.changed.wait(), timeout=min(0.3, max(0.0, deadline - time.monotonic())))
-            if (why := check(time.monotonic())) or lobby.abandoned:  # everyone expected is here (or overdue)
-                break
-            now = time.monotonic()
-            waiting = set(expected) - lobby.joined(me) if expected is not None and not isinstance(expected, int) else set()
-            until = min(deadline - now, self.arrivals.next_overdue(waiting, now - lobby.opened, lobby.window))
-            try:  # a slow DHT must not hold the group past the window (or an overdue peer's allowance)
-                found = await asyncio.wait_for(self.candidates(lobby.key), timeout=max(0.05, until))
-            except TimeoutError:
-                found = set()
-            smaller = sorted(c for c in found - excluded if c < me)
-            if smaller:
-                return smaller[0]
+        try:
+            while not (why := check(time.monotonic())) and not lobby.abandoned:
+                lobby.changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(lobby.changed.wait(), timeout=min(0.3, max(0.0, deadline - time.monotonic())))
+                if (why := check(time.monotonic())) or lobby.abandoned:  # everyone expected is here (or overdue)
+                    break
+                now = time.monotonic()
+                waiting = set(expected) - lobby.joined(me) if expected is not None and not isinstance(expected, int) else set()
+                until = min(deadline - now, self.arrivals.next_overdue(waiting, now - lobby.opened, lobby.window))
+                try:  # a slow DHT must not hold the group past the window (or an overdue peer's allowance)
+                    found = await asyncio.wait_for(self.candidates(lobby.key), timeout=max(0.05, until))
+                except TimeoutError:
+                    found = set()
+                smaller = sorted(c for c in found - excluded if c < me)
+                if smaller:
+                    return smaller[0]
+        finally:
+            await probes.close()
         lobby.mode = "closed"
         if lobby.abandoned:
             lobby.answer_all(AvgGroup(status="closed", reason=f"the leader gave the round up: {lobby.abandoned}"))

@@ -1,0 +1,62 @@
+"""bench/faults.py runs end to end at a tiny size: every row has its fields, no success is wrong,
+the survivors keep averaging through the outage, and nothing is left behind."""
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.test_bench_allreduce_smoke import leftovers
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(180)
+
+FIELDS = (
+    "healthy_round_s", "rounds_during_outage", "rounds_failed", "time_lost_s", "first_round_s",
+    "wrong_results", "back_after_s", "target_met", "faulty_peer", "leader", "timeline",
+)
+
+
+def test_faults_bench_json_swarmtrain():
+    marker = uuid.uuid4().hex
+    argv = [
+        sys.executable, "-m", "bench.faults", "--json", "--peers", "3", "--size-mb", "0.25", "--outage-s", "15",
+        "--kinds", "sigkill,sigstop_leader,link_down", "--impls", "swarmtrain", "--back-deadline-s", "20",
+        "--round-timeout", "30",
+    ]
+    env = {**os.environ, "STB_TEST_MARKER": marker}
+    with subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=170)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    assert proc.returncode == 0, stderr[-3000:] + stdout[-3000:]
+    result = json.loads(stdout)
+    assert result["config"]["settings"]["swarmtrain"]["join_timeout_s"] == 15.0
+    rows = {r["kind"]: r for r in result["rows"] if r["impl"] == "swarmtrain"}
+    assert set(rows) == {"sigkill", "sigstop_leader", "link_down"}
+
+    for kind, role in (("sigkill", "member"), ("sigstop_leader", "leader")):
+        row = rows[kind]
+        assert row["status"] == "ok", row
+        assert not set(FIELDS) - set(row), set(FIELDS) - set(row)
+        assert row["wrong_results"] == 0, row.get("wrong")
+        # the survivors kept averaging (a leader frozen mid-round costs them that round, ~6 s, and
+        # the search for a new one, seconds: an outage of 15 s leaves room for more)
+        assert row["rounds_during_outage"] > 0, row["timeline"]
+        assert row["faulty_peer"]["role"] == role
+        assert isinstance(row["target_met"], bool)
+    for row in rows["sigkill"], rows["sigstop_leader"]:  # ours: the leader is the smallest peer id, as its report says
+        assert row["leader"]["peer_id"] == min(row["peer_ids"]) == row["leader"]["reported_by_last_healthy_round"]
+    assert rows["sigstop_leader"]["faulty_peer"]["peer_id"] == rows["sigstop_leader"]["leader"]["peer_id"]
+    assert rows["sigkill"]["faulty_peer"]["peer_id"] != rows["sigkill"]["leader"]["peer_id"]
+    assert rows["sigkill"]["back_after_s"] is None and rows["sigkill"]["back_note"]
+    # no --netns: the link_down row says why it did not run
+    assert rows["link_down"]["status"] == "skipped" and rows["link_down"]["reason"]
+    assert leftovers(marker) == []
