@@ -233,7 +233,7 @@ class Host:
                 log.debug("rejoin: %s: %s", peer_id[-8:], e)
         return await self.dht.run_coroutine(partial(_rejoin, peers=list(peers), timeout=timeout), return_future=True)
 
-    async def keep_joined(self, extra: Callable[[], dict[str, Sequence[str]]] = dict, interval: float = 5.0) -> None:
+    async def keep_joined(self, extra: Callable[[], dict[str, Sequence[str]]] = dict, interval: float = 2.0) -> None:
         """Forever: when the DHT has no neighbour left, join again through the initial peers
         and `extra()` (e.g. the coordinator). hivemind's DHT bootstraps only at start; a node
         whose link went down for longer than its requests' timeouts would stay alone."""
@@ -248,7 +248,7 @@ class Host:
                 peers = {split_peer_maddr(m)[1]: [m] for m in self.config.initial_peers}
                 peers.update(extra())
                 peers.pop(self.peer_id, None)
-                answered = await self.rejoin_dht(peers) if peers else 0
+                answered = await self.rejoin_dht(peers, timeout=3.0) if peers else 0
                 if answered:
                     log.info("DHT: no neighbour left for %.0f s; joined again through %d of %d peers", time.monotonic() - alone_since, answered, len(peers))
                     alone_since = None

@@ -359,7 +359,9 @@ class Replica(Role):
     async def _peer_states(self) -> dict[str, tuple[int, str]]:
         """(round, hash) of the latest state of every other replica that answers."""
         members = await read_members(self.host, self.node_config.swarm_id)
-        peers = [p for p, rec in members.items() if rec.role == "replica" and p != self.host.peer_id]
+        # and the members of our last round: our DHT may have lost its neighbours (a link that
+        # was down) while those peers are still where they were
+        peers = sorted(({p for p, rec in members.items() if rec.role == "replica"} | set(self.averager.last_members)) - {self.host.peer_id})
 
         async def one(peer):
             try:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -149,5 +150,6 @@ def test_a_steadily_slower_replica_keeps_its_place_in_rounds(swarm):
     assert rounds_lost(slow, start) == 0 and not any("caught_up_from" in e for e in slow), slow
     assert all(e["members"] == 3 for e in averaged(slow)), [e["members"] for e in averaged(slow)]
     speeds = {n: [e["tokens_per_s"] for e in averaged(history(swarm, n))] for n in NAMES}
-    # it is slower: about half the others' tokens/s in its inner phases
-    assert max(speeds["c"]) < 0.8 * min(min(speeds["a"]), min(speeds["b"])), speeds
+    # it is slower: about half the others' tokens/s in its inner phases (medians: one busy
+    # moment of the machine slows anyone's phase)
+    assert statistics.median(speeds["c"]) < 0.8 * statistics.median(speeds["a"] + speeds["b"]), speeds

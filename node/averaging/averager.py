@@ -138,6 +138,11 @@ class Averager:
             self.buffers.last_own[numel] = (report.bounds[i], report.bounds[i + 1])
         return unflatten(result, tensors), report
 
+    @property
+    def last_members(self) -> tuple[str, ...]:
+        """The peers of the last round that committed here (us included)."""
+        return self.matchmaker.last_members
+
     def abandon(self, key: str, why: str) -> bool:
         """Give up the round of `key` while we still wait, alone, as its leader for others to
         join (e.g. the swarm is known to be ahead of us): its `average()` raises AveragingFailed
