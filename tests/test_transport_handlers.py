@@ -57,22 +57,3 @@ def test_a_taken_message_type_is_refused_and_a_group_registers_all_or_nothing():
             assert CheckpointQuery not in server.handlers
 
     asyncio.run(main())
-
-
-def test_pings_earn_no_reputation():
-    """Followers probe their leader every half second while they wait: if each ping counted as
-    good behaviour, a peer sending bad parts would talk its way out of a ban."""
-
-    async def main():
-        async def ok(ctx):
-            return Ack()
-
-        async with server_and_client() as (server, client):
-            for _ in range(5):
-                await client.ping(server.peer_id, timeout=10)
-            assert server.scores.score(client.peer_id) == 0.0
-            server.on(CheckpointQuery, ok)
-            await client.call(server.peer_id, CheckpointQuery(), timeout=10)
-            assert server.scores.score(client.peer_id) > 0.0
-
-    asyncio.run(main())
