@@ -9,6 +9,10 @@ which the parent keeps as this peer's log.
     {"cmd": "prepare", "round": r}   reset the tensors (hivemind: also find the group) -> {"ok": true}
     {"cmd": "go", "round": r, "at": t}   at monotonic time t, average -> {"seconds", "start_lag", ...}
     {"cmd": "check"}                 the last result against the exact mean -> {"rel_error": e}
+    {"cmd": "round", "round": r, "at": t, "timeout": s, "ranks": {peer id: rank}, "expected": [ids] | null,
+     "suspects": [ids]}              bench/faults.py: reset, average at t (matchmaking included) and
+                                     measure the result against the exact mean of the peers the round
+                                     says took part -> {"seconds", "members", "leader", "errors", ...}
     {"cmd": "exit"}                  shut down cleanly -> {"ok": true, "leftover": [...]}, exit 0
 
 Peer i's tensors are N(0, 1) from seed `seed + i`; every peer rebuilds the exact mean of all
@@ -133,6 +137,86 @@ class Arm:
     def close(self) -> None:
         pass
 
+    # ---- bench/faults.py: whole rounds among whoever is there, checked against their exact mean
+
+    def subset_mean(self, ranks: frozenset[int]) -> list:
+        """The exact mean of the tensors of peers `ranks` (cached: a fault run sees few subsets)."""
+        cache = self.__dict__.setdefault("_subset_means", {})
+        if ranks not in cache:
+            import torch
+
+            out = []
+            gens = {r: torch.Generator().manual_seed(self.cfg["seed"] + r) for r in sorted(ranks)}
+            for s in shapes(self.cfg["numel"], self.cfg["n_tensors"]):
+                acc = torch.zeros(s, dtype=torch.float64)
+                for g in gens.values():
+                    acc += torch.randn(s, generator=g)
+                out.append(acc / len(ranks))
+            cache[ranks] = out
+        return cache[ranks]
+
+    def reset(self) -> None:
+        """Every peer averages its own original tensors afresh each round."""
+        Arm.prepare(self, 0)
+
+    def fault_round(self, msg: dict) -> dict:
+        """One whole round (reset, average at `at`, matchmaking included) with a deadline, its
+        result measured against the exact mean of the peers it says took part: "members" when
+        the implementation says who was averaged, else "group" (its group) and, when a suspect
+        was in it, "group_minus_suspects" (the caller takes the closest)."""
+        ranks = {p: int(r) for p, r in msg["ranks"].items()}
+        self.reset()
+        out, result = self.average_round(msg)
+
+        def error(ids) -> float:
+            if unknown := [p for p in ids if p not in ranks]:
+                raise RuntimeError(f"the round names peers this run does not know: {unknown}")
+            return max_abs_error(result, self.subset_mean(frozenset(ranks[p] for p in ids)))
+
+        refs = {}
+        if out.get("members") is not None:
+            refs["members"] = out["members"]
+        else:
+            refs["group"] = group = out["group"]
+            rest = [p for p in group if p not in set(msg.get("suspects") or ())]
+            if rest and len(rest) < len(group):
+                refs["group_minus_suspects"] = rest
+        errors = {name: error(ids) for name, ids in refs.items()}
+        tol = msg.get("tolerance")
+        if tol is not None and min(errors.values()) > tol:  # a wrong success: which parts are wrong, and how
+            means = {name: self.subset_mean(frozenset(ranks[p] for p in ids)) for name, ids in refs.items()}
+            out["blocks"] = block_matches(result, {**means, "own": self.original}, tol)
+        return {**out, "errors": errors}
+
+    def average_round(self, msg: dict) -> tuple[dict, list]:
+        raise NotImplementedError(f"{type(self).__name__} does not run fault rounds")
+
+
+def block_matches(result, references: dict, tol: float, block: int = 1024) -> dict:
+    """Blocks of `block` elements of the flat result, counted by the first reference each one
+    matches within `tol` ("none": none does). Tells a wrong result's parts apart: averaged over
+    the group, over part of it, or never averaged (the peer's own values)."""
+    import torch
+
+    flat = torch.cat([t.reshape(-1).double() for t in result])
+    block = min(block, flat.numel())
+    n = flat.numel() // block * block
+    label = torch.full((n // block,), -1)
+    for k, ref in enumerate(references.values()):
+        ref = torch.cat([t.reshape(-1).double() for t in ref])
+        ok = (flat[:n] - ref[:n]).abs().view(-1, block).amax(1) <= tol
+        label[(label < 0) & ok] = k
+    counts = {name: int((label == k).sum()) for k, name in enumerate(references)}
+    return {**counts, "none": int((label < 0).sum()), "block_elements": block}
+
+
+def max_abs_error(result, reference) -> float:
+    """max |result - reference| over all elements, in float64."""
+    worst = 0.0
+    for r, m in zip(result, reference):
+        worst = max(worst, float((r.double() - m).abs().max()))
+    return worst
+
 
 class GlooArm(Arm):
     """torch.distributed all_reduce (SUM) on gloo, then divide by N: the dense fp32 anchor."""
@@ -201,15 +285,19 @@ class HivemindArm(Arm):
         self.dht = hivemind.DHT(
             initial_peers=self.cfg.get("initial_peers") or None, host_maddrs=[f"/ip4/{ip}/tcp/0"], start=True
         )
+        if self.cfg.get("hivemind_leader_log"):
+            _log_hivemind_leaders(self.cfg["hivemind_leader_log"])  # before the averager forks: it inherits this
         self.averager = DecentralizedAverager(
             self.work,
             self.dht,
             prefix=f"bench_{codec}",
             target_group_size=self.n,
-            min_group_size=self.n,  # a round counts only with every peer in it
+            # bench/allreduce.py: a round counts only with every peer in it; bench/faults.py: hivemind's default (2)
+            min_group_size=self.cfg.get("hivemind_min_group_size") or self.n,
             min_matchmaking_time=self.cfg["hivemind_min_matchmaking_time"],
             request_timeout=self.cfg["hivemind_request_timeout"],
             allreduce_timeout=self.cfg["timeout"],
+            next_chunk_timeout=self.cfg.get("hivemind_next_chunk_timeout"),  # None: hivemind's default (no timeout)
             compression=compression,
             bandwidth=self.cfg.get("hivemind_bandwidth"),
             start=True,
@@ -221,7 +309,7 @@ class HivemindArm(Arm):
         msg = compression.compress(sample, hc.CompressionInfo.from_tensor(sample))
         self.ratio = msg.ByteSize() / (sample.numel() * 4)
         self.ctrl = None
-        return {"maddrs": [str(m) for m in self.dht.get_visible_maddrs()], "compression_ratio": self.ratio}
+        return {"maddrs": [str(m) for m in self.dht.get_visible_maddrs()], "compression_ratio": self.ratio, "peer_id": str(self.dht.peer_id)}
 
     def prepare(self, rnd: int) -> dict:
         from hivemind.averaging.control import AveragingStage
@@ -274,11 +362,88 @@ class HivemindArm(Arm):
         with self.averager.get_tensors() as tensors:
             return {"rel_error": rel_error(tensors, self.reference)}
 
+    def reset(self) -> None:
+        with self.averager.get_tensors() as tensors:
+            for t, o in zip(tensors, self.original):
+                t.copy_(o)
+
+    def average_round(self, msg: dict) -> tuple[dict, list]:
+        """One `step()` as hivemind's benchmark runs it (matchmaking, then all-reduce, retried
+        within its matchmaking timeout), cancelled at the round's deadline."""
+        from hivemind.averaging.control import AveragingStage
+
+        wait_until(msg["at"])
+        t0 = time.monotonic()
+        ctrl = self.averager.step(wait=False, weight=1.0, timeout=self.cfg["hivemind_matchmaking_timeout"])
+        deadline, matched = t0 + msg["timeout"], None
+        while not ctrl.done():
+            if matched is None and ctrl.stage == AveragingStage.RUNNING_ALLREDUCE:
+                matched = time.monotonic() - t0
+            if time.monotonic() > deadline:
+                ctrl.cancel()
+                try:
+                    ctrl.result(timeout=10)
+                except BaseException:  # cancelled or failed: either way this step is over
+                    pass
+                raise TimeoutError(f"no result within {msg['timeout']:.0f} s")
+            time.sleep(0.005)
+        gathered = ctrl.result(timeout=1)  # raises what failed the step
+        seconds = time.monotonic() - t0
+        if gathered is None:
+            raise RuntimeError("averager.step returned None (round failed)")
+        with self.averager.get_tensors() as tensors:
+            result = [t.clone() for t in tensors]
+        # hivemind says which group it formed, not whose data the average holds (a sender that
+        # timed out is left out of it): no "members"
+        out = {"seconds": seconds, "start_lag": t0 - msg["at"], "matchmaking_seconds": matched or 0.0,
+               "group": sorted(str(p) for p in gathered), "leader": _last_hivemind_leader(self.cfg.get("hivemind_leader_log"))}
+        return out, result
+
     def close(self) -> None:
         if getattr(self, "averager", None) is not None:
             self.averager.shutdown()
         if getattr(self, "dht", None) is not None:
             self.dht.shutdown()
+
+
+_LEADER_EVENTS = (" - assembled group of ", " - follower assembled group with leader ")
+
+
+def _log_hivemind_leaders(path: str) -> None:
+    """Append one line per group hivemind's matchmaking assembles in this process or its forks:
+    the leader's peer id. hivemind tells this only in debug records ("assembled group" on the
+    leader, "follower assembled group with leader X" on the others); those are caught here and
+    dropped, every other record goes on as before."""
+    import logging
+
+    def catch(record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG:
+            return True
+        text = record.getMessage()
+        if _LEADER_EVENTS[0] in text:
+            leader = text.split(" - ", 1)[0]
+        elif _LEADER_EVENTS[1] in text:
+            leader = text.rsplit(" ", 1)[-1]
+        else:
+            return False
+        with open(path, "a") as f:
+            f.write(f"{time.time():.3f} {leader}\n")
+        return False
+
+    logger = logging.getLogger("hivemind.averaging.matchmaking")
+    logger.setLevel(logging.DEBUG)
+    logger.addFilter(catch)
+
+
+def _last_hivemind_leader(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            lines = f.read().split()
+    except OSError:
+        return None
+    return lines[-1] if lines else None
 
 
 class SwarmtrainArm(Arm):
@@ -327,7 +492,7 @@ class SwarmtrainArm(Arm):
         config = AveragerConfig(codec=self.cfg["codec"], codec_params=self.cfg["codec_params"], **self.cfg["averager_opts"])
         self.avg = Averager(self.host, self.transport, config)
         await self.avg.start()
-        return {"maddrs": await self.host.visible_maddrs()}
+        return {"maddrs": await self.host.visible_maddrs(), "peer_id": self.host.peer_id}
 
     def go(self, rnd: int, at: float) -> dict:
         wait_until(at)
@@ -356,6 +521,27 @@ class SwarmtrainArm(Arm):
         out = super().prepare(rnd)
         self._run(self._reset_feedback(), 30)
         return out
+
+    def reset(self) -> None:
+        super().reset()
+        self._run(self._reset_feedback(), 30)
+
+    def average_round(self, msg: dict) -> tuple[dict, list]:
+        """One `average()`: expected peers by id where the caller knows them (as our replica
+        passes them), else the count."""
+        wait_until(msg["at"])
+        t0 = time.monotonic()
+        key = f"{self.cfg['run_id']}-{self.cfg['codec']}-round-{msg['round']}"
+        expected = set(msg["expected"]) if msg.get("expected") else self.n
+        coro = self.avg.average(key=key, tensors=self.work, weight=1.0, expected_peers=expected, state_key=self._state_key)
+        result, report = self._run(coro, msg["timeout"])
+        out = {
+            "seconds": time.monotonic() - t0, "start_lag": t0 - msg["at"], "leader": report.leader,
+            "group": list(report.members), "members": list(report.survivors),  # survivors: whose data the mean holds
+            "matchmaking_seconds": report.phases.get("matchmaking", 0.0), "phases": dict(report.phases),
+            "failed": [[str(p)[-8:], str(r)] for p, r in report.failed],
+        }
+        return out, result
 
     @property
     def _state_key(self) -> str:
@@ -467,6 +653,8 @@ def main() -> None:
                 reply({"ok": True, **arm.go(msg["round"], msg["at"])})
             elif cmd == "check":
                 reply({"ok": True, **arm.check()})
+            elif cmd == "round":
+                reply({"ok": True, **arm.fault_round(msg)})
             else:
                 reply({"error": f"unknown command {cmd!r}"})
         except Exception as e:

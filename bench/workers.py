@@ -101,6 +101,10 @@ class Worker:
             raise PeerRefused(f"{self.name}: {msg['error']}")
         return msg
 
+    def has_answer(self) -> bool:
+        """Whether an answer (or the end of the peer's output) is waiting: `recv` returns at once."""
+        return not self._queue.empty()
+
     def log_tail(self, lines: int = 6) -> str:
         try:
             text = self.log_path.read_text(errors="replace").strip().splitlines()

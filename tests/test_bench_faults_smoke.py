@@ -24,7 +24,7 @@ FIELDS = (
 def test_faults_bench_json_swarmtrain():
     marker = uuid.uuid4().hex
     argv = [
-        sys.executable, "-m", "bench.faults", "--json", "--peers", "3", "--size-mb", "0.25", "--outage-s", "15",
+        sys.executable, "-m", "bench.faults", "--json", "--peers", "3", "--size-mb", "0.25", "--outage-s", "25",
         "--kinds", "sigkill,sigstop_leader,link_down", "--impls", "swarmtrain", "--back-deadline-s", "20",
         "--round-timeout", "30",
     ]
@@ -47,8 +47,8 @@ def test_faults_bench_json_swarmtrain():
         assert row["status"] == "ok", row
         assert not set(FIELDS) - set(row), set(FIELDS) - set(row)
         assert row["wrong_results"] == 0, row.get("wrong")
-        # the survivors kept averaging (a leader frozen mid-round costs them that round, ~6 s, and
-        # the search for a new one, seconds: an outage of 15 s leaves room for more)
+        # the survivors kept averaging (a leader frozen mid-round costs them that round, up to ~12 s,
+        # and the search for a new one, up to ~7 s: an outage of 25 s leaves room for more)
         assert row["rounds_during_outage"] > 0, row["timeline"]
         assert row["faulty_peer"]["role"] == role
         assert isinstance(row["target_met"], bool)
