@@ -483,6 +483,9 @@ class AvgJoin(Message):
     bandwidth: float = 0.0  # bytes/s this peer can move; sizes its slice
     codec: str = "none"
     namespace: str = DEFAULT_NAMESPACE  # which of the receiver's averagers this is for (e.g. "replicas", "stage-2")
+    # only ask: do not take us in, answer at once whether this key is averaged there (a
+    # redirect to its leader), over there ("closed"), or not (yet) known there
+    ask_only: bool = False
 
     def validate(self) -> None:
         _require(0 < len(self.round_key) <= MAX_ID_LEN, "round_key", "must be 1..256 characters")

@@ -7,7 +7,7 @@ import pytest
 
 from node.averaging.config import AveragerConfig
 from node.averaging.decisions import Arrivals, Liveness, choose_pace, close_reason, decide_commit, decide_scatter, form_group, learn_bandwidth, learn_flow_rate
-from node.averaging.matchmaking import LOOK_AGAIN_S, MAX_REDIRECTS, RETRY_S, Lobby, Search
+from node.averaging.matchmaking import ASK_AGAIN_S, LOOK_AGAIN_S, MAX_REDIRECTS, RETRY_S, Lobby, Search
 from node.transport import RPCError
 from protocol import AvgGroup, AvgJoin, AvgReport
 
@@ -160,6 +160,23 @@ def test_when_the_last_leader_is_gone_the_next_member_of_the_last_group_is_asked
     assert c.call_failed(now=5.0, timed_out=True).action == "lead"
     d = Search(D, "k", deadline=10, last_members=(A, D))
     assert d.call_failed(now=1.0, timed_out=True).action == "lead"
+
+
+def test_a_redirect_to_a_leader_gone_silent_on_us_is_asked_again_not_followed():
+    """C gave up on A (its probes went unanswered), asks B, and B still follows A: C asks B
+    again in a moment (B notices too) instead of probing A for seconds once more."""
+    c = Search(C, "k", deadline=10, last_members=(A, B, C))
+    assert (c.call_failed(now=4.5, timed_out=True).action, c.target) == ("call", B)
+    step = c.answered(AvgGroup(status="redirect", redirect=A), now=4.6)
+    assert (step.action, step.target, step.wait_s) == ("call", B, ASK_AGAIN_S)
+    step = c.answered(AvgGroup(status="redirect", redirect=D), now=5.2)  # B moved on: follow it
+    assert (step.action, step.target) == ("call", D)
+    # a peer that failed without timing out (a stream closed) is no reason to distrust a redirect
+    s = Search(D, "k", deadline=10)
+    s.found({A})
+    s.call_failed(now=1.0, timed_out=False)
+    s.found({B})
+    assert s.answered(AvgGroup(status="redirect", redirect=A), now=1.5).target == A
 
 
 def test_a_group_or_a_closed_group_ends_the_search():

@@ -49,3 +49,21 @@ def test_a_leader_alone_waits_its_window_and_can_give_the_round_up():
                 await asyncio.wait_for(round_, 5)
 
     asyncio.run(main())
+
+
+def test_a_leader_alone_asks_the_last_group_and_learns_the_round_went_on_without_it():
+    """Back from a freeze, a peer predicts itself leader (the smallest of its last group) and
+    would wait alone for its whole window: one question to the next member tells it the
+    others averaged that key without it."""
+
+    async def main():
+        async with averagers(2, join_timeout_s=30) as avgs:
+            small, big = sorted(avgs, key=lambda a: a.peer_id)
+            big.matchmaker.forget_key("round-7")  # the others averaged round-7 without it
+            small.matchmaker.last_members = (small.peer_id, big.peer_id)
+            # the answer to its question, not the end of its 30 s window ("too late or alone")
+            with pytest.raises(AveragingFailed, match="too late for round round-7: .* this round is over here") as e:
+                await small.average("round-7", [torch.ones(100)], expected_peers={small.peer_id, big.peer_id})
+            assert e.value.report.late  # the caller catches up from the others
+
+    asyncio.run(main())

@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 MAX_REDIRECTS = 16  # a joiner follows at most this many redirects in one search
 RETRY_S = 0.1  # pause before asking a leader again whose stream closed (once)
 LOOK_AGAIN_S = 0.05  # pause before looking in the DHT again
-SILENT_FOR_S = 20.0  # a leader that went silent on us is not waited for this long (unless it joins): about until its DHT record is stale, so that a peer back from a long freeze is waited for again
+OVER_HERE, FORMED, NOT_HERE = "this round is over here", "the group already formed", "not averaging this key"  # "closed" answers
+ALONE_ASK_S = 1.0  # a leader still alone after this long asks the next member of the last group about the key
+ASK_AGAIN_S = 0.5  # pause before asking a peer again that redirected us to a leader gone silent on us
+SILENT_FOR_S = 20.0  # a peer that went silent on us is not waited for this long (unless it joins or answers a probe again): about until its DHT record is stale
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Search:
         self.target: str | None = min(self.last) if self.last else None
         self.predicted = self.target is not None
         self.excluded: set[str] = set()
+        self.silent: set[str] = set()  # peers whose call timed out in this search (frozen, cut off)
         self.redirects = 0
         self.failures: dict[str, int] = {}
 
@@ -98,6 +102,8 @@ class Search:
     def call_failed(self, now: float, timed_out: bool) -> Next:
         target = self.target or ""
         self.failures[target] = self.failures.get(target, 0) + 1
+        if timed_out:
+            self.silent.add(target)
         if self.failures[target] == 1 and not timed_out and now < self.deadline:
             return self.next(wait_s=RETRY_S)  # one retry: a stream can close under load
         self._drop()
@@ -113,6 +119,12 @@ class Search:
         if reply.status == "group":
             return Next("done", target, group=reply)
         if reply.status == "redirect":
+            if reply.redirect in self.silent and self.redirects < MAX_REDIRECTS and now < self.deadline:
+                # it still follows the leader that went silent on us: it will notice too, and
+                # lead or follow someone else; ask it again in a moment instead of probing
+                # the silent one for seconds once more
+                self.redirects += 1
+                return self.next(wait_s=ASK_AGAIN_S)
             if reply.redirect and reply.redirect != target and self.redirects < MAX_REDIRECTS:
                 # the redirect names the peer the others follow: worth another try even if an
                 # earlier call to it failed (a stream closed under load, say)
@@ -126,7 +138,7 @@ class Search:
             if now > self.deadline:
                 return Next("fail", reason="no usable leader before the join deadline", late=True)
             return self.next(wait_s=LOOK_AGAIN_S)
-        if reply.reason == "not averaging this key":
+        if reply.reason == NOT_HERE:
             # found in the DHT, yet not averaging: finished or restarted; a predicted leader
             # may just not have arrived yet
             self._drop(exclude=not self.predicted)
@@ -160,7 +172,7 @@ class Lobby:
         if self.group is not None and peer in self.group.members:
             return self.group  # a member asking again: our first answer was lost on the way
         if self.mode == "closed" or self.group is not None:
-            return AvgGroup(status="closed", reason="the group already formed")
+            return AvgGroup(status="closed", reason=FORMED)
         if req.numel != self.numel:
             raise RPCError("bad_request", f"vector has {req.numel} elements, this group averages {self.numel}")
         if req.codec != self.codec:
@@ -195,8 +207,8 @@ class Probes:
     arrivals say is let go only if its latest probe went unanswered too. A peer that answers is
     alive and most likely on its way (a slow inner phase, a starved CPU): it keeps the window."""
 
-    def __init__(self, transport, rtts: dict[str, float]):
-        self.transport, self.rtts = transport, rtts
+    def __init__(self, transport, rtts: dict[str, float], silent: dict[str, float]):
+        self.transport, self.rtts, self.marked = transport, rtts, silent
         self.live: dict[str, Liveness] = {}
         self.tasks: dict[str, asyncio.Task] = {}
 
@@ -209,6 +221,7 @@ class Probes:
                 try:
                     live.answered(task.result())
                     self.rtts[p] = live.rtt
+                    self.marked.pop(p, None)  # it answers: no longer counted as silent
                 except NETWORK_ERRORS:
                     live.unanswered()
                 task = None
@@ -220,6 +233,13 @@ class Probes:
     async def _probe(self, peer: str, timeout: float, after: float) -> float:
         await asyncio.sleep(after)
         return await self.transport.ping(peer, timeout=timeout)
+
+    def mark_silent(self, peers: Collection[str], now: float) -> None:
+        """Of `peers` (not joined when the group closed), mark those whose latest probe went
+        unanswered: the next rounds do not wait for them until they answer or join."""
+        for p in peers:
+            if p in self.live and self.live[p].missed:
+                self.marked[p] = now
 
     async def close(self) -> None:
         for t in self.tasks.values():
@@ -362,7 +382,7 @@ class Matchmaker:
         """Lead until the window closes (form the group) or a smaller peer shows up (return it)."""
         me = self.avg.peer_id
 
-        probes = Probes(self.avg.transport, self.rtts)
+        probes = Probes(self.avg.transport, self.rtts, self.silent)
 
         def overdue(now: float) -> set[str]:
             """Expected peers not waited for any more: silent on us lately (they may still
@@ -383,6 +403,8 @@ class Matchmaker:
                 return close_reason(now, deadline, joined, None)
             return close_reason(now, deadline, joined, expected, overdue(now))
 
+        asked: asyncio.Task | None = None  # the one question a leader alone asks (see ALONE_ASK_S)
+        peer = ""
         try:
             while not (why := check(time.monotonic())) and not lobby.abandoned:
                 lobby.changed.clear()
@@ -400,7 +422,25 @@ class Matchmaker:
                 smaller = sorted(c for c in found - excluded if c < me)
                 if smaller:
                     return smaller[0]
+                # alone a while: maybe the others averaged this key without us (we were frozen
+                # or cut off), or lead it without knowing of us. One question tells
+                others = sorted(set(self.last_members) - {me} - excluded)
+                if asked is None and others and len(lobby.joined(me)) < self.config.min_group_size and now - lobby.opened >= ALONE_ASK_S:
+                    peer = others[0]
+                    ask = AvgJoin(round_key=lobby.key, numel=own.numel, codec=own.codec, namespace=own.namespace, ask_only=True)
+                    asked = asyncio.create_task(self.avg.transport.call(peer, ask, timeout=max(0.5, min(5.0, deadline - now))))
+                if asked is not None and asked.done() and not asked.cancelled() and asked.exception() is None:
+                    reply = asked.result()
+                    if isinstance(reply, AvgGroup) and reply.status == "closed" and reply.reason in (OVER_HERE, FORMED):
+                        raise RoundFailed(f"too late for round {lobby.key}: {peer[-8:]} answered {reply.reason}", late=True)
+                    if isinstance(reply, AvgGroup) and reply.status == "redirect" and reply.redirect and reply.redirect != me:
+                        return reply.redirect  # it averages the key with someone: join them
+            if expected is not None and not isinstance(expected, int):
+                probes.mark_silent(set(expected) - lobby.joined(me), time.monotonic())
         finally:
+            if asked is not None:
+                asked.cancel()
+                await asyncio.gather(asked, return_exceptions=True)
             await probes.close()
         lobby.mode = "closed"
         if lobby.abandoned:
@@ -428,6 +468,15 @@ class Matchmaker:
     async def on_join(self, ctx: CallContext) -> AvgGroup:
         req: AvgJoin = ctx.request
         self.silent.pop(ctx.peer_id, None)  # whatever it wants, it is back
+        if req.ask_only:  # where this key stands here, at once; nobody is taken in
+            lobby = self.lobbies.get(req.round_key)
+            if lobby is None:
+                return AvgGroup(status="closed", reason=OVER_HERE if req.round_key in self.closed_keys else NOT_HERE)
+            if lobby.mode == "follower":
+                return AvgGroup(status="redirect", redirect=lobby.following)
+            if lobby.group is not None or lobby.mode == "closed":
+                return AvgGroup(status="closed", reason=FORMED)
+            return AvgGroup(status="redirect", redirect=self.avg.peer_id)
         lobby = self.lobbies.get(req.round_key)
         if lobby is None and req.round_key not in self.closed_keys and len(self.key_started) < MAX_EARLY_KEYS:
             # a peer that predicted us as leader may be a few ms ahead of our own call for this
@@ -443,8 +492,8 @@ class Matchmaker:
                 opened = self.closed_opened.pop(req.round_key, None)
                 if opened is not None:  # a join after our round was over: how late it is, measured
                     self.arrivals.arrived(ctx.peer_id, time.monotonic() - opened)
-                return AvgGroup(status="closed", reason="this round is over here")
-            return AvgGroup(status="closed", reason="not averaging this key")
+                return AvgGroup(status="closed", reason=OVER_HERE)
+            return AvgGroup(status="closed", reason=NOT_HERE)
         if lobby.mode != "follower" and ctx.peer_id not in lobby.measured:
             lobby.measured.add(ctx.peer_id)
             self.arrivals.arrived(ctx.peer_id, time.monotonic() - lobby.opened)
