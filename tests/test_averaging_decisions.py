@@ -160,6 +160,11 @@ def test_when_the_last_leader_is_gone_the_next_member_of_the_last_group_is_asked
     assert c.call_failed(now=5.0, timed_out=True).action == "lead"
     d = Search(D, "k", deadline=10, last_members=(A, D))
     assert d.call_failed(now=1.0, timed_out=True).action == "lead"
+    # the next round: A went silent on us lately, so it is not asked first again
+    c = Search(C, "k2", deadline=10, last_members=(A, B, C), silent={A})
+    assert c.next().target == B and A in c.excluded
+    # but the others may follow it again (it woke up): their redirect is followed
+    assert c.answered(AvgGroup(status="redirect", redirect=A), now=1.0).target == A
 
 
 def test_a_redirect_to_a_leader_gone_silent_on_us_is_asked_again_not_followed():

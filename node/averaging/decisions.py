@@ -77,7 +77,7 @@ class Arrivals:
 
     keep: int = 8
     factor: float = 2.0
-    slack_s: float = 2.0
+    slack_s: float = 1.0
     seen: dict[str, list[float]] = field(default_factory=dict)
 
     def arrived(self, peer: str, lateness: float) -> None:

@@ -59,14 +59,15 @@ class Next:
 class Search:
     """A peer's search for the leader of one round key (sans-IO)."""
 
-    def __init__(self, me: str, key: str, deadline: float, last_members: Collection[str] = ()):
+    def __init__(self, me: str, key: str, deadline: float, last_members: Collection[str] = (), silent: Collection[str] = ()):
         self.me, self.key, self.deadline = me, key, deadline
-        # the leader of the last round is most likely the leader of this one; if it is gone,
-        # the next smallest member of that group (the DHT may be slow while a peer is silent)
-        self.last = set(last_members) if me in last_members else set()
+        # the leader of the last round is most likely the leader of this one; if it is gone
+        # (or went silent on us lately), the next smallest member of that group (the DHT may
+        # be slow while a peer is silent)
+        self.excluded: set[str] = set(silent) - {me}
+        self.last = set(last_members) - self.excluded if me in last_members else set()
         self.target: str | None = min(self.last) if self.last else None
         self.predicted = self.target is not None
-        self.excluded: set[str] = set()
         self.silent: set[str] = set()  # peers whose call timed out in this search (frozen, cut off)
         self.redirects = 0
         self.failures: dict[str, int] = {}
@@ -282,7 +283,7 @@ class Matchmaker:
         # announced in the background: peers that know the group from the last round do not
         # need the DHT at all, and the others find us there a moment later
         avg.spawn(avg.host.dht_store(self.dht_key(key), rec.to_bytes(), time.time() + window + 60, subkey=me))
-        search = Search(me, key, deadline, self.last_members)
+        search = Search(me, key, deadline, self.last_members, self.recently_silent())
         step = search.next()
         while True:
             if step.wait_s:
