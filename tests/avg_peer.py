@@ -110,7 +110,7 @@ async def main() -> None:
                 try:
                     result, report = await avg.average(cmd["key"], mine, expected_peers=cmd.get("expected"))
                 except AveragingFailed as e:
-                    emit(event="result", key=cmd["key"], ok=False, reason=e.report.reason, failed=e.report.failed,
+                    emit(event="result", key=cmd["key"], ok=False, reason=e.report.reason, failed=e.report.failed, silent=e.report.silent,
                          unchanged=bool(torch.equal(flat(mine), flat(make_tensors(seeds[host.peer_id], numel)))))
                     continue
                 out = flat(result)
@@ -125,7 +125,7 @@ async def main() -> None:
                     max_err=float((out - exact).abs().max()), rel_err=float((out - exact).norm() / exact.norm()),
                     max_abs=float(max(flat(make_tensors(s, numel)).abs().max() for s in idx_seeds)),
                     equals_reference=bool(torch.equal(out, ref)), members=report.members, survivors=report.survivors,
-                    failed=report.failed, leader=report.leader, seconds=report.seconds, bytes_sent=report.bytes_sent,
+                    failed=report.failed, silent=report.silent, leader=report.leader, seconds=report.seconds, bytes_sent=report.bytes_sent,
                     early_used=report.early_used, early_discarded=report.early_discarded, schedule=report.schedule, pace=report.pace,
                     shapes_kept=[list(t.shape) for t in result] == [list(t.shape) for t in mine],
                 )

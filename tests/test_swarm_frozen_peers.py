@@ -3,6 +3,7 @@ peers in their own processes, real p2pd. A frozen leader costs its followers sec
 join call's own timeout, and is back in rounds once it resumes."""
 
 import os
+import time
 import signal
 
 import pytest
@@ -54,3 +55,26 @@ def test_followers_of_a_frozen_leader_form_their_own_group_within_the_window(tri
     third = run_round(trio, "frozen-2", 20_000)
     assert all(r["ok"] for r in third.values()), third
     assert all(sorted(r["members"]) == sorted(p.peer_id for p in trio) for r in third.values())
+
+
+def test_a_member_frozen_mid_round_is_let_go_on_unanswered_probes_not_at_the_deadline(trio):
+    # the member holds its parts (alive, 6 s), and is frozen meanwhile: the others probe the
+    # members whose parts they wait for, and stop waiting after two unanswered probes, long
+    # before the phase deadline (15 s here)
+    leader = min(trio, key=lambda p: p.peer_id)
+    frozen = next(p for p in trio if p is not leader)
+    others = [p for p in trio if p is not frozen]
+    for p in trio:
+        p.configure(join_timeout_s=10.0, base_timeout_s=15.0, faults={"delay_parts_s": 6.0} if p is frozen else {})
+    seeds = {p.peer_id: i + 1 for i, p in enumerate(trio)}
+    for p in trio:
+        p.send(op="average", key="mid-round", seeds=seeds, numel=20_000, expected=3)
+    time.sleep(2.0)  # matched (all three expected joined), its parts still held back
+    freeze(frozen)
+    results = {p.name: p.next("result", 60, "mid-round") for p in others}
+    for name, r in results.items():
+        assert r["ok"], (name, r)
+        assert frozen.peer_id not in r["survivors"] and r["equals_reference"]
+        assert r["silent"] == [frozen.peer_id], r  # let go on its probes, not by the phase deadline
+    thaw(frozen)
+    assert not frozen.next("result", 60, "mid-round")["ok"]

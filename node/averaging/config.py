@@ -94,6 +94,7 @@ class AverageReport:
     members: list[str] = field(default_factory=list)
     survivors: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (peer id, why)
+    silent: list[str] = field(default_factory=list)  # members not waited for to a deadline: their probes went unanswered
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0

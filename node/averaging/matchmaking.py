@@ -213,8 +213,8 @@ class Probes:
         self.live: dict[str, Liveness] = {}
         self.tasks: dict[str, asyncio.Task] = {}
 
-    def silent(self, peers: Collection[str]) -> set[str]:
-        """Of `peers` (probed from now on), those whose latest probe went unanswered."""
+    def silent(self, peers: Collection[str], misses: int = 1) -> set[str]:
+        """Of `peers` (probed from now on), those whose latest `misses` probes went unanswered."""
         for p in peers:
             live = self.live.setdefault(p, Liveness(rtt=self.rtts.get(p)))
             task = self.tasks.get(p)
@@ -223,13 +223,14 @@ class Probes:
                     live.answered(task.result())
                     self.rtts[p] = live.rtt
                     self.marked.pop(p, None)  # it answers: no longer counted as silent
-                except NETWORK_ERRORS:
+                except NETWORK_ERRORS as e:
                     live.unanswered()
+                    log.debug("probe of %s unanswered (%d in a row): %s", p[-8:], live.missed, e)
                 task = None
             if task is None:
                 first = p not in self.tasks
                 self.tasks[p] = asyncio.create_task(self._probe(p, live.probe_timeout(), 0.0 if first else live.interval_s))
-        return {p for p in peers if self.live[p].missed}
+        return {p for p in peers if self.live[p].missed >= misses}
 
     async def _probe(self, peer: str, timeout: float, after: float) -> float:
         await asyncio.sleep(after)
@@ -302,7 +303,7 @@ class Matchmaker:
                 lobby.follow(step.target)
                 try:
                     # a leader answers by the end of its own window, which may be longer than ours
-                    reply = await self._call_leader(step.target, join, timeout=3 * window + 2 * self.config.decision_grace_s)
+                    reply = await self.call_alive(step.target, join, timeout=3 * window + 2 * self.config.decision_grace_s)
                 except NETWORK_ERRORS as e:
                     log.debug("matchmaking %s: %s unusable as leader: %s", key, step.target[-8:], e)
                     step = search.call_failed(time.monotonic(), isinstance(e, CallTimeout))
@@ -334,12 +335,17 @@ class Matchmaker:
             del self.silent[p]
         return set(self.silent)
 
-    async def _call_leader(self, target: str, join: AvgJoin, timeout: float) -> object:
-        """The join call to `target`, while probing that it is still there (`Liveness`): a
-        leader that stops answering is given up on within seconds (CallTimeout), not after the
-        call's own timeout."""
+    def probes(self) -> Probes:
+        """Probes of peers a round waits on, sharing what we know of their round trips and silence."""
+        return Probes(self.avg.transport, self.rtts, self.silent)
+
+    async def call_alive(self, target: str, request, timeout: float) -> object:
+        """A long call to `target` (a join its leader answers when the group forms, a report
+        it answers with its decision), while probing that it is still there (`Liveness`): a
+        peer that stops answering is given up on within seconds (CallTimeout) and marked
+        silent, not after the call's own timeout."""
         transport = self.avg.transport
-        call = asyncio.create_task(transport.call(target, join, timeout=timeout))
+        call = asyncio.create_task(transport.call(target, request, timeout=timeout))
         live = Liveness(rtt=self.rtts.get(target))
         try:
             while True:
@@ -356,7 +362,7 @@ class Matchmaker:
                     live.unanswered()
                 if why := live.silent():
                     self.silent[target] = time.monotonic()
-                    raise CallTimeout(f"leader {target[-8:]} went silent: {why}")
+                    raise CallTimeout(f"{target[-8:]} went silent: {why}")
                 done, _ = await asyncio.wait([call], timeout=live.interval_s)
                 if done:
                     return call.result()
@@ -383,7 +389,7 @@ class Matchmaker:
         """Lead until the window closes (form the group) or a smaller peer shows up (return it)."""
         me = self.avg.peer_id
 
-        probes = Probes(self.avg.transport, self.rtts, self.silent)
+        probes = self.probes()
 
         def overdue(now: float) -> set[str]:
             """Expected peers not waited for any more: silent on us lately (they may still

@@ -20,13 +20,15 @@ from protocol import AvgDecision, AvgDecisionQuery, AvgGroup, AvgReport, Encoded
 from protocol.codecs import decode_own
 
 from .. import aggregators
-from ..transport import NETWORK_ERRORS
+from ..transport import NETWORK_ERRORS, CallTimeout
 from .buffers import Prepared, cut_from
 from .config import AverageReport, RoundFailed
 from .decisions import choose_pace, decide_commit, decide_scatter
 from .schedule import Batch, InTurn, settle
 
 log = logging.getLogger(__name__)
+
+TICK_S = 0.25  # how often a wait on peers looks at their probes
 
 
 @dataclass
@@ -89,6 +91,25 @@ class RoundDriver:
         self.encoded: dict[int, EncodedTensor] = {}
         self.early: asyncio.Task | None = None
         self.mine: list[int] = []
+        self.probes = avg.matchmaker.probes()  # the peers we wait on: silent ones are not waited for
+
+    async def wait_on(self, event: asyncio.Event, missing, deadline: float, what: str) -> None:
+        """Until `missing()` (peers we still wait for) is empty, the deadline, or every peer
+        still missing is silent: its last two probes went unanswered (dead, frozen, cut off;
+        one slow answer on a busy machine is no reason to drop a member from a round).
+        Waiting for it to the deadline would only cost the others that time; one that answers
+        is alive and waited for (a slow link, a starved CPU)."""
+        while peers := missing() - {self.rnd.me}:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self.probes.silent(peers, misses=2) >= peers:
+                self.rnd.report.silent = sorted(set(self.rnd.report.silent) | peers)
+                log.debug("round %s: not waiting for %s any more (%s): no answer to a probe", self.rnd.group.group_id, ", ".join(p[-8:] for p in peers), what)
+                return
+            event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout=min(left, TICK_S))
 
     async def run(self) -> torch.Tensor:
         """The averaged flat vector (on commit), or RoundFailed."""
@@ -154,23 +175,15 @@ class RoundDriver:
         """Until every slot has a part from every sender (None: from the slot's owner) or the deadline."""
         rnd = self.rnd
 
-        def complete() -> bool:
+        def missing() -> set[str]:
+            out = set()
             for phase, j in slots:
                 got = rnd.received.get((phase, j), {})
                 need = senders if senders is not None else [rnd.owners[j]]
-                if any(s not in got and s not in rnd.blamed for s in need):
-                    return False
-            return True
+                out |= {s for s in need if s not in got and s not in rnd.blamed}
+            return out
 
-        while not complete():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            rnd.arrived.clear()
-            try:
-                await asyncio.wait_for(rnd.arrived.wait(), timeout=left)
-            except TimeoutError:
-                return
+        await self.wait_on(rnd.arrived, missing, deadline, "parts")
 
     # ---- decision ----
 
@@ -236,15 +249,7 @@ class RoundDriver:
                 rnd.reports[phase][rnd.me] = mine
             expected = rnd.members if phase == "scatter" else rnd.survivors
             wait_until = max(phase_deadline, time.monotonic()) + grace
-            while set(expected) - set(rnd.reports[phase]):
-                left = wait_until - time.monotonic()
-                if left <= 0:
-                    break
-                rnd.reported[phase].clear()
-                try:
-                    await asyncio.wait_for(rnd.reported[phase].wait(), timeout=left)
-                except TimeoutError:
-                    break
+            await self.wait_on(rnd.reported[phase], lambda: set(expected) - set(rnd.reports[phase]), wait_until, f"{phase} reports")
             g = rnd.group
             if phase == "scatter":
                 decision = decide_scatter(g.group_id, g.members, rnd.reports[phase], self.config.min_group_size)
@@ -253,18 +258,20 @@ class RoundDriver:
             rnd.decisions[phase] = decision
             rnd.decided[phase].set()
             return decision
+        silent = False
         try:
-            reply = await transport.call(rnd.leader, mine, timeout=max(phase_deadline - time.monotonic(), 0) + 3 * grace)
+            # probed while we wait: a leader that went silent is not waited for to the deadline
+            reply = await self.avg.matchmaker.call_alive(rnd.leader, mine, timeout=max(phase_deadline - time.monotonic(), 0) + 3 * grace)
             if isinstance(reply, AvgDecision) and reply.group_id == rnd.group.group_id and reply.phase == phase:
                 rnd.decisions[phase] = reply
                 rnd.decided[phase].set()
                 return reply
             raise RemoteProtocolError("the leader's reply is not this round's decision", "decision")
         except NETWORK_ERRORS as e:
-            leader_error = e
+            leader_error, silent = e, rnd.leader in self.avg.matchmaker.silent and isinstance(e, CallTimeout)
         # the leader is gone, confused, or its reply was lost: ask it once more (it keeps its
-        # decisions for a minute), then the other members, who may have it
-        for peer in [rnd.leader, *(m for m in rnd.members if m not in (rnd.me, rnd.leader))]:
+        # decisions for a minute; not if it went silent), then the other members, who may have it
+        for peer in [*([] if silent else [rnd.leader]), *(m for m in rnd.members if m not in (rnd.me, rnd.leader))]:
             try:
                 reply = await transport.call(peer, AvgDecisionQuery(group_id=rnd.group.group_id, phase=phase), timeout=grace)
             except NETWORK_ERRORS:
@@ -396,6 +403,7 @@ class RoundDriver:
         faulted in fresh pages instead of reusing freed ones)."""
         rnd = self.rnd
         rnd.done = True
+        await self.probes.close()
         for lock in list(rnd.locks.values()):  # a slice still being decoded into the result
             async with lock:
                 pass
