@@ -70,6 +70,19 @@ def add_p2pd_flags(p2p_class: Any, **flags: Any) -> None:
     p2p_class._make_process_args = staticmethod(lambda *a, **kw: make_args(*a, **{**kw, **flags}))
 
 
+async def p2pd_disconnect(p2p: Any, peer_id: Any) -> None:
+    """Ask the p2pd behind a hivemind `P2P` to close its connections to `peer_id`: after a
+    link was down, a connection whose TCP is still backing off its retransmits carries new
+    streams only once it recovers (seconds to tens of seconds); a fresh dial works at once.
+    hivemind's public API has no such call. Written against hivemind 1.1.12: touches
+    `P2P._client` and calls its public `disconnect`; raises `CompatError` if it is missing."""
+    client = getattr(p2p, "_client", None)
+    disconnect = getattr(client, "disconnect", None)
+    if not callable(disconnect):
+        raise CompatError(f"{type(p2p).__qualname__} has no started _client with disconnect() (written against hivemind 1.1.12)")
+    await disconnect(peer_id)
+
+
 async def p2pd_connect(p2p: Any, peer_id: Any, maddrs: Sequence[Any]) -> None:
     """Ask the p2pd behind a hivemind `P2P` to connect to `peer_id` (a hivemind `PeerID`) at
     transport addresses `maddrs` (`Multiaddr`s). hivemind's public API has no such call.

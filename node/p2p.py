@@ -185,6 +185,14 @@ class Host:
         except (ControlFailure, DispatchFailure, OSError, ValueError) as e:
             raise PeerUnreachable(f"cannot connect to {peer_id}: {e}") from None
 
+    async def disconnect(self, peer_id: str) -> None:
+        """Close p2pd's connections to a peer that went silent (best effort): the next stream
+        to it dials afresh instead of queueing on a connection a dead link left stuck."""
+        try:
+            await asyncio.wait_for(compat.p2pd_disconnect(self.p2p, PeerID.from_base58(peer_id)), 5.0)
+        except (ControlFailure, DispatchFailure, OSError, ValueError, TimeoutError, compat.CompatError) as e:
+            log.debug("disconnect %s: %s", peer_id[-8:], e)
+
     async def add_stream_handler(self, name: str, handler: StreamHandler) -> None:
         async def adapter(info, reader, writer):
             try:
@@ -248,6 +256,8 @@ class Host:
                 peers = {split_peer_maddr(m)[1]: [m] for m in self.config.initial_peers}
                 peers.update(extra())
                 peers.pop(self.peer_id, None)
+                for peer_id in peers:  # connections our link's outage left stuck: dial afresh
+                    await self.disconnect(peer_id)
                 answered = await self.rejoin_dht(peers, timeout=3.0) if peers else 0
                 if answered:
                     log.info("DHT: no neighbour left for %.0f s; joined again through %d of %d peers", time.monotonic() - alone_since, answered, len(peers))

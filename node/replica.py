@@ -49,10 +49,11 @@ from .model import GPT, GPTConfig, init_model
 from .runconfig import RunConfig, RunConfigError, run_config_of  # noqa: F401 (re-exported)
 from .state_server import CheckpointServer, DirectorySource
 from .roles import Role, RoleError
-from .transport import NETWORK_ERRORS, HandlerTaken, RemoteError
+from .transport import NETWORK_ERRORS, CallTimeout, HandlerTaken, RemoteError
 
 log = logging.getLogger(__name__)
 
+MEMBERS_TIMEOUT_S = 3.0  # longest an outer step waits for the DHT's list of members
 EVAL_SEED = 1234  # the same validation windows everywhere, so losses compare across replicas and runs
 KEEP_LOCAL_STATES = 2
 _PEER_ERRORS = (*NETWORK_ERRORS, CheckpointDirError, ValueError)
@@ -135,6 +136,7 @@ class Replica(Role):
         self.pauses = PauseWatch()
         self.slowdown = node_config.fault_slowdown
         self._out_of_step = False  # the last round failed: we may have been left behind
+        self._last_members: dict = {}  # the member records last read from the DHT
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -358,7 +360,7 @@ class Replica(Role):
 
     async def _peer_states(self) -> dict[str, tuple[int, str]]:
         """(round, hash) of the latest state of every other replica that answers."""
-        members = await read_members(self.host, self.node_config.swarm_id)
+        members = await self._members()
         # and the members of our last round: our DHT may have lost its neighbours (a link that
         # was down) while those peers are still where they were
         peers = sorted(({p for p, rec in members.items() if rec.role == "replica"} | set(self.averager.last_members)) - {self.host.peer_id})
@@ -367,6 +369,9 @@ class Replica(Role):
             try:
                 step, manifest = await fetch_manifest(self.transport, peer, timeout=3.0)
                 return peer, (step, manifest.get("state_hash") or "")
+            except CallTimeout:  # silent, or a connection a dead link left stuck: dial afresh next time
+                await self.host.disconnect(peer)
+                return peer, None
             except _PEER_ERRORS:
                 return peer, None
 
@@ -440,9 +445,19 @@ class Replica(Role):
                     return True
         return False
 
+    async def _members(self) -> dict:
+        """The swarm's member records from the DHT, within MEMBERS_TIMEOUT_S; else the last
+        ones read. While a peer is cut off or frozen, a DHT look-up can wait on it for tens of
+        seconds (measured: 31 s, with 40 inner steps taking 2): an outer step must not."""
+        try:
+            self._last_members = await asyncio.wait_for(read_members(self.host, self.node_config.swarm_id), MEMBERS_TIMEOUT_S)
+        except TimeoutError:
+            log.info("the DHT took over %.0f s to list the members: going by the last list", MEMBERS_TIMEOUT_S)
+        return self._last_members
+
     async def _replica_ids(self) -> set[str]:
         """The replicas alive as far as the DHT shows, this one included."""
-        members = await read_members(self.host, self.node_config.swarm_id)
+        members = await self._members()
         # records are re-published every ttl/3 s: an older one is most likely from a dead replica
         max_age = self.membership.config.record_ttl_s / 3 * 1.5
         fresh = [r for r in members.values() if r.role == "replica" and time.time() - r.issued_at < max_age]

@@ -24,8 +24,8 @@ FIELDS = (
 def test_faults_bench_json_swarmtrain():
     marker = uuid.uuid4().hex
     argv = [
-        sys.executable, "-m", "bench.faults", "--json", "--peers", "3", "--size-mb", "0.25", "--outage-s", "14",
-        "--kinds", "sigkill,sigstop_member,link_down", "--impls", "swarmtrain", "--back-deadline-s", "20",
+        sys.executable, "-m", "bench.faults", "--json", "--peers", "3", "--size-mb", "0.25", "--outage-s", "8",
+        "--kinds", "sigkill,link_down", "--impls", "swarmtrain", "--back-deadline-s", "20",
         "--round-timeout", "30",
     ]
     env = {**os.environ, "STB_TEST_MARKER": marker}
@@ -40,22 +40,18 @@ def test_faults_bench_json_swarmtrain():
     result = json.loads(stdout)
     assert result["config"]["settings"]["swarmtrain"]["join_timeout_s"] == 15.0
     rows = {r["kind"]: r for r in result["rows"] if r["impl"] == "swarmtrain"}
-    assert set(rows) == {"sigkill", "sigstop_member", "link_down"}
+    assert set(rows) == {"sigkill", "link_down"}
 
-    for kind, role in (("sigkill", "member"), ("sigstop_member", "member")):
-        row = rows[kind]
-        assert row["status"] == "ok", row
-        assert not set(FIELDS) - set(row), set(FIELDS) - set(row)
-        assert row["wrong_results"] == 0, row.get("wrong")
-        # the survivors kept averaging (a member lost mid-round costs them that round, ~6 s, and a
-        # frozen one its allowance once, ~3 s: an outage of 14 s leaves room for more)
-        assert row["rounds_during_outage"] > 0, row["timeline"]
-        assert row["faulty_peer"]["role"] == role
-        assert isinstance(row["target_met"], bool)
-    for row in rows["sigkill"], rows["sigstop_member"]:  # ours: the leader is the smallest peer id, as its report says
-        assert row["leader"]["peer_id"] == min(row["peer_ids"]) == row["leader"]["reported_by_last_healthy_round"]
-        assert row["faulty_peer"]["peer_id"] != row["leader"]["peer_id"]
-    assert rows["sigstop_member"]["back_after_s"] is not None  # it averaged with the others again
+    row = rows["sigkill"]
+    assert row["status"] == "ok", row
+    assert not set(FIELDS) - set(row), set(FIELDS) - set(row)
+    assert row["wrong_results"] == 0, row.get("wrong")
+    # the survivors kept averaging (a member killed mid-round costs them that round, ~1 s)
+    assert row["rounds_during_outage"] > 0, row["timeline"]
+    assert row["faulty_peer"]["role"] == "member" and isinstance(row["target_met"], bool)
+    # ours: the leader is the smallest peer id, as its report says
+    assert row["leader"]["peer_id"] == min(row["peer_ids"]) == row["leader"]["reported_by_last_healthy_round"]
+    assert row["faulty_peer"]["peer_id"] != row["leader"]["peer_id"]
     assert rows["sigkill"]["back_after_s"] is None and rows["sigkill"]["back_note"]
     # no --netns: the link_down row says why it did not run
     assert rows["link_down"]["status"] == "skipped" and rows["link_down"]["reason"]

@@ -122,10 +122,13 @@ def topology():
 
 
 def test_a_cut_off_leader_costs_the_others_at_most_a_round_and_is_back_after_its_link_is(swarm, topology):
-    # every daemon in its own network namespace; the coordinator in the first
+    # every daemon in its own network namespace; the coordinator in the first. 40 inner steps:
+    # outer steps of a few seconds, as the network's own recovery takes that long once the link
+    # is back (TCP retransmits back off while a link is down; our probes and DHT checks tick in
+    # seconds); real outer steps take minutes
     ip = topology.ip(0)
     coord = swarm.start("coordinator", "swarmtrain-coordinator", "--data-dir", str(swarm.tmp / "coordinator"), "--host-maddrs", f"/ip4/{ip}/tcp/0",
-                        "--http", f"{ip}:0", *RUN, prefix=topology.wrap(0, []))
+                        "--http", f"{ip}:0", *RUN, "--inner-steps", "40", prefix=topology.wrap(0, []))
     found = wait_for(lambda: re.search(rf"/ip4/{re.escape(ip)}/tcp/\d+/p2p/\w+", coord.log()), 60, "the coordinator's address")
     maddr = found.group(0)
     procs = {n: swarm.node(n, [maddr], *NODE, "--shard-index", str(i), "--host-maddrs", f"/ip4/{topology.ip(i + 1)}/tcp/0",
@@ -144,12 +147,13 @@ def test_a_steadily_slower_replica_keeps_its_place_in_rounds(swarm):
              for i, n in enumerate(NAMES)}
     for p in procs.values():
         node_peer_id(p)
-    wait_for(lambda: step(swarm, "c") >= 6, 300, "six outer steps on the slow replica")
+    wait_for(lambda: step(swarm, "c") >= 5, 300, "five outer steps on the slow replica")
     slow = history(swarm, "c")
     start = next(e["outer_step"] for e in slow if "start" in e)
     assert rounds_lost(slow, start) == 0 and not any("caught_up_from" in e for e in slow), slow
     assert all(e["members"] == 3 for e in averaged(slow)), [e["members"] for e in averaged(slow)]
-    speeds = {n: [e["tokens_per_s"] for e in averaged(history(swarm, n))] for n in NAMES}
-    # it is slower: about half the others' tokens/s in its inner phases (medians: one busy
-    # moment of the machine slows anyone's phase)
-    assert statistics.median(speeds["c"]) < 0.8 * statistics.median(speeds["a"] + speeds["b"]), speeds
+    # it is the slow one: the others wait for it in every round (their rounds, from their join
+    # to the commit, take longer than its own; medians: one busy moment of the machine slows
+    # anyone's phase)
+    waits = {n: [e["round_s"] for e in averaged(history(swarm, n))] for n in NAMES}
+    assert statistics.median(waits["c"]) < min(statistics.median(waits["a"]), statistics.median(waits["b"])), waits

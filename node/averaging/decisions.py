@@ -67,8 +67,10 @@ def close_reason(
 class Arrivals:
     """How late each peer joins the groups we lead: seconds after our group opened (0 when it
     was there before us), its last `keep` joins, whether in time or after the group closed.
-    A leader waits for an expected peer `factor` × its latest recent arrival + `slack_s`, never
-    longer than the join window; for a peer it has not measured, the whole window. So a slow
+    A leader waits for an expected peer `factor` × the median of its recent arrivals +
+    `slack_s` (the median: one odd round, such as the first, when replicas start at different
+    times, does not set the allowance for the next eight), never longer than the join window;
+    for a peer it has not measured, the whole window. So a slow
     but steady peer keeps its place (its lateness is what is measured), a peer that turned
     slower is measured by its late join and waited for in the next round, and one that went
     silent (frozen, cut off, dead) costs the others its allowance, not the window. (The
@@ -90,10 +92,11 @@ class Arrivals:
         recent = self.seen.get(peer)
         if not recent:
             return window, "not measured yet: the whole window"
-        wait = self.factor * max(recent) + self.slack_s
+        typical = statistics.median(recent)
+        wait = self.factor * typical + self.slack_s
         if wait >= window:
-            return window, f"up to {max(recent):.1f} s late lately: the whole window"
-        return wait, f"up to {max(recent):.1f} s late in its last {len(recent)} joins"
+            return window, f"{typical:.1f} s late lately (median): the whole window"
+        return wait, f"{typical:.1f} s late (median of its last {len(recent)} joins)"
 
     def overdue(self, waiting: Collection[str], elapsed: float, window: float) -> set[str]:
         """The peers of `waiting` not waited for any more, `elapsed` s after the group opened."""

@@ -362,6 +362,7 @@ class Matchmaker:
                     live.unanswered()
                 if why := live.silent():
                     self.silent[target] = time.monotonic()
+                    self.avg.spawn(self.avg.host.disconnect(target))  # if it comes back, a fresh connection
                     raise CallTimeout(f"{target[-8:]} went silent: {why}")
                 done, _ = await asyncio.wait([call], timeout=live.interval_s)
                 if done:
