@@ -261,8 +261,8 @@ class _FrameReader(asyncio.BufferedProtocol):
             if self._eof:
                 if self._lost is not None:
                     raise ConnectionResetError(f"stream lost: {self._lost}")
-                if self.decoder.buffered:
-                    raise RemoteProtocolError(f"stream ended inside a frame ({self.decoder.buffered} bytes)", "frame")
+                if self.decoder.buffered:  # the sender gave up mid-frame (a cancelled send): a hang-up
+                    raise ConnectionResetError(f"stream ended inside a frame ({self.decoder.buffered} bytes)")
                 return None
             self._resume()
             await self._wait()
@@ -348,6 +348,7 @@ class Transport:
         self._direct: direct.DirectListener | None = None
         self._direct_addrs: tuple[str, ...] = ()
         self._no_direct: dict[str, float] = {}  # peer -> until when its pipes skip the direct attempt
+        self.heard: dict[str, float] = {}  # peer -> when bytes of its calls or replies last came in (monotonic)
 
     @property
     def peer_id(self) -> str:
@@ -434,6 +435,8 @@ class Transport:
             nonlocal counted
             counted += n
             st.bytes_in_flight += n
+            if n > 0:
+                self.heard[peer_id] = time.monotonic()
             if n > 0 and st.bytes_in_flight > self.config.max_bytes_in_flight_per_peer:
                 raise RPCError("overloaded", f"more than {self.config.max_bytes_in_flight_per_peer} bytes in flight")
 
@@ -442,8 +445,8 @@ class Transport:
         async def receive() -> Message:
             async with asyncio.timeout(self.config.request_read_timeout_s):
                 msg = await frames.next()
-            if msg is None:
-                raise RemoteProtocolError("stream ended before the request was complete", "frame")
+            if msg is None:  # the caller hung up (a call cancelled, a send given up): nothing bad about it
+                raise ConnectionResetError("the caller closed the stream before its request was complete")
             return msg
 
         linger = False
@@ -601,7 +604,7 @@ class Transport:
             if isinstance(e, RemoteProtocolError):
                 self.scores.penalize(peer_id, 2.0, time.monotonic())
             raise
-        pipe.used = time.monotonic()
+        pipe.used = self.heard[peer_id] = time.monotonic()
         if len(idle) < self.config.pipes_per_peer:
             idle.append(pipe)
         else:
@@ -695,6 +698,7 @@ class Transport:
                     raise RemoteError(peer_id, reply.code, reply.message) from None
                 raise e
             reply = self._check_reply(peer_id, await frames.next())
+            self.heard[peer_id] = time.monotonic()
             self.stats["calls_made"] += 1
             return reply
 
@@ -703,6 +707,19 @@ class Transport:
         async with self._exchange(peer_id, request, timeout) as (frames, _):
             while (msg := await frames.next()) is not None:
                 yield self._check_reply(peer_id, msg)
+
+    async def reset(self, peer_id: str, timeout: float = 1.0) -> None:
+        """Drop our idle pipes and p2pd's connections to a peer that stopped answering (calls
+        to it on them fail): after its link was down a while, a connection may stay stuck
+        for seconds (TCP backs off its retransmissions); the next call dials afresh."""
+        idle = self._pipes.get(peer_id, [])
+        for pipe in idle:
+            _close(pipe.writer)
+        idle.clear()
+        disconnect = getattr(self.host, "disconnect", None)
+        if disconnect is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(disconnect(peer_id), timeout)
 
     async def ping(self, peer_id: str, timeout: float = 5.0) -> float:
         """Round-trip time in seconds."""

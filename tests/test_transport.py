@@ -2,6 +2,7 @@
 deadlines, refusals."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -93,6 +94,30 @@ def test_repeated_garbage_gets_a_peer_banned_and_others_keep_being_served():
         assert server.stats["bad_frames"] == 5
 
     run(scenario, n_hosts=3, ban_score=-10.0)
+
+
+def test_a_caller_that_hangs_up_before_its_request_is_not_punished():
+    """Calls cancelled before their request went out (probes given up, sends of a finished
+    round) close streams with nothing or half a request on them: a hang-up, not bad input."""
+
+    async def scenario(server, clients):
+        (caller,) = clients
+        for k in range(12):
+            reader, writer = await caller.host.open_stream(server.peer_id, RPC_PROTOCOL)
+            if k % 2:
+                writer.write(b"\x00\x00")  # half a frame header
+                await writer.drain()
+            writer.close()
+        assert isinstance(await caller.call(server.peer_id, Ping(), timeout=10), Pong)
+        st = server.scores.peers[caller.peer_id]
+        deadline = time.monotonic() + 10
+        while st.active and time.monotonic() < deadline:  # every stream's end seen by the server
+            await asyncio.sleep(0.05)
+        assert st.active == 0
+        assert server.stats["bad_frames"] == 0
+        assert server.scores.score(caller.peer_id, time.monotonic()) == 0.0
+
+    run(scenario, ban_score=-10.0)
 
 
 def test_valid_calls_between_bad_frames_do_not_wash_a_score():
