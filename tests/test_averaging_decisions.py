@@ -237,6 +237,12 @@ def test_the_commit_needs_every_survivor_holding_every_slice():
     assert d.commit and d.survivors == (A, B)
     d = decide_commit("g", (A, B), (A, B), (A, B), {A: ok})
     assert not d.commit and "did not report" in d.reason
+    # a member gone silent (probes unanswered) does not cost the others the round: its data
+    # are in the average and they hold all of it; one that is merely late still does
+    d = decide_commit("g", (A, B, C), (A, B, C), (A, B, C), {A: ok, B: ok}, silent=(C,))
+    assert d.commit and d.survivors == (A, B, C) and "without the report of peer-c" in d.reason
+    d = decide_commit("g", (A, B, C), (A, B, C), (A, B, C), {A: ok}, silent=(C,))
+    assert not d.commit and "peer-b did not report" in d.reason and "peer-c" not in d.reason
     bad = AvgReport(group_id="g", phase="gather", ok=False, blamed=(A,), reasons=("slice 0 never arrived",))
     d = decide_commit("g", (A, B), (A, B), (A, B), {A: ok, B: bad})
     assert not d.commit and "slice 0 never arrived" in d.reason
@@ -266,14 +272,32 @@ def test_a_leader_that_stops_answering_probes_is_silent_after_two_misses():
     live = Liveness()
     assert live.probe_timeout() == pytest.approx(2.0)  # nothing measured yet
     live.answered(0.002)
-    assert live.probe_timeout() == pytest.approx(1.5)  # 10x a loopback round trip, at least 1.5 s
+    assert live.probe_timeout() == pytest.approx(0.5)  # 10x a loopback round trip, at least 0.5 s
+    assert live.next_after() == pytest.approx(0.25)
     live.unanswered()
     assert live.silent() == ""  # one lost probe is not enough
+    assert live.next_after() == 0.0  # but the next one goes at once
     live.answered(0.004)  # it answered again: the count starts over
     live.unanswered()
     assert live.silent() == ""
     live.unanswered()
     assert "2 probes in a row" in live.silent()
+
+
+def test_a_busy_peers_slow_answers_lengthen_its_probes_and_are_remembered():
+    live = Liveness()
+    for _ in range(10):
+        live.answered(0.002)
+    live.answered(0.4)  # a loaded machine answered late once: the next probes wait longer
+    assert live.probe_timeout() > 1.2
+    for _ in range(3):
+        live.answered(0.002)
+    assert live.probe_timeout() == pytest.approx(3 * 0.4 * 0.9**3)  # 3x the slowest, fading
+    rtts: dict = {}
+    live.remember(rtts, A)
+    again = Liveness.known(rtts, A)  # the next round's probes of the same peer
+    assert again.probe_timeout() == pytest.approx(live.probe_timeout())
+    assert Liveness.known(rtts, B).probe_timeout() == pytest.approx(2.0)
 
 
 def test_a_slow_but_steady_peer_gets_probes_that_wait_for_it():

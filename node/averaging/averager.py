@@ -119,6 +119,7 @@ class Averager:
             # the residual of earlier rounds is untouched (this round wrote into a spare)
             report.ok, report.reason = False, str(e) or type(e).__name__
             report.late = getattr(e, "late", False)
+            self.matchmaker.last_ok = False
             report.seconds = time.monotonic() - t0
             await asyncio.gather(prepare, return_exceptions=True)
             raise AveragingFailed(report) from None
@@ -132,7 +133,7 @@ class Averager:
         self.buffers.commit(state_key, prepared.new_residual, gather_feedback)
         report.ok, report.seconds = True, time.monotonic() - t0
         self._measured_bandwidth = learn_bandwidth(self._measured_bandwidth, report.phases, report.bytes_sent + report.bytes_received).value
-        self.matchmaker.last_members = tuple(report.survivors)
+        self.matchmaker.last_members, self.matchmaker.last_ok = tuple(report.survivors), True
         if self.peer_id in report.members:
             i = report.members.index(self.peer_id)
             self.buffers.last_own[numel] = (report.bounds[i], report.bounds[i + 1])

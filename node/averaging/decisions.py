@@ -147,26 +147,46 @@ class Liveness:
     answers, judged from probes (pings) and their measured round trips. A frozen, suspended or
     cut-off peer answers nothing: after `misses` probes in a row go unanswered, it is silent,
     and the follower moves on to the next candidate instead of waiting out the join call's own
-    timeout (three join windows: tens of seconds). A probe waits `factor` × the peer's measured
-    round trip, within [min_timeout_s, max_timeout_s], so a slow but steady peer keeps its
-    place."""
+    timeout (three join windows: tens of seconds). A probe waits for what the peer's measured
+    round trips say (`probe_timeout`), so a slow but steady peer keeps its place."""
 
     rtt: float | None = None  # seconds, EMA of the answered probes (None: none yet)
+    peak: float | None = None  # seconds, the slowest recent answer (decays 10% per answer)
     missed: int = 0  # probes in a row without an answer
-    interval_s: float = 0.5  # between one probe's end and the next (the first goes at once)
+    interval_s: float = 0.25  # after an answered probe, until the next (the first goes at once)
     misses: int = 2
     factor: float = 10.0
-    min_timeout_s: float = 1.5
+    peak_factor: float = 3.0
+    min_timeout_s: float = 0.5
     max_timeout_s: float = 5.0
 
+    @classmethod
+    def known(cls, rtts: Mapping[str, tuple[float, float]], peer: str) -> Liveness:
+        """Seeded with what earlier probes of `peer` measured (see `remember`)."""
+        rtt, peak = rtts.get(peer, (None, None))
+        return cls(rtt=rtt, peak=peak)
+
+    def remember(self, rtts: dict[str, tuple[float, float]], peer: str) -> None:
+        if self.rtt is not None:
+            rtts[peer] = (self.rtt, self.peak or self.rtt)
+
     def probe_timeout(self) -> float:
+        """`factor` x the usual round trip, or `peak_factor` x the slowest recent one (a busy
+        machine answers late now and then), within [min_timeout_s, max_timeout_s]."""
         if self.rtt is None:
             return 2.0
-        return min(max(self.factor * self.rtt, self.min_timeout_s), self.max_timeout_s)
+        wait = max(self.factor * self.rtt, self.peak_factor * (self.peak or 0.0))
+        return min(max(wait, self.min_timeout_s), self.max_timeout_s)
+
+    def next_after(self) -> float:
+        """Seconds from a probe's end to the next: `interval_s` after an answer, none after a
+        miss (silence is two misses in a row, with no pause between them to wait out)."""
+        return 0.0 if self.missed else self.interval_s
 
     def answered(self, rtt: float) -> None:
         self.missed = 0
         self.rtt = rtt if self.rtt is None else 0.7 * self.rtt + 0.3 * rtt
+        self.peak = rtt if self.peak is None else max(rtt, 0.9 * self.peak)
 
     def unanswered(self) -> None:
         self.missed += 1
@@ -237,16 +257,28 @@ def decide_scatter(group_id: str, members: Sequence[str], reports: Mapping[str, 
 
 
 def decide_commit(
-    group_id: str, survivors: Sequence[str], owners: Sequence[str], expected: Sequence[str], reports: Mapping[str, AvgReport]
+    group_id: str,
+    survivors: Sequence[str],
+    owners: Sequence[str],
+    expected: Sequence[str],
+    reports: Mapping[str, AvgReport],
+    silent: Collection[str] = (),
 ) -> AvgDecision:
-    """The leader's decision after the gather: commit only if every expected survivor reported
-    that it holds every slice (all-or-nothing); else abort, saying who is missing what."""
-    missing = [m for m in expected if m not in reports]
+    """The leader's decision after the gather: commit only if every expected survivor that
+    reported holds every slice, and every one that did not went silent (its probes unanswered:
+    frozen, cut off, dead); else abort, saying who is missing what. A silent member's data are
+    in the average already, and the others hold all of it: an abort would cost every member
+    the round for one that may never come back. The silent member, if it comes back and asks,
+    commits only if it holds every slice itself (`RoundDriver.commit`): nobody returns a result
+    it does not hold."""
+    missing = [m for m in expected if m not in reports and m not in silent]
     not_ok = [m for m, r in reports.items() if not r.ok]
     if missing or not_ok:
         why = [f"{m[-8:]} did not report" for m in missing] + [f"{m[-8:]}: {', '.join(reports[m].reasons)}" for m in not_ok]
         return AvgDecision(group_id=group_id, phase="gather", commit=False, reason="; ".join(why))
-    return AvgDecision(group_id=group_id, phase="gather", commit=True, survivors=tuple(survivors), owners=tuple(owners))
+    gone = [m for m in expected if m not in reports]
+    reason = f"committed without the report of {', '.join(m[-8:] for m in gone)} (silent)" if gone else ""
+    return AvgDecision(group_id=group_id, phase="gather", commit=True, survivors=tuple(survivors), owners=tuple(owners), reason=reason)
 
 
 # ---- sending -----------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from protocol import AvgGroup, AvgJoin, RemoteProtocolError
 from protocol.records import MemberRecord
 
-from ..transport import NETWORK_ERRORS, CallContext, CallTimeout, RPCError
+from ..transport import NETWORK_ERRORS, CallContext, CallTimeout, PeerUnreachable, RPCError
 from .config import MAX_EARLY_KEYS, AverageReport, AveragerConfig, RoundFailed
 from .decisions import Arrivals, Liveness, close_reason, form_group
 
@@ -165,6 +165,7 @@ class Lobby:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     measured: set[str] = field(default_factory=set)  # joiners whose arrival time was taken
     abandoned: str = ""  # why we gave the key up while leading it (see `Matchmaker.abandon`)
+    defer_to: str = ""  # a smaller peer that asked about the key while we led it alone: we follow it
 
     def answer(self, peer: str, req: AvgJoin) -> AvgGroup | None:
         """The answer to a join right away, or None: it waits for the group (see `admit`)."""
@@ -203,44 +204,74 @@ class Lobby:
 
 
 class Probes:
-    """Pings the peers a leader waits for, while it waits (each peer's next probe once its last
-    one ended, `Liveness.interval_s` apart): an expected peer that is later than its measured
-    arrivals say is let go only if its latest probe went unanswered too. A peer that answers is
-    alive and most likely on its way (a slow inner phase, a starved CPU): it keeps the window."""
+    """Pings the peers we wait for, while we wait: one watcher per peer, each probe once the
+    last one ended (`Liveness.next_after`), waking whoever waits (`changed`) with each answer
+    or miss. A leader lets an expected peer that is later than its measured arrivals say go
+    only if its latest probe went unanswered too; a round stops waiting for a member whose
+    last two went unanswered. A peer that answers is alive and most likely on its way (a slow
+    inner phase, a starved CPU): it keeps its place. A watcher stops once nobody asked about
+    its peer for `IDLE_S` (it joined, or the wait moved on)."""
 
-    def __init__(self, transport, rtts: dict[str, float], silent: dict[str, float]):
+    IDLE_S = 1.0
+
+    def __init__(self, transport, rtts: dict[str, tuple[float, float]], silent: dict[str, float]):
         self.transport, self.rtts, self.marked = transport, rtts, silent
         self.live: dict[str, Liveness] = {}
         self.tasks: dict[str, asyncio.Task] = {}
+        self.asked: dict[str, float] = {}
+        self.changed = asyncio.Event()
 
     def silent(self, peers: Collection[str], misses: int = 1) -> set[str]:
         """Of `peers` (probed from now on), those whose latest `misses` probes went unanswered."""
+        now = time.monotonic()
         for p in peers:
-            live = self.live.setdefault(p, Liveness(rtt=self.rtts.get(p)))
+            self.asked[p] = now
+            live = self.live.setdefault(p, Liveness.known(self.rtts, p))
             task = self.tasks.get(p)
-            if task is not None and task.done():
-                try:
-                    live.answered(task.result())
-                    self.rtts[p] = live.rtt
-                    self.marked.pop(p, None)  # it answers: no longer counted as silent
-                except NETWORK_ERRORS as e:
-                    live.unanswered()
-                    log.debug("probe of %s unanswered (%d in a row): %s", p[-8:], live.missed, e)
-                task = None
-            if task is None:
-                first = p not in self.tasks
-                self.tasks[p] = asyncio.create_task(self._probe(p, live.probe_timeout(), 0.0 if first else live.interval_s))
+            if task is None or task.done():
+                self.tasks[p] = asyncio.create_task(self._watch(p, live))
         return {p for p in peers if self.live[p].missed >= misses}
 
-    async def _probe(self, peer: str, timeout: float, after: float) -> float:
-        await asyncio.sleep(after)
-        return await self.transport.ping(peer, timeout=timeout)
+    async def _watch(self, peer: str, live: Liveness) -> None:
+        while time.monotonic() - self.asked[peer] < self.IDLE_S:
+            t0 = time.monotonic()
+            try:
+                live.answered(await self.transport.ping(peer, timeout=live.probe_timeout()))
+                live.remember(self.rtts, peer)
+                if self.marked.pop(peer, None) is not None:  # it answers: no longer counted as silent
+                    log.debug("%s answers probes again", peer[-8:])
+                pause = live.next_after()
+            except NETWORK_ERRORS as e:
+                pause = max(0.0, live.interval_s - (time.monotonic() - t0))  # a refusal comes back at once: no ping storm
+                if self.transport.heard.get(peer, 0.0) > t0:
+                    pause = 0.0  # its data kept coming meanwhile (a busy link delays a ping): alive
+                else:
+                    live.unanswered()
+                    log.debug("probe of %s unanswered (%d in a row): %s", peer[-8:], live.missed, e)
+                    if isinstance(e, CallTimeout):
+                        await self.transport.reset(peer)  # the next probe on a fresh connection (after a cut, an old one stays stuck for seconds)
+            self.changed.set()
+            await asyncio.sleep(pause)
 
-    def mark_silent(self, peers: Collection[str], now: float) -> None:
-        """Of `peers` (not joined when the group closed), mark those whose latest probe went
-        unanswered: the next rounds do not wait for them until they answer or join."""
+    async def wait(self, event: asyncio.Event | None, timeout: float, tasks: Collection[asyncio.Task | None] = ()) -> None:
+        """Until `event` is set, a probe answers or misses, one of `tasks` ends, or `timeout`
+        (clears nothing: clear `changed` and `event` before looking at what they tell)."""
+        tasks = [t for t in tasks if t is not None]
+        if any(t.done() for t in tasks):
+            return
+        waits = [asyncio.create_task(self.changed.wait())] + ([asyncio.create_task(event.wait())] if event is not None else [])
+        try:
+            await asyncio.wait(waits + tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    def mark_silent(self, peers: Collection[str], now: float, misses: int = 1) -> None:
+        """Of `peers` (not joined when the group closed, not waited for in a round), mark those
+        whose latest `misses` probes went unanswered: the next rounds do not wait for them until
+        they answer or join."""
         for p in peers:
-            if p in self.live and self.live[p].missed:
+            if p in self.live and self.live[p].missed >= misses:
                 self.marked[p] = now
 
     async def close(self) -> None:
@@ -260,7 +291,8 @@ class Matchmaker:
         self.closed_keys: dict[str, float] = {}  # round keys we finished recently -> when
         self.key_started: dict[str, asyncio.Event] = {}  # keys joins wait for us to start averaging
         self.last_members: tuple[str, ...] = ()  # the last group we completed a round with
-        self.rtts: dict[str, float] = {}  # peer -> measured probe round trip, seconds (see `Liveness`)
+        self.last_ok = True  # whether our last round here committed
+        self.rtts: dict[str, tuple[float, float]] = {}  # peer -> probe round trips measured (usual, slowest lately), seconds (see `Liveness`)
         self.silent: dict[str, float] = {}  # peer -> when it last went silent on us (monotonic)
         self.arrivals = Arrivals()  # how late each peer joins the groups we lead
         self.closed_opened: dict[str, float] = {}  # round keys we finished recently -> when we started on them
@@ -331,8 +363,9 @@ class Matchmaker:
     def recently_silent(self, now: float | None = None) -> set[str]:
         """Peers that went silent on us within SILENT_FOR_S and have not joined us since."""
         now = time.monotonic() if now is None else now
-        for p in [p for p, t in self.silent.items() if now - t > SILENT_FOR_S]:
-            del self.silent[p]
+        heard = self.avg.transport.heard
+        for p in [p for p, t in self.silent.items() if now - t > SILENT_FOR_S or heard.get(p, 0.0) > t]:
+            del self.silent[p]  # (a call of its came in since: it is back)
         return set(self.silent)
 
     def probes(self) -> Probes:
@@ -345,27 +378,46 @@ class Matchmaker:
         peer that stops answering is given up on within seconds (CallTimeout) and marked
         silent, not after the call's own timeout."""
         transport = self.avg.transport
-        call = asyncio.create_task(transport.call(target, request, timeout=timeout))
-        live = Liveness(rtt=self.rtts.get(target))
+        deadline = time.monotonic() + timeout
+        live = Liveness.known(self.rtts, target)
+        if target in self.recently_silent():
+            live.missed = live.misses - 1  # silent on us lately: one more probe unanswered tells
+        again = True  # a call whose connection failed goes once more if a probe is answered
+
+        def start() -> asyncio.Task:
+            return asyncio.create_task(transport.call(target, request, timeout=max(0.1, deadline - time.monotonic())))
+
+        def lost(task: asyncio.Task) -> bool:
+            return task.done() and not task.cancelled() and isinstance(task.exception(), (ConnectionError, PeerUnreachable))
+
+        call = start()
         try:
             while True:
+                t0 = time.monotonic()
                 probe = asyncio.create_task(transport.ping(target, timeout=live.probe_timeout()))
                 await asyncio.wait([call, probe], return_when=asyncio.FIRST_COMPLETED)
-                if call.done():
+                if call.done() and not (lost(call) and again):
                     probe.cancel()
                     await asyncio.gather(probe, return_exceptions=True)
                     return call.result()
+                await asyncio.gather(probe, return_exceptions=True)  # (a lost call: this probe tells)
                 try:
                     live.answered(probe.result())
-                    self.rtts[target] = live.rtt
-                except NETWORK_ERRORS:
-                    live.unanswered()
+                    live.remember(self.rtts, target)
+                    if lost(call):  # its connection went (a reset, a restart), the peer answers: once more
+                        again, call = False, start()
+                except NETWORK_ERRORS as e:
+                    if transport.heard.get(target, 0.0) <= t0:  # (its data kept coming meanwhile: alive)
+                        live.unanswered()
+                        if isinstance(e, CallTimeout) and not live.silent():
+                            await transport.reset(target)  # the next probe on a fresh connection (after a cut, an old one stays stuck for seconds)
                 if why := live.silent():
                     self.silent[target] = time.monotonic()
-                    self.avg.spawn(self.avg.host.disconnect(target))  # if it comes back, a fresh connection
                     raise CallTimeout(f"{target[-8:]} went silent: {why}")
-                done, _ = await asyncio.wait([call], timeout=live.interval_s)
-                if done:
+                if lost(call):
+                    again, call = False, start()
+                done, _ = await asyncio.wait([call], timeout=live.next_after())
+                if done and not (lost(call) and again):
                     return call.result()
         finally:
             if not call.done():
@@ -391,16 +443,18 @@ class Matchmaker:
         me = self.avg.peer_id
 
         probes = self.probes()
+        elsewhere: set[str] = set()  # expected peers that answered they averaged this key with others
 
         def overdue(now: float) -> set[str]:
             """Expected peers not waited for any more: silent on us lately (they may still
-            join), or later than their measured arrivals say they come (`Arrivals`) and not
-            answering a probe either (`Probes`)."""
+            join), later than their measured arrivals say they come (`Arrivals`) and not
+            answering a probe either (`Probes`), or gone to another group for this key."""
             if expected is None or isinstance(expected, int):
                 return set()
             waiting = set(expected) - lobby.joined(me)
             silent = probes.silent(waiting)
-            return (waiting & self.recently_silent(now)) | (self.arrivals.overdue(waiting, now - lobby.opened, lobby.window) & silent)
+            late = self.arrivals.overdue(waiting, now - lobby.opened, lobby.window)
+            return (waiting & (self.recently_silent(now) | elsewhere)) | (late & silent)
 
         def check(now: float) -> str:
             joined = lobby.joined(me)
@@ -411,44 +465,84 @@ class Matchmaker:
                 return close_reason(now, deadline, joined, None)
             return close_reason(now, deadline, joined, expected, overdue(now))
 
-        asked: asyncio.Task | None = None  # the one question a leader alone asks (see ALONE_ASK_S)
-        peer = ""
+        # Questions (`AvgJoin.ask_only`: where does this key stand with you?), one per peer:
+        # - alone a while, to the next member of our last group: maybe the others averaged
+        #   this key without us (we were frozen or cut off) or lead it without knowing of us
+        #   (at once after a failed round: we may be back from a freeze, the others led by
+        #   another). Averaged already: we are too late. A lone leader asked by a smaller
+        #   peer follows it (`on_join`): two lone leaders of a key meet;
+        # - to an expected peer later than its arrivals say, yet answering probes: it may lead
+        #   the key alone (cut off a while, its view of us stale). Its answer brings us
+        #   together, or says it went elsewhere.
+        questions: dict[str, asyncio.Task] = {}
+        seen: set[str] = set()
+        lone = ""  # whom we asked as a leader alone
+        ask_after = ALONE_ASK_S if self.last_ok else 0.0
+
+        def ask(peer: str, now: float) -> None:
+            q = AvgJoin(round_key=lobby.key, numel=own.numel, codec=own.codec, namespace=own.namespace, ask_only=True)
+            questions[peer] = asyncio.create_task(self.avg.transport.call(peer, q, timeout=max(0.5, min(5.0, deadline - now))))
+
+        lookup: asyncio.Task | None = None  # the DHT look-up in flight (a smaller peer that leads too?)
         try:
             while not (why := check(time.monotonic())) and not lobby.abandoned:
+                # a join, a probe's, a question's or the look-up's answer, a peer overdue, or
+                # 0.3 s: whichever first (a look-up may take seconds while a peer is cut off)
                 lobby.changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(lobby.changed.wait(), timeout=min(0.3, max(0.0, deadline - time.monotonic())))
-                if (why := check(time.monotonic())) or lobby.abandoned:  # everyone expected is here (or overdue)
-                    break
+                probes.changed.clear()
                 now = time.monotonic()
                 waiting = set(expected) - lobby.joined(me) if expected is not None and not isinstance(expected, int) else set()
-                until = min(deadline - now, self.arrivals.next_overdue(waiting, now - lobby.opened, lobby.window))
-                try:  # a slow DHT must not hold the group past the window (or an overdue peer's allowance)
-                    found = await asyncio.wait_for(self.candidates(lobby.key), timeout=max(0.05, until))
-                except TimeoutError:
-                    found = set()
-                smaller = sorted(c for c in found - excluded if c < me)
-                if smaller:
-                    return smaller[0]
-                # alone a while: maybe the others averaged this key without us (we were frozen
-                # or cut off), or lead it without knowing of us. One question tells
-                others = sorted(set(self.last_members) - {me} - excluded)
-                if asked is None and others and len(lobby.joined(me)) < self.config.min_group_size and now - lobby.opened >= ALONE_ASK_S:
-                    peer = others[0]
-                    ask = AvgJoin(round_key=lobby.key, numel=own.numel, codec=own.codec, namespace=own.namespace, ask_only=True)
-                    asked = asyncio.create_task(self.avg.transport.call(peer, ask, timeout=max(0.5, min(5.0, deadline - now))))
-                if asked is not None and asked.done() and not asked.cancelled() and asked.exception() is None:
-                    reply = asked.result()
-                    if isinstance(reply, AvgGroup) and reply.status == "closed" and reply.reason in (OVER_HERE, FORMED):
-                        raise RoundFailed(f"too late for round {lobby.key}: {peer[-8:]} answered {reply.reason}", late=True)
-                    if isinstance(reply, AvgGroup) and reply.status == "redirect" and reply.redirect and reply.redirect != me:
+                pause = min(0.3, max(0.0, deadline - now), self.arrivals.next_overdue(waiting, now - lobby.opened, lobby.window))
+                await probes.wait(lobby.changed, pause, (lookup, *(t for p, t in questions.items() if p not in seen)))
+                if (why := check(time.monotonic())) or lobby.abandoned:  # everyone expected is here (or overdue)
+                    break
+                if lobby.defer_to:
+                    return lobby.defer_to
+                now = time.monotonic()
+                if lookup is None:
+                    lookup = asyncio.create_task(self.candidates(lobby.key))
+                elif lookup.done():
+                    found = lookup.result() if not lookup.cancelled() and lookup.exception() is None else set()
+                    lookup = None
+                    smaller = sorted(c for c in found - excluded if c < me)
+                    if smaller:
+                        return smaller[0]
+                alone = len(lobby.joined(me)) < self.config.min_group_size
+                if alone and not lone and now - lobby.opened >= ask_after:
+                    # (all of them silent on us lately: after a cut, it may have been our link)
+                    others = sorted(set(self.last_members) - {me} - excluded) or sorted(set(self.last_members) - {me})
+                    if others:
+                        lone = others[0]
+                        ask(lone, now)
+                if not alone and waiting:
+                    late = self.arrivals.overdue(waiting, now - lobby.opened, lobby.window)
+                    for p in sorted(late - probes.silent(waiting) - questions.keys()):
+                        ask(p, now)
+                for p, task in list(questions.items()):
+                    if p in seen or not task.done():
+                        continue
+                    seen.add(p)
+                    reply = task.result() if not task.cancelled() and task.exception() is None else None
+                    if not isinstance(reply, AvgGroup):
+                        continue
+                    if reply.status == "closed" and reply.reason == NOT_HERE:
+                        if p == lone and ask_after < ALONE_ASK_S:  # asked early: once more later
+                            lone, ask_after = "", ALONE_ASK_S
+                            del questions[p]
+                            seen.discard(p)
+                    elif reply.status == "closed" and reply.reason in (OVER_HERE, FORMED):
+                        if p == lone and alone:
+                            raise RoundFailed(f"too late for round {lobby.key}: {p[-8:]} answered {reply.reason}", late=True)
+                        elsewhere.add(p)
+                    elif reply.status == "redirect" and reply.redirect and reply.redirect != me:
                         return reply.redirect  # it averages the key with someone: join them
             if expected is not None and not isinstance(expected, int):
                 probes.mark_silent(set(expected) - lobby.joined(me), time.monotonic())
         finally:
-            if asked is not None:
-                asked.cancel()
-                await asyncio.gather(asked, return_exceptions=True)
+            for task in (lookup, *questions.values()):
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
             await probes.close()
         lobby.mode = "closed"
         if lobby.abandoned:
@@ -475,7 +569,8 @@ class Matchmaker:
 
     async def on_join(self, ctx: CallContext) -> AvgGroup:
         req: AvgJoin = ctx.request
-        self.silent.pop(ctx.peer_id, None)  # whatever it wants, it is back
+        if self.silent.pop(ctx.peer_id, None) is not None:  # whatever it wants, it is back
+            log.debug("%s is back: it joins %s", ctx.peer_id[-8:], req.round_key)
         if req.ask_only:  # where this key stands here, at once; nobody is taken in
             lobby = self.lobbies.get(req.round_key)
             if lobby is None:
@@ -484,7 +579,13 @@ class Matchmaker:
                 return AvgGroup(status="redirect", redirect=lobby.following)
             if lobby.group is not None or lobby.mode == "closed":
                 return AvgGroup(status="closed", reason=FORMED)
-            return AvgGroup(status="redirect", redirect=self.avg.peer_id)
+            if lobby.mode == "leader" and not lobby.pending and ctx.peer_id < self.avg.peer_id and not lobby.defer_to:
+                # we lead it alone and a smaller peer is on it too (it leads, or is about to):
+                # we follow it, as if the DHT had shown it to us (see `_lead`)
+                lobby.defer_to = ctx.peer_id
+                lobby.changed.set()
+                log.debug("matchmaking %s: %s asks about it while we lead it alone: we follow it", req.round_key, ctx.peer_id[-8:])
+            return AvgGroup(status="redirect", redirect=lobby.defer_to or self.avg.peer_id)
         lobby = self.lobbies.get(req.round_key)
         if lobby is None and req.round_key not in self.closed_keys and len(self.key_started) < MAX_EARLY_KEYS:
             # a peer that predicted us as leader may be a few ms ahead of our own call for this

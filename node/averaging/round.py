@@ -105,11 +105,12 @@ class RoundDriver:
                 return
             if self.probes.silent(peers, misses=2) >= peers:
                 self.rnd.report.silent = sorted(set(self.rnd.report.silent) | peers)
+                self.probes.mark_silent(peers, time.monotonic(), misses=2)  # the next round's group does not wait for them either
                 log.debug("round %s: not waiting for %s any more (%s): no answer to a probe", self.rnd.group.group_id, ", ".join(p[-8:] for p in peers), what)
                 return
             event.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout=min(left, TICK_S))
+            self.probes.changed.clear()
+            await self.probes.wait(event, min(left, TICK_S))
 
     async def run(self) -> torch.Tensor:
         """The averaged flat vector (on commit), or RoundFailed."""
@@ -249,17 +250,26 @@ class RoundDriver:
                 rnd.reports[phase][rnd.me] = mine
             expected = rnd.members if phase == "scatter" else rnd.survivors
             wait_until = max(phase_deadline, time.monotonic()) + grace
-            await self.wait_on(rnd.reported[phase], lambda: set(expected) - set(rnd.reports[phase]), wait_until, f"{phase} reports")
+
+            def missing() -> set[str]:
+                reports = rnd.reports[phase]
+                if phase == "gather" and any(not r.ok for r in reports.values()):
+                    return set()  # a survivor lacks a slice: the round aborts whoever else reports
+                return set(expected) - set(reports)
+
+            await self.wait_on(rnd.reported[phase], missing, wait_until, f"{phase} reports")
             g = rnd.group
             if phase == "scatter":
                 decision = decide_scatter(g.group_id, g.members, rnd.reports[phase], self.config.min_group_size)
             else:
-                decision = decide_commit(g.group_id, rnd.survivors, rnd.owners, expected, rnd.reports[phase])
+                decision = decide_commit(g.group_id, rnd.survivors, rnd.owners, expected, rnd.reports[phase], rnd.report.silent)
             rnd.decisions[phase] = decision
             rnd.decided[phase].set()
             return decision
         silent = False
         try:
+            if rnd.leader in self.avg.matchmaker.recently_silent():  # (found out while we waited for its parts)
+                raise CallTimeout(f"{rnd.leader[-8:]} went silent during the round")
             # probed while we wait: a leader that went silent is not waited for to the deadline
             reply = await self.avg.matchmaker.call_alive(rnd.leader, mine, timeout=max(phase_deadline - time.monotonic(), 0) + 3 * grace)
             if isinstance(reply, AvgDecision) and reply.group_id == rnd.group.group_id and reply.phase == phase:
@@ -389,6 +399,8 @@ class RoundDriver:
         decision = await self.decide("gather", done, self.gather_deadline)
         if not decision.commit:
             raise RoundFailed(f"round aborted after gather: {decision.reason}")
+        if missing:  # committed without us (our report came too late): we do not hold the average
+            raise RoundFailed(f"the others committed, but slice(s) {', '.join(map(str, missing))} never reached us")
 
     def gather_feedback(self) -> dict[tuple[int, int], torch.Tensor]:
         """(a, b) -> what this committed round's gather lost, per slice we own."""
