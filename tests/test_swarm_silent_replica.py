@@ -121,7 +121,7 @@ def topology():
         yield topo
 
 
-@pytest.mark.skip(reason="not stable yet (issue 16): in about 1 of 4 runs the replicas in namespaces do not find each other at start-up for 50 s, or the cut one is back 3 outer steps after its link, not 2")
+@pytest.mark.skip(reason="not stable yet (issue 16): the outage part holds (the others keep stepping while the leader is cut off), but after the link is back the others' next inner phase sometimes takes ~30 s instead of ~4 s (cause not found yet), and the returning replica, ahead of them, closes its rounds alone; start-up in namespaces also sometimes takes over a minute")
 def test_a_cut_off_leader_costs_the_others_at_most_a_round_and_is_back_after_its_link_is(swarm, topology):
     # every daemon in its own network namespace; the coordinator in the first. 100 inner steps:
     # outer steps of a few seconds, as the network's own recovery takes about that long once

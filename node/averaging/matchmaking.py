@@ -289,6 +289,7 @@ class Matchmaker:
         self.config: AveragerConfig = averager.config
         self.lobbies: dict[str, Lobby] = {}
         self.closed_keys: dict[str, float] = {}  # round keys we finished recently -> when
+        self.no_group: set[str] = set()  # of those, the ones we gave up without a group (alone, or our leader gone)
         self.key_started: dict[str, asyncio.Event] = {}  # keys joins wait for us to start averaging
         self.last_members: tuple[str, ...] = ()  # the last group we completed a round with
         self.last_ok = True  # whether our last round here committed
@@ -574,7 +575,7 @@ class Matchmaker:
         if req.ask_only:  # where this key stands here, at once; nobody is taken in
             lobby = self.lobbies.get(req.round_key)
             if lobby is None:
-                return AvgGroup(status="closed", reason=OVER_HERE if req.round_key in self.closed_keys else NOT_HERE)
+                return AvgGroup(status="closed", reason=OVER_HERE if req.round_key in self.closed_keys.keys() - self.no_group else NOT_HERE)
             if lobby.mode == "follower":
                 return AvgGroup(status="redirect", redirect=lobby.following)
             if lobby.group is not None or lobby.mode == "closed":
@@ -601,6 +602,8 @@ class Matchmaker:
                 opened = self.closed_opened.pop(req.round_key, None)
                 if opened is not None:  # a join after our round was over: how late it is, measured
                     self.arrivals.arrived(ctx.peer_id, time.monotonic() - opened)
+                if req.round_key in self.no_group:  # nobody averaged it with us: the joiner's search goes on
+                    return AvgGroup(status="closed", reason=NOT_HERE)
                 return AvgGroup(status="closed", reason=OVER_HERE)
             return AvgGroup(status="closed", reason=NOT_HERE)
         if lobby.mode != "follower" and ctx.peer_id not in lobby.measured:
@@ -626,9 +629,12 @@ class Matchmaker:
         lobby = self.lobbies.pop(key, None)
         now = time.monotonic()
         self.closed_keys[key] = now
+        if lobby is not None and lobby.group is None:
+            self.no_group.add(key)  # we averaged it with nobody: a late joiner should look elsewhere
         if lobby is not None and lobby.mode == "closed":  # we led it: a late join is measured
             self.closed_opened[key] = lobby.opened
         for k, t in list(self.closed_keys.items()):
             if now - t > 600:
                 del self.closed_keys[k]
+                self.no_group.discard(k)
                 self.closed_opened.pop(k, None)

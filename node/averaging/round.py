@@ -29,6 +29,7 @@ from .schedule import Batch, InTurn, settle
 log = logging.getLogger(__name__)
 
 TICK_S = 0.25  # how often a wait on peers looks at their probes
+PAUSED_S = 3.0  # a wait that woke this much later than it asked to was paused (SIGSTOP, suspend): the round is given up
 
 
 @dataclass
@@ -110,7 +111,10 @@ class RoundDriver:
                 return
             event.clear()
             self.probes.changed.clear()
+            until = time.monotonic() + min(left, TICK_S)
             await self.probes.wait(event, min(left, TICK_S))
+            if (late := time.monotonic() - until) > PAUSED_S:  # we were stopped (a closed lid, SIGSTOP): the others moved on
+                raise RoundFailed(f"this process was paused for about {late:.0f} s during the round ({what})")
 
     async def run(self) -> torch.Tensor:
         """The averaged flat vector (on commit), or RoundFailed."""
