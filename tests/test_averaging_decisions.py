@@ -7,7 +7,7 @@ import pytest
 
 from node.averaging.config import AveragerConfig
 from node.averaging.decisions import Arrivals, Liveness, choose_pace, close_reason, decide_commit, decide_scatter, form_group, learn_bandwidth, learn_flow_rate
-from node.averaging.matchmaking import ASK_AGAIN_S, LOOK_AGAIN_S, MAX_REDIRECTS, RETRY_S, Lobby, Search
+from node.averaging.matchmaking import ASK_AGAIN_S, GAVE_UP, LOOK_AGAIN_S, MAX_REDIRECTS, RETRY_S, Lobby, Search
 from node.transport import RPCError
 from protocol import AvgGroup, AvgJoin, AvgReport
 
@@ -150,6 +150,13 @@ def test_not_averaging_yet_spares_a_predicted_leader_but_not_one_found_in_the_dh
     s.found({A})
     step = s.answered(AvgGroup(status="closed", reason="not averaging this key"), now=10.1)
     assert step.action == "fail" and step.late
+
+
+def test_a_predicted_leader_that_gave_the_round_up_alone_is_passed_over_not_a_reason_to_fail():
+    # the fast replica closed the key alone before the slower ones came: they average without it
+    s = Search(C, "k", deadline=10, last_members=(A, B, C))
+    step = s.answered(AvgGroup(status="closed", reason=GAVE_UP), now=1.0)
+    assert A in s.excluded and step.action == "call" and step.target == B
 
 
 def test_when_the_last_leader_is_gone_the_next_member_of_the_last_group_is_asked_not_the_dht():

@@ -71,15 +71,15 @@ def test_a_leader_alone_asks_the_last_group_and_learns_the_round_went_on_without
 
 def test_a_late_joiner_of_a_key_its_leader_gave_up_alone_is_sent_on_not_failed():
     """A leader that closed a key alone averaged it with nobody: a peer that comes later (the
-    others, slower this round) is told "not averaging this key" and looks for another leader,
-    rather than "over here", which would fail its round too."""
+    others, slower this round) is told it gave the round up without a group and looks for
+    another leader, rather than "over here", which would fail its round too."""
 
     async def main():
         async with averagers(2, join_timeout_s=1) as (a, b):
             with pytest.raises(AveragingFailed, match="too late or alone"):
                 await a.average("lonely", [torch.ones(100)], expected_peers=2)
             reply = await b.transport.call(a.peer_id, AvgJoin(round_key="lonely", numel=100, codec="none"), timeout=10)
-            assert reply.status == "closed" and "not averaging" in reply.reason
+            assert reply.status == "closed" and "without a group" in reply.reason
             # a key it did average with someone stays "over here" for late joiners
             both = await asyncio.gather(*(x.average("together", [torch.ones(100)], expected_peers=2) for x in (a, b)))
             assert all(len(report.members) == 2 for _, report in both)

@@ -37,6 +37,7 @@ MAX_REDIRECTS = 16  # a joiner follows at most this many redirects in one search
 RETRY_S = 0.1  # pause before asking a leader again whose stream closed (once)
 LOOK_AGAIN_S = 0.05  # pause before looking in the DHT again
 OVER_HERE, FORMED, NOT_HERE = "this round is over here", "the group already formed", "not averaging this key"  # "closed" answers
+GAVE_UP = "gave this round up without a group"  # (closed too: a joiner looks elsewhere, a leader stops waiting for it)
 ALONE_ASK_S = 1.0  # a leader still alone after this long asks the next member of the last group about the key
 ASK_AGAIN_S = 0.5  # pause before asking a peer again that redirected us to a leader gone silent on us
 SILENT_FOR_S = 20.0  # a peer that went silent on us is not waited for this long (unless it joins or answers a probe again): about until its DHT record is stale
@@ -139,10 +140,10 @@ class Search:
             if now > self.deadline:
                 return Next("fail", reason="no usable leader before the join deadline", late=True)
             return self.next(wait_s=LOOK_AGAIN_S)
-        if reply.reason == NOT_HERE:
+        if reply.reason in (NOT_HERE, GAVE_UP):
             # found in the DHT, yet not averaging: finished or restarted; a predicted leader
-            # may just not have arrived yet
-            self._drop(exclude=not self.predicted)
+            # may just not have arrived yet (one that gave the key up will not lead it)
+            self._drop(exclude=not self.predicted or reply.reason == GAVE_UP)
             if now > self.deadline:
                 return Next("fail", reason="no group formed before the join deadline", late=True)
             return self.next(wait_s=LOOK_AGAIN_S)
@@ -531,6 +532,8 @@ class Matchmaker:
                             lone, ask_after = "", ALONE_ASK_S
                             del questions[p]
                             seen.discard(p)
+                    elif reply.status == "closed" and reply.reason == GAVE_UP:
+                        elsewhere.add(p)  # it closed this key alone: it will not come
                     elif reply.status == "closed" and reply.reason in (OVER_HERE, FORMED):
                         if p == lone and alone:
                             raise RoundFailed(f"too late for round {lobby.key}: {p[-8:]} answered {reply.reason}", late=True)
@@ -575,7 +578,8 @@ class Matchmaker:
         if req.ask_only:  # where this key stands here, at once; nobody is taken in
             lobby = self.lobbies.get(req.round_key)
             if lobby is None:
-                return AvgGroup(status="closed", reason=OVER_HERE if req.round_key in self.closed_keys.keys() - self.no_group else NOT_HERE)
+                reason = (GAVE_UP if req.round_key in self.no_group else OVER_HERE) if req.round_key in self.closed_keys else NOT_HERE
+                return AvgGroup(status="closed", reason=reason)
             if lobby.mode == "follower":
                 return AvgGroup(status="redirect", redirect=lobby.following)
             if lobby.group is not None or lobby.mode == "closed":
@@ -603,7 +607,7 @@ class Matchmaker:
                 if opened is not None:  # a join after our round was over: how late it is, measured
                     self.arrivals.arrived(ctx.peer_id, time.monotonic() - opened)
                 if req.round_key in self.no_group:  # nobody averaged it with us: the joiner's search goes on
-                    return AvgGroup(status="closed", reason=NOT_HERE)
+                    return AvgGroup(status="closed", reason=GAVE_UP)
                 return AvgGroup(status="closed", reason=OVER_HERE)
             return AvgGroup(status="closed", reason=NOT_HERE)
         if lobby.mode != "follower" and ctx.peer_id not in lobby.measured:
