@@ -249,6 +249,8 @@ class Probes:
                 else:
                     live.unanswered()
                     log.debug("probe of %s unanswered (%d in a row): %s", peer[-8:], live.missed, e)
+                    if live.silent():  # every wait on it (a leader's decision, say) knows at once
+                        self.marked[peer] = time.monotonic()
                     if isinstance(e, CallTimeout):
                         await self.transport.reset(peer)  # the next probe on a fresh connection (after a cut, an old one stays stuck for seconds)
             self.changed.set()
@@ -393,11 +395,17 @@ class Matchmaker:
             return task.done() and not task.cancelled() and isinstance(task.exception(), (ConnectionError, PeerUnreachable))
 
         call = start()
+        started = time.monotonic()
         try:
             while True:
                 t0 = time.monotonic()
                 probe = asyncio.create_task(transport.ping(target, timeout=live.probe_timeout()))
-                await asyncio.wait([call, probe], return_when=asyncio.FIRST_COMPLETED)
+                while not (call.done() or probe.done()):
+                    await asyncio.wait([call, probe], timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+                    if self.silent.get(target, 0.0) > started:  # our other probes of it (a round's) found it silent
+                        probe.cancel()
+                        await asyncio.gather(probe, return_exceptions=True)
+                        raise CallTimeout(f"{target[-8:]} went silent (probes of it unanswered)")
                 if call.done() and not (lost(call) and again):
                     probe.cancel()
                     await asyncio.gather(probe, return_exceptions=True)
