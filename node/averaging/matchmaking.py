@@ -243,9 +243,13 @@ class Probes:
                     log.debug("%s answers probes again", peer[-8:])
                 pause = live.next_after()
             except NETWORK_ERRORS as e:
-                pause = max(0.0, live.interval_s - (time.monotonic() - t0))  # a refusal comes back at once: no ping storm
+                # the next at once only after a probe that waited its whole timeout; one that
+                # failed quickly (refused, no route) waits the interval: no ping storm, which
+                # would starve this process's training thread of the GIL
+                timed_out = time.monotonic() - t0 >= live.probe_timeout() * 0.9
+                pause = live.next_after() if timed_out else live.interval_s
                 if self.transport.heard.get(peer, 0.0) > t0:
-                    pause = 0.0  # its data kept coming meanwhile (a busy link delays a ping): alive
+                    pause = live.interval_s  # its data kept coming meanwhile (a busy link delays a ping): alive
                 else:
                     live.unanswered()
                     log.debug("probe of %s unanswered (%d in a row): %s", peer[-8:], live.missed, e)
@@ -426,7 +430,8 @@ class Matchmaker:
                     raise CallTimeout(f"{target[-8:]} went silent: {why}")
                 if lost(call):
                     again, call = False, start()
-                done, _ = await asyncio.wait([call], timeout=live.next_after())
+                quick = time.monotonic() - t0 < live.probe_timeout() * 0.9  # (answered, or failed at once: no ping storm)
+                done, _ = await asyncio.wait([call], timeout=live.interval_s if quick else live.next_after())
                 if done and not (lost(call) and again):
                     return call.result()
         finally:
@@ -491,7 +496,7 @@ class Matchmaker:
 
         def ask(peer: str, now: float) -> None:
             q = AvgJoin(round_key=lobby.key, numel=own.numel, codec=own.codec, namespace=own.namespace, ask_only=True)
-            questions[peer] = asyncio.create_task(self.avg.transport.call(peer, q, timeout=max(0.5, min(5.0, deadline - now))))
+            questions[peer] = asyncio.create_task(self.avg.transport.call(peer, q, timeout=max(0.5, min(2.0, deadline - now))))
 
         lookup: asyncio.Task | None = None  # the DHT look-up in flight (a smaller peer that leads too?)
         try:
@@ -534,6 +539,11 @@ class Matchmaker:
                     seen.add(p)
                     reply = task.result() if not task.cancelled() and task.exception() is None else None
                     if not isinstance(reply, AvgGroup):
+                        if p == lone:  # no answer (after a cut our old connection may be stuck): afresh, shortly
+                            await self.avg.transport.reset(p)
+                            lone, ask_after = "", time.monotonic() - lobby.opened + 0.5
+                            del questions[p]
+                            seen.discard(p)
                         continue
                     if reply.status == "closed" and reply.reason == NOT_HERE:
                         if p == lone and ask_after < ALONE_ASK_S:  # asked early: once more later
