@@ -556,8 +556,11 @@ class Matchmaker:
                         if p == lone and alone:
                             raise RoundFailed(f"too late for round {lobby.key}: {p[-8:]} answered {reply.reason}", late=True)
                         elsewhere.add(p)
-                    elif reply.status == "redirect" and reply.redirect and reply.redirect != me:
-                        return reply.redirect  # it averages the key with someone: join them
+                    elif reply.status == "redirect" and reply.redirect and reply.redirect != me and (p == lone or reply.redirect == p):
+                        # the one we asked alone averages the key with someone, or the late peer
+                        # leads it (and is smaller: else it follows us now): join them. A late
+                        # peer that follows another is on its way (or stuck): not followed
+                        return reply.redirect
             if expected is not None and not isinstance(expected, int):
                 probes.mark_silent(set(expected) - lobby.joined(me), time.monotonic())
         finally:
