@@ -43,7 +43,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -53,7 +52,7 @@ import time
 from pathlib import Path
 
 from bench import netns
-from bench.workers import Group, PeerFailed
+from bench.workers import Group, PeerFailed, clean_up, exit_code
 
 IMPLS = ("swarmtrain", "hivemind", "gloo")
 DEFAULT_PARAMS = {"none": {}, "fp16": {}, "int8": {"block_size": 1024}, "topk": {"ratio": 0.01}, "powersgd": {"rank": 4}}
@@ -502,17 +501,12 @@ def main(argv=None) -> int:
         if args.keep_logs:
             config["logs"] = str(log_dir)
         emit({"config": config, "rows": rows, "ratios": ratios(rows, bool(topo))}, args.json)
-        return 0 if all(r.get("status") in ("ok", "skipped") for r in rows) else 1
+        return exit_code(rows)
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the cleanup
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if topo:
-            topo.destroy()
-        if not args.keep_logs:
-            shutil.rmtree(log_dir, ignore_errors=True)
+        clean_up(topo, log_dir, args.keep_logs)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,6 @@ import argparse
 import itertools
 import json
 import os
-import shutil
 import signal
 import statistics
 import sys
@@ -70,7 +69,7 @@ from pathlib import Path
 
 from bench import netns
 from bench.allreduce import _raise_interrupt, have_swarmtrain_averager, version
-from bench.workers import Group, PeerFailed, PeerRefused
+from bench.workers import Group, PeerFailed, PeerRefused, clean_up, exit_code
 from node.osutil import session_pids
 
 KINDS = ("sigkill", "sigstop_member", "sigstop_leader", "link_down")
@@ -623,17 +622,12 @@ def main(argv=None) -> int:
         else:
             print_table(result)
         sys.stdout.flush()
-        return 0 if all(r.get("status") in ("ok", "skipped") for r in rows) else 1
+        return exit_code(rows)
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the cleanup
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if topo:
-            topo.destroy()
-        if not args.keep_logs:
-            shutil.rmtree(log_dir, ignore_errors=True)
+        clean_up(topo, log_dir, args.keep_logs)
 
 
 if __name__ == "__main__":

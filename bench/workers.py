@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,22 @@ class PeerFailed(Exception):
 
 class PeerRefused(PeerFailed):
     """A peer answered a command with an error; it is alive and takes further commands."""
+
+
+def exit_code(rows: list[dict]) -> int:
+    """A benchmark's exit status: 0 if every row ran or was skipped (with its reason), else 1."""
+    return 0 if all(r.get("status") in ("ok", "skipped") for r in rows) else 1
+
+
+def clean_up(topo, log_dir: Path, keep_logs: bool) -> None:
+    """A benchmark's last step, whatever happened: its network namespaces (`topo`, or None)
+    and, unless kept, its peers' logs. A second Ctrl-C or a SIGTERM must not stop it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if topo:
+        topo.destroy()
+    if not keep_logs:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def kill_session(sid: int, exclude: int | None = None) -> None:
