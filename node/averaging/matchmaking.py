@@ -273,12 +273,12 @@ class Probes:
             for w in waits:
                 w.cancel()
 
-    def mark_silent(self, peers: Collection[str], now: float, misses: int = 1) -> None:
-        """Of `peers` (not joined when the group closed, not waited for in a round), mark those
-        whose latest `misses` probes went unanswered: the next rounds do not wait for them until
-        they answer or join."""
+    def mark_silent(self, peers: Collection[str], now: float) -> None:
+        """Of `peers` (not joined when the group closed), mark those whose latest probe went
+        unanswered: the next rounds do not wait for them until they answer or join. (Two
+        unanswered in a row mark a peer as they happen, see `_watch`.)"""
         for p in peers:
-            if p in self.live and self.live[p].missed >= misses:
+            if p in self.live and self.live[p].missed:
                 self.marked[p] = now
 
     async def close(self) -> None:

@@ -105,8 +105,7 @@ class RoundDriver:
             if left <= 0:
                 return
             if self.probes.silent(peers, misses=2) >= peers:
-                self.rnd.report.silent = sorted(set(self.rnd.report.silent) | peers)
-                self.probes.mark_silent(peers, time.monotonic(), misses=2)  # the next round's group does not wait for them either
+                self.rnd.report.silent = sorted(set(self.rnd.report.silent) | peers)  # (the probes marked them: no next round waits for them either)
                 log.debug("round %s: not waiting for %s any more (%s): no answer to a probe", self.rnd.group.group_id, ", ".join(p[-8:] for p in peers), what)
                 return
             event.clear()
