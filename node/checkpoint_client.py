@@ -195,6 +195,8 @@ async def _download_file(
                     raise _bad(transport, peer_id, fname, f"empty chunk at offset {written} of {size}")
                 await asyncio.to_thread(_append, f, h, chunk.data)
                 written += len(chunk.data)  # StateChunk's own checks keep offset + len <= total_size
+                if written == size:  # all there: we hang up first (the server waits for that: see TransportConfig.linger_s)
+                    break
         finally:
             await stream.aclose()
         if written != size:

@@ -86,6 +86,11 @@ class TransportConfig:
     # a peer's score is minus its penalties of the last `score_window_s`: it recovers with time,
     # never with calls (a peer that sends bad input cannot wash its score with cheap valid calls)
     score_window_s: float = 600.0
+    # a served stream stays open after its last reply until the caller hangs up, at most this
+    # long. p2pd ends a stream with close-then-reset, and a reset that overtakes the reply
+    # between the two daemons throws the reply (or its end) away: on a busy machine, about one
+    # call in a thousand; once the caller has hung up, it has read everything
+    linger_s: float = 5.0
     pipe_idle_s: float = 300.0  # a pipe with no call for this long is closed (by the server; callers reuse one for half of it)
     pipes_per_peer: int = 4  # idle pipes kept open to one peer
     # pipes go over direct TCP (sealed, see node/direct.py) where the peer can be reached, else
@@ -272,6 +277,11 @@ class _FrameReader(asyncio.BufferedProtocol):
             self._resume()  # read ahead (the end of the stream too) while this one is handled
         return msg
 
+    @property
+    def ended(self) -> bool:
+        """Whether the other side closed (or lost) the stream."""
+        return self._eof
+
     def _resume(self) -> None:
         if self._paused:
             self._paused = False
@@ -449,7 +459,7 @@ class Transport:
                 raise ConnectionResetError("the caller closed the stream before its request was complete")
             return msg
 
-        linger = False
+        linger = True  # for the caller to hang up first, after our last reply (see TransportConfig.linger_s)
         try:
             while True:
                 request_id = 0
@@ -460,6 +470,7 @@ class Transport:
                             async with asyncio.timeout(self.config.pipe_idle_s):
                                 first = await frames.next()
                         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError):
+                            linger = False  # idle (no reply on its way) or gone
                             return
                         if first is None:
                             return
@@ -490,15 +501,15 @@ class Transport:
                     self.scores.penalize(peer_id, 2.0, time.monotonic())
                     self._log_peer(peer_id, st, f"refused bad input from {peer_id}: {e}")
                     await self._reply_error(writer, "bad_request", str(e), request_id)
-                    linger = True
                 except RPCError as e:
                     await self._reply_error(writer, e.code, e.message, request_id)
-                    linger = True
                 except TimeoutError:
                     await self._reply_error(writer, "timeout", "request or handler passed its deadline", request_id)
-                except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError):
-                    pass  # the caller hung up; nothing to answer
+                except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError) as e:
+                    if not frames.ended:  # the handler's own call to someone failed; the caller waits
+                        await self._reply_error(writer, "unavailable", f"the handler lost a connection: {e}", request_id)
                 except asyncio.CancelledError:
+                    linger = False  # shutting down
                     raise
                 except Exception:
                     log.exception("handler failed on a request from %s", peer_id)
@@ -511,14 +522,13 @@ class Transport:
         finally:
             st.bytes_in_flight -= counted
             counted = 0
-            if linger:
-                # after refusing mid-request: the caller may still be writing. Closing now would
-                # reset the stream and lose the reply (p2pd does not keep half-closed streams),
-                # so the rest of the request drains first (dropped, and bounded)
-                await frames.drain(1.0, LINGER_BYTES)
-            _close(writer)
-            if task is not None:
-                self._tasks.discard(task)
+            try:
+                if linger:  # until the caller hangs up, what it still sends (the rest of a refused request) is dropped
+                    await frames.drain(self.config.linger_s, LINGER_BYTES)
+            finally:
+                _close(writer)
+                if task is not None:
+                    self._tasks.discard(task)
 
     def _log_peer(self, peer_id: str, st: _PeerState, text: str) -> None:
         now = time.monotonic()

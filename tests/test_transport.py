@@ -7,7 +7,7 @@ import time
 import pytest
 
 from node.transport import RPC_PROTOCOL, CallTimeout, PeerScores, RemoteError, RPCError, Transport, TransportConfig
-from protocol import Ack, Decoder, Error, Ping, Pong, StateChunk
+from protocol import Ack, Decoder, Error, Ping, Pong, StateChunk, StateRequest, encode
 from tests.swarm import start_hosts
 
 pytestmark = pytest.mark.timeout(120)
@@ -340,3 +340,40 @@ def test_closing_a_transport_with_handlers_waiting_logs_no_tracebacks(caplog):
         assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
 
     run(scenario)
+
+
+
+
+def test_a_served_stream_stays_open_until_the_caller_hangs_up():
+    """p2pd ends a stream with close-then-reset, and a reset that overtakes a reply between the
+    daemons throws the reply away (a busy machine lost about one call in a thousand). So the
+    server does not close first: after its reply, the stream stays open until the caller hangs
+    up (its task ends then), or until linger_s has passed."""
+
+    async def scenario(server, clients):
+        (caller,) = clients
+        for hang_up in (True, False):
+            reader, writer = await caller.host.open_stream(server.peer_id, RPC_PROTOCOL)
+            writer.write(encode(Ping()))
+            await writer.drain()
+            decoder, msgs = Decoder(), []
+            async with asyncio.timeout(10):
+                while not msgs:
+                    msgs = decoder.feed(await reader.read(1 << 16))
+            assert [type(m) for m in msgs] == [Pong]
+            serving = len(server._tasks)
+            assert serving == 1
+            t0 = time.monotonic()
+            if hang_up:
+                with pytest.raises(TimeoutError):  # still open: no end of stream from the server
+                    await asyncio.wait_for(reader.read(1), 0.5)
+                writer.close()
+                async with asyncio.timeout(10):
+                    while server._tasks:  # the server lets go at once
+                        await asyncio.sleep(0.02)
+            else:  # a caller that never hangs up is let go after linger_s
+                assert await asyncio.wait_for(reader.read(1), 10) == b""
+                assert time.monotonic() - t0 >= 1.5
+                writer.close()
+
+    run(scenario, linger_s=2.0)
