@@ -277,11 +277,6 @@ class _FrameReader(asyncio.BufferedProtocol):
             self._resume()  # read ahead (the end of the stream too) while this one is handled
         return msg
 
-    @property
-    def ended(self) -> bool:
-        """Whether the other side closed (or lost) the stream."""
-        return self._eof
-
     def _resume(self) -> None:
         if self._paused:
             self._paused = False
@@ -505,9 +500,8 @@ class Transport:
                     await self._reply_error(writer, e.code, e.message, request_id)
                 except TimeoutError:
                     await self._reply_error(writer, "timeout", "request or handler passed its deadline", request_id)
-                except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError) as e:
-                    if not frames.ended:  # the handler's own call to someone failed; the caller waits
-                        await self._reply_error(writer, "unavailable", f"the handler lost a connection: {e}", request_id)
+                except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError):
+                    linger = False  # the caller hung up, or the handler hangs up on it: no reply to protect
                 except asyncio.CancelledError:
                     linger = False  # shutting down
                     raise

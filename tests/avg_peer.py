@@ -67,6 +67,7 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    last: list[torch.Tensor] = []  # the last round's result
     try:
         while line := await reader.readline():
             cmd = json.loads(line)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from node.transport import RPC_PROTOCOL, CallTimeout, PeerScores, RemoteError, RPCError, Transport, TransportConfig
-from protocol import Ack, Decoder, Error, Ping, Pong, StateChunk, StateRequest, encode
+from protocol import Ack, Decoder, Error, Ping, Pong, StateChunk, encode
 from tests.swarm import start_hosts
 
 pytestmark = pytest.mark.timeout(120)
