@@ -342,8 +342,6 @@ def test_closing_a_transport_with_handlers_waiting_logs_no_tracebacks(caplog):
     run(scenario)
 
 
-
-
 def test_a_served_stream_stays_open_until_the_caller_hangs_up():
     """p2pd ends a stream with close-then-reset, and a reset that overtakes a reply between the
     daemons throws the reply away (a busy machine lost about one call in a thousand). So the
@@ -361,19 +359,18 @@ def test_a_served_stream_stays_open_until_the_caller_hangs_up():
                 while not msgs:
                     msgs = decoder.feed(await reader.read(1 << 16))
             assert [type(m) for m in msgs] == [Pong]
-            serving = len(server._tasks)
-            assert serving == 1
+            assert len(server._tasks) == 1
             t0 = time.monotonic()
             if hang_up:
                 with pytest.raises(TimeoutError):  # still open: no end of stream from the server
                     await asyncio.wait_for(reader.read(1), 0.5)
                 writer.close()
-                async with asyncio.timeout(10):
-                    while server._tasks:  # the server lets go at once
+                async with asyncio.timeout(2.0):  # the server lets go at once, well before linger_s
+                    while server._tasks:
                         await asyncio.sleep(0.02)
             else:  # a caller that never hangs up is let go after linger_s
                 assert await asyncio.wait_for(reader.read(1), 10) == b""
-                assert time.monotonic() - t0 >= 1.5
+                assert time.monotonic() - t0 >= 2.5
                 writer.close()
 
-    run(scenario, linger_s=2.0)
+    run(scenario, linger_s=3.0)
