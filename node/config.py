@@ -240,6 +240,10 @@ class NodeConfig:
     averager: AveragerSettings = field(default_factory=AveragerSettings)  # [averager] in the config file
     transport: TransportSettings = field(default_factory=TransportSettings)  # [transport] in the config file
 
+    def torch_threads(self) -> int:
+        """How many threads torch computes with: `threads`, or cores - 1 when it is 0."""
+        return self.threads or max(1, (os.cpu_count() or 2) - 1)
+
     def __post_init__(self) -> None:
         check_fields(self, _NODE_CHECKS)
         if self.shard_index >= self.num_shards:

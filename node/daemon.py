@@ -12,6 +12,8 @@ import logging
 import os
 from pathlib import Path
 
+import torch
+
 from protocol import Hello, JoinToken, KeyFileError, LocalProtocolError, RemoteProtocolError, RoleAssignment, SigningKey
 from protocol.messages import ROLES
 
@@ -97,6 +99,9 @@ class Node:
     async def start(self) -> None:
         key, token = self.validate()
         c = self.config
+        # before any thread computes: a thread takes torch's thread count when it first
+        # computes and keeps it; set_num_threads later changes only the caller's and new threads'
+        torch.set_num_threads(c.torch_threads())
         self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs))
         self.transport = Transport(self.host, transport_config(c))
         self.transport.on(Hello, self._on_hello)

@@ -29,6 +29,7 @@ import shutil
 import time
 import zlib
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,9 @@ class Replica(Role):
         self._stop = False
         self._uploads: set[asyncio.Task] = set()
         self.pauses = PauseWatch()
+        self.threads = node_config.torch_threads()
+        self._inner_threads = self.threads
+        self._compute_pool = ThreadPoolExecutor(1, thread_name_prefix="train", initializer=torch.set_num_threads, initargs=(self.threads,))
         self.slowdown = node_config.fault_slowdown
         self._out_of_step = False  # the last round failed: we may have been left behind
         self._last_members: dict = {}  # the member records last read from the DHT
@@ -158,9 +162,15 @@ class Replica(Role):
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
 
+    async def _compute(self, fn, *args):
+        """`fn(*args)` on the training thread: one thread, made at the start with the node's
+        torch thread count, for everything that trains, evaluates or loads a model's state. (A
+        thread of asyncio's shared pool may have computed before the count was set, and kept
+        torch's default: on a 2-core machine shared by three replicas, two threads each and
+        inner steps ten times slower.)"""
+        return await asyncio.get_running_loop().run_in_executor(self._compute_pool, fn, *args)
+
     async def _train(self) -> None:
-        threads = self.node_config.threads or max(1, (os.cpu_count() or 2) - 1)
-        torch.set_num_threads(threads)
         try:
             corpus = await asyncio.to_thread(load_corpus, self.node_config.data or None)
         except DataError as e:  # the daemon checked it at start: it changed since
@@ -174,13 +184,13 @@ class Replica(Role):
         await self._obtain_state()
         batches = Batches(corpus.train, shard, nshards, self.train_config.batch_size, self.model_config.context, self.train_config.seed + shard)
         # in a thread: the first AdamW of a process imports torch._dynamo, seconds of work
-        self.inner = await asyncio.to_thread(InnerTrainer, self.model, self.train_config, batches)
+        self.inner = await self._compute(InnerTrainer, self.model, self.train_config, batches)
         self.inner.step_count = self.round * self.run_config.inner_steps
         log.info(
             "replica: %s model (%d params), data %s shard %d/%d, %d threads, starting at outer step %d (hash %s)",
-            self.run_config.model, sum(p.numel() for p in self.model.parameters()), corpus.source, shard, nshards, threads, self.round, self.hash,
+            self.run_config.model, sum(p.numel() for p in self.model.parameters()), corpus.source, shard, nshards, self.threads, self.round, self.hash,
         )
-        val = await asyncio.to_thread(self._evaluate)
+        val = await self._compute(self._evaluate)
         log.info("outer %d | val %.4f | hash %s (starting point)", self.round, val, self.hash)
         self.history.append({"outer_step": self.round, "val_loss": val, "state_hash": self.hash, "start": True, "time": time.time()})
         self._publish_progress(val)
@@ -199,12 +209,13 @@ class Replica(Role):
         await asyncio.gather(*self._uploads, return_exceptions=True)
         await self.averager.close()
         self.server.close()
+        self._compute_pool.shutdown(wait=False)  # its thread returns between inner steps
 
     # ---- one outer round -------------------------------------------------------------------------
 
     async def _one_round(self) -> None:
         t0 = time.monotonic()
-        losses = await asyncio.to_thread(self._inner_steps, self.run_config.inner_steps)
+        losses = await self._compute(self._inner_steps, self.run_config.inner_steps)
         if self._stop:
             return
         t_inner = time.monotonic() - t0
@@ -252,12 +263,12 @@ class Replica(Role):
         self.round += 1
         self.hash = self._hash()
         self.bytes_sent += report.bytes_sent
-        val = await asyncio.to_thread(self._evaluate)
+        val = await self._compute(self._evaluate)
         tokens = self.run_config.inner_steps * self.train_config.batch_size * self.model_config.context
         entry = {
             "outer_step": self.round, "val_loss": val, "train_loss": sum(losses) / len(losses), "state_hash": self.hash,
             "bytes_sent": self.bytes_sent, "members": len(report.survivors), "round_s": round(time.monotonic() - t1, 3),
-            "tokens_per_s": round(tokens / t_inner, 1), "time": time.time(),
+            "tokens_per_s": round(tokens / t_inner, 1), "threads": self._inner_threads, "time": time.time(),
         }
         self.history.append(entry)
         log.info(
@@ -272,6 +283,7 @@ class Replica(Role):
             task.add_done_callback(self._uploads.discard)
 
     def _inner_steps(self, n: int) -> list[float]:
+        self._inner_threads = torch.get_num_threads()  # this thread's: what the steps ran with
         losses = []
         for _ in range(n):
             if self._stop:
@@ -338,7 +350,7 @@ class Replica(Role):
     async def _download_and_adopt(self, peer: str, step: int | None) -> bool:
         try:
             path = await download_checkpoint(self.transport, peer, self.download_dir, step=step)
-            state = await asyncio.to_thread(load_checkpoint_dir, path)
+            state = await self._compute(load_checkpoint_dir, path)
             manifest = await asyncio.to_thread(read_manifest, path)
             manifest_step = manifest["step"]
             model_cfg = manifest.get("model_config") or {}
