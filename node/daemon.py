@@ -114,7 +114,7 @@ class Node:
         self._tasks += [
             asyncio.create_task(self.membership.run(), name="membership"),
             asyncio.create_task(self.membership.publish_records(), name="member-records"),
-            asyncio.create_task(self.host.keep_joined(self.membership.known_peers), name="dht-rejoin"),
+            asyncio.create_task(self.host.keep_joined(self.membership.known_peers, on_rejoined=self.membership.publish_soon), name="dht-rejoin"),
         ]
 
     def _make_role(self, assignment: RoleAssignment) -> Role | None:

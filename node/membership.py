@@ -51,10 +51,16 @@ class Membership:
         self.on_assignment: Callable[[RoleAssignment], None] | None = None
         self._trouble_logged = False
         self._wake = asyncio.Event()
+        self._publish_wake = asyncio.Event()
 
     def heartbeat_soon(self) -> None:
         """Report progress now instead of at the next interval (e.g. right after an outer step)."""
         self._wake.set()
+
+    def publish_soon(self) -> None:
+        """Announce ourselves in the DHT now instead of at the next interval: back on the
+        network, our record has most likely gone stale and peers no longer count on us."""
+        self._publish_wake.set()
     # ---- finding the coordinator ------------------------------------------------------------
 
     async def find_coordinator(self) -> str:
@@ -148,6 +154,7 @@ class Membership:
                     self.registered.set()
                     if self._trouble_logged:
                         log.info("registered with the coordinator again")
+                        self.publish_soon()
                     self._trouble_logged = False
                 else:
                     await self.heartbeat()
@@ -170,8 +177,12 @@ class Membership:
     async def publish_records(self) -> None:
         """Announce ourselves in the DHT, so peers find us even while the coordinator is down."""
         while True:
+            self._publish_wake.clear()
             await self.publish_record()
-            await asyncio.sleep(self.config.record_ttl_s / 3)
+            try:
+                await asyncio.wait_for(self._publish_wake.wait(), self.config.record_ttl_s / 3)
+            except TimeoutError:
+                pass
 
     async def publish_record(self) -> None:
         now = time.time()

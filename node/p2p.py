@@ -241,10 +241,12 @@ class Host:
                 log.debug("rejoin: %s: %s", peer_id[-8:], e)
         return await self.dht.run_coroutine(partial(_rejoin, peers=list(peers), timeout=timeout), return_future=True)
 
-    async def keep_joined(self, extra: Callable[[], dict[str, Sequence[str]]] = dict, interval: float = 2.0) -> None:
+    async def keep_joined(self, extra: Callable[[], dict[str, Sequence[str]]] = dict, interval: float = 2.0,
+                          on_rejoined: Callable[[], None] | None = None) -> None:
         """Forever: when the DHT has no neighbour left, join again through the initial peers
-        and `extra()` (e.g. the coordinator). hivemind's DHT bootstraps only at start; a node
-        whose link went down for longer than its requests' timeouts would stay alone."""
+        and `extra()` (e.g. the coordinator), then call `on_rejoined()`. hivemind's DHT
+        bootstraps only at start; a node whose link went down for longer than its requests'
+        timeouts would stay alone."""
         alone_since: float | None = None
         while True:
             await asyncio.sleep(interval)
@@ -262,6 +264,8 @@ class Host:
                 if answered:
                     log.info("DHT: no neighbour left for %.0f s; joined again through %d of %d peers", time.monotonic() - alone_since, answered, len(peers))
                     alone_since = None
+                    if on_rejoined is not None:
+                        on_rejoined()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the DHT process may be busy or restarting; next time

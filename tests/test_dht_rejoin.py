@@ -42,8 +42,10 @@ def test_a_node_whose_dht_lost_every_neighbour_joins_again_and_sees_records():
             # alone, it cannot see what the others store
             await first.dht_store("rejoin-test", b"value", time.time() + 60)
             assert await lonely.dht_get("rejoin-test") is None
-            keeper = asyncio.create_task(lonely.keep_joined(interval=0.5))  # its initial peer is `first`
+            rejoined = asyncio.Event()  # the node re-announces itself on it
+            keeper = asyncio.create_task(lonely.keep_joined(interval=0.5, on_rejoined=rejoined.set))  # its initial peer is `first`
             await _wait(lonely.dht_neighbours, 30, "the lonely node's DHT to have neighbours again")
+            await asyncio.wait_for(rejoined.wait(), 10)
             assert await _wait(lambda: lonely.dht_get("rejoin-test"), 30, "the record, seen from the node that rejoined") == b"value"
         finally:
             if keeper is not None:
