@@ -153,11 +153,11 @@ class Liveness:
     rtt: float | None = None  # seconds, EMA of the answered probes (None: none yet)
     peak: float | None = None  # seconds, the slowest recent answer (decays 10% per answer)
     missed: int = 0  # probes in a row without an answer
-    interval_s: float = 0.25  # after an answered probe, until the next (the first goes at once)
+    interval_s: float = 0.1  # after an answered probe, until the next (the first goes at once)
     misses: int = 2
     factor: float = 10.0
     peak_factor: float = 3.0
-    min_timeout_s: float = 0.5
+    min_timeout_s: float = 0.3
     max_timeout_s: float = 5.0
 
     @classmethod
