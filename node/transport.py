@@ -636,7 +636,13 @@ class Transport:
                 stream = await direct.dial(list(reply.addrs), ticket, key, left, self.config.direct_congestion)
                 self.stats["direct_pipes"] += 1
                 return stream
-            except (RemoteError, CallTimeout, PeerUnreachable, RemoteProtocolError, OSError) as e:
+            except (CallTimeout, PeerUnreachable) as e:
+                # the peer did not answer over libp2p either (frozen, its link down): nothing
+                # says a direct connection cannot work once it is back. Remembering this for
+                # direct_retry_s kept its pipes on libp2p, a round slower, long after a cut
+                self.stats["direct_fallbacks"] += 1
+                log.debug("no direct connection to %s (%s): the peer did not answer", peer_id[-8:], e)
+            except (RemoteError, RemoteProtocolError, OSError) as e:
                 self._no_direct[peer_id] = time.monotonic() + self.config.direct_retry_s
                 self.stats["direct_fallbacks"] += 1
                 log.info("no direct connection to %s (%s): its pipes use libp2p for %.0f s", peer_id[-8:], e, self.config.direct_retry_s)

@@ -213,6 +213,30 @@ def test_a_peer_without_a_direct_listener_is_reached_over_libp2p():
 
 
 @pytest.mark.timeout(120)
+def test_a_peer_that_does_not_answer_the_direct_offer_in_time_gets_direct_pipes_again_later():
+    # a peer frozen or cut off does not answer DirectOpen over libp2p either: that pipe uses
+    # libp2p, but nothing is remembered against direct connections to it (remembered, its
+    # pipes stayed on libp2p for direct_retry_s after the cut, a round slower)
+    async def scenario(server, client):
+        answer = server.handlers[DirectOpen]
+
+        async def too_late(ctx):
+            await asyncio.sleep(1.5)
+            return await answer(ctx)
+
+        server.handlers[DirectOpen] = too_late
+        await _send(client, server)
+        assert client.stats["direct_fallbacks"] == 1 and client.stats["direct_pipes"] == 0
+        server.handlers[DirectOpen] = answer
+        for pipe in client._pipes.pop(server.peer_id):  # the next call opens a new pipe
+            pipe.writer.close()
+        await _send(client, server, name="again")
+        assert client.stats["direct_pipes"] == 1
+
+    run(scenario, client_config={"direct_connect_s": 0.5})
+
+
+@pytest.mark.timeout(120)
 def test_an_unreachable_direct_address_falls_back_to_libp2p_within_the_connect_budget():
     async def scenario(server, client):
         server._direct_addrs = ("127.0.0.1:1",)  # nothing listens there
