@@ -495,8 +495,13 @@ class Matchmaker:
         ask_after = ALONE_ASK_S if self.last_ok else 0.0
 
         def ask(peer: str, now: float) -> None:
+            # answered at once by a peer that is there: waited for as long as a probe of it
+            # (its measured round trips; 0.75 s if none), so a connection our link's outage
+            # left stuck is dropped and the question asked afresh within a second, not after two
             q = AvgJoin(round_key=lobby.key, numel=own.numel, codec=own.codec, namespace=own.namespace, ask_only=True)
-            questions[peer] = asyncio.create_task(self.avg.transport.call(peer, q, timeout=max(0.5, min(2.0, deadline - now))))
+            live = Liveness.known(self.rtts, peer)
+            wait = min(live.probe_timeout() if live.rtt is not None else 0.75, 2.0, deadline - now)
+            questions[peer] = asyncio.create_task(self.avg.transport.call(peer, q, timeout=max(0.3, wait)))
 
         lookup: asyncio.Task | None = None  # the DHT look-up in flight (a smaller peer that leads too?)
         try:
@@ -508,6 +513,8 @@ class Matchmaker:
                 now = time.monotonic()
                 waiting = set(expected) - lobby.joined(me) if expected is not None and not isinstance(expected, int) else set()
                 pause = min(0.3, max(0.0, deadline - now), self.arrivals.next_overdue(waiting, now - lobby.opened, lobby.window))
+                if not ask_after and not questions:
+                    pause = 0.0  # after a failed round: ask at once, not after a first wait
                 await probes.wait(lobby.changed, pause, (lookup, *(t for p, t in questions.items() if p not in seen)))
                 if (why := check(time.monotonic())) or lobby.abandoned:  # everyone expected is here (or overdue)
                     break
