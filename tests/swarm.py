@@ -61,6 +61,17 @@ async def averagers(n: int, **config):
             await h.shutdown()
 
 
+ORPHAN_GRACE_S = 10.0  # how long a killed daemon's DHT process and p2pd may take to go by themselves
+
+
+def settled_leftovers(sid: int, grace: float = ORPHAN_GRACE_S) -> list[int]:
+    """The processes still in session `sid` once they had `grace` seconds to exit."""
+    deadline = time.monotonic() + grace
+    while (left := session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -129,8 +140,10 @@ class Proc:
         return session_pids(self.sid)
 
     def cleanup(self) -> list[int]:
-        """Kill everything left in the session; return the pids that were still there."""
-        left = self.leftovers()
+        """Kill everything left in the session; return the pids that were still there. If the
+        daemon itself is gone (a test killed it), what it started gets ORPHAN_GRACE_S to go by
+        itself first: its DHT process notices within 0.2 s and stops p2pd (up to 2 s)."""
+        left = settled_leftovers(self.sid) if not self.alive() else self.leftovers()
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)

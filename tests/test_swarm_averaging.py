@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.swarm import ROOT, session_pids
+from tests.swarm import ROOT, settled_leftovers
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
@@ -67,7 +67,7 @@ class Peer:
                 self.proc.wait(20)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-        left = session_pids(self.proc.pid)
+        left = settled_leftovers(self.proc.pid)  # (a killed peer's DHT process and p2pd go by themselves, within seconds)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
         if self.proc.poll() is None:
