@@ -467,13 +467,9 @@ class Matchmaker:
             if expected is None or isinstance(expected, int):
                 return set()
             waiting = set(expected) - lobby.joined(me)
-            gone = waiting & (self.recently_silent(now) | elsewhere)
-            # not probed: a probe of a peer whose link is down dials it and fails, and after
-            # failed dials libp2p refuses to dial it for seconds (its dial backoff), which
-            # delayed reaching it by 2-4 s once its link was back (it calls us when it is)
-            silent = probes.silent(waiting - gone)
-            late = self.arrivals.overdue(waiting - gone, now - lobby.opened, lobby.window)
-            return gone | (late & silent)
+            silent = probes.silent(waiting)
+            late = self.arrivals.overdue(waiting, now - lobby.opened, lobby.window)
+            return (waiting & (self.recently_silent(now) | elsewhere)) | (late & silent)
 
         def check(now: float) -> str:
             joined = lobby.joined(me)
@@ -542,8 +538,7 @@ class Matchmaker:
                         ask(lone, now)
                 if not alone and waiting:
                     late = self.arrivals.overdue(waiting, now - lobby.opened, lobby.window)
-                    late -= self.recently_silent(now)
-                    for p in sorted(late - probes.silent(late) - questions.keys()):
+                    for p in sorted(late - probes.silent(waiting) - questions.keys()):
                         ask(p, now)
                 for p, task in list(questions.items()):
                     if p in seen or not task.done():
