@@ -154,13 +154,13 @@ def test_a_steadily_slower_replica_keeps_its_place_in_rounds(swarm):
     start = next(e["outer_step"] for e in slow if "start" in e)
     assert rounds_lost(slow, start) == 0 and not any("caught_up_from" in e for e in slow), slow
     assert all(e["members"] == 3 for e in averaged(slow)), [e["members"] for e in averaged(slow)]
-    # it is the slow one: in some round both others waited over a second for it while it
-    # waited under half a second (per-round waits, not medians: a busy moment of the 2-core
-    # machine, or a replica whose training stalls for a while, can make the others later
-    # than it in a round or two of five)
     # every inner phase ran on the thread count asked for (--threads 1); a thread that had
     # computed before the count was set kept torch's default, two threads per replica on two
     # cores, and made inner steps ten times slower
     assert {n: {e.get("threads") for e in averaged(history(swarm, n))} for n in NAMES} == {n: {1} for n in NAMES}
+    # it is the slow one: in some round both others waited over a second for it while it
+    # waited under half a second (per-round waits, not medians: a busy moment of the 2-core
+    # machine, or a replica whose training stalls for a while, can make the others later
+    # than it in a round or two of five)
     waits = {n: {e["outer_step"]: e["round_s"] for e in averaged(history(swarm, n))} for n in NAMES}
     assert any(min(waits["a"].get(k, 0.0), waits["b"].get(k, 0.0)) > 1.0 and w < 0.5 for k, w in waits["c"].items()), waits
