@@ -501,7 +501,7 @@ class Matchmaker:
             q = AvgJoin(round_key=lobby.key, numel=own.numel, codec=own.codec, namespace=own.namespace, ask_only=True)
             live = Liveness.known(self.rtts, peer)
             wait = min(live.probe_timeout() if live.rtt is not None else 0.75, 2.0, deadline - now)
-            questions[peer] = asyncio.create_task(self.avg.transport.call(peer, q, timeout=max(0.3, wait)))
+            questions[peer] = asyncio.create_task(self.avg.transport.call(peer, q, timeout=max(live.min_timeout_s, wait)))
 
         lookup: asyncio.Task | None = None  # the DHT look-up in flight (a smaller peer that leads too?)
         try:
