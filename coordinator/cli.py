@@ -6,7 +6,7 @@ import sys
 
 from node.cli import _Parser, run_daemon, setup_logging
 from node.config import LOG_LEVELS, ConfigError, load_config
-from node.runconfig import CODECS
+from node.runconfig import ACTIVATION_CODECS, CODECS
 
 from .config import CoordinatorConfig
 from .planner import MODES
@@ -25,7 +25,6 @@ def build_parser():
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="DHT peers to join")
     p.add_argument("--http", metavar="HOST:PORT", help=f"status/metrics address (default {c.http}; '' disables)")
     p.add_argument("--mode", choices=MODES, help=f"how roles are planned (default {c.mode})")
-    p.add_argument("--num-stages", type=int, help="pipeline mode: number of stages")
     p.add_argument("--experts", nargs="+", help="experts mode: expert names")
     p.add_argument("--heartbeat-timeout-s", type=float, help=f"evict members silent this long (default {c.heartbeat_timeout_s})")
     p.add_argument("--keep-checkpoints", type=int, help=f"checkpoints kept on disk (default {c.keep_checkpoints})")
@@ -48,6 +47,13 @@ def build_parser():
     run.add_argument("--seed", type=int, help=f"init and data seed (default {d.seed})")
     run.add_argument("--join-timeout-s", type=float, help=f"how long a round waits for late replicas (default {d.join_timeout_s})")
     run.add_argument("--min-replicas", type=int, help=f"replicas to wait for before training starts (default {d.min_replicas})")
+    pipe = p.add_argument_group("the pipeline (--mode pipeline)")
+    pipe.add_argument("--num-stages", type=int, help="stages the model is cut into; each holds at least one block")
+    pipe.add_argument("--stage-blocks", metavar="N,N,...", help="blocks per stage, e.g. 2,1,1 (default: spread evenly)")
+    pipe.add_argument("--activation-codec", choices=ACTIVATION_CODECS, help=f"how activations travel between stages (default {d.activation_codec})")
+    pipe.add_argument("--stage-step-samples", type=int, help=f"samples per optimizer step of a stage server (default {d.stage_step_samples})")
+    pipe.add_argument("--micro-batches-in-flight", type=int, help=f"micro-batches a trainer keeps in the pipeline (default {d.micro_batches_in_flight})")
+    pipe.add_argument("--stage-sync-every-s", type=float, help=f"seconds between two synchronisations of a stage's peers (default {d.stage_sync_every_s})")
     return p
 
 

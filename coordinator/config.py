@@ -25,7 +25,6 @@ class CoordinatorConfig:
     initial_peers: tuple[str, ...] = ()  # DHT peers to join (a bootstrap peer); empty: start a new DHT
     http: str = "127.0.0.1:8080"  # HOST:PORT of /status and /metrics; port 0 picks a free one; "" disables
     mode: str = "replica"  # role planning: replica | pipeline | experts
-    num_stages: int = 0  # pipeline mode: stages of the model
     experts: tuple[str, ...] = ()  # experts mode: expert names
     heartbeat_timeout_s: float = 15.0  # seconds; members silent for longer are evicted
     keep_checkpoints: int = 3  # how many checkpoints to keep on disk
@@ -46,7 +45,7 @@ class CoordinatorConfig:
 
 _CHECKS: dict[str, Check] = {
     "swarm_id": non_empty, "data_dir": non_empty, "host_maddrs": non_empty, "mode": one_of(*MODES),
-    "num_stages": at_least(0), "heartbeat_timeout_s": positive, "keep_checkpoints": at_least(1),
+    "heartbeat_timeout_s": positive, "keep_checkpoints": at_least(1),
     "owner_public_key": lambda v: None if re.fullmatch(r"([0-9a-fA-F]{64})?", v) else "must be 64 hex digits (an Ed25519 public key)",
     "record_interval_s": positive, "log_level": one_of(*LOG_LEVELS),
 }  # fmt: skip

@@ -125,10 +125,12 @@ class Coordinator:
         self._plan_lock = asyncio.Lock()
         try:
             self.planner = PlannerConfig(
-                mode=config.mode, num_stages=config.num_stages, experts=tuple(config.experts), heartbeat_timeout_s=config.heartbeat_timeout_s
+                mode=config.mode, num_stages=config.run.num_stages, experts=tuple(config.experts), heartbeat_timeout_s=config.heartbeat_timeout_s
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if config.mode == "pipeline":
+            config.run.stage_plan()  # the cut must fit the model: RunConfigError (a ConfigError) names it
 
     # ---- lifecycle ------------------------------------------------------------------------------
 

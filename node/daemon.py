@@ -128,6 +128,17 @@ class Node:
             except RunConfigError as e:
                 raise RoleError(str(e)) from None
             return Replica(self.host, self.transport, self.membership, self.config, run)
+        if assignment.role in ("stage", "trainer"):
+            from .pipeline import StageServer, Trainer
+            from .runconfig import RunConfigError, run_config_of
+
+            try:
+                run = run_config_of(assignment)
+            except RunConfigError as e:
+                raise RoleError(str(e)) from None
+            if assignment.role == "trainer":
+                return Trainer(self.host, self.transport, self.membership, self.config, run)
+            return StageServer(self.host, self.transport, self.membership, self.config, run, assignment.stage)
         raise RoleError(f"this node does not serve the {assignment.role} role")
 
     async def _on_hello(self, ctx: CallContext) -> Hello:

@@ -16,6 +16,7 @@ from protocol.records import CoordinatorRecord, MemberRecord, coordinator_key, m
 
 from .config import NodeConfig
 from .p2p import Host, split_peer_maddr
+from .roles import role_label
 from .transport import NETWORK_ERRORS, RemoteError, Transport
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class Membership:
             log.info("role: %s%s (%s)", reply.role, where, reply.reason)
             if self.on_assignment:
                 self.on_assignment(reply)
+            self.publish_soon()  # our record names the role: peers look for e.g. a stage's servers by it
         return reply
 
     async def run(self) -> None:
@@ -190,7 +192,7 @@ class Membership:
             swarm_id=self.config.swarm_id,
             peer_id=self.host.peer_id,
             maddrs=tuple(await self.host.visible_maddrs()),
-            role=self.assignment.role if self.assignment else "idle",
+            role=role_label(self.assignment),
             step=self.progress.step,
             issued_at=now,
         ).sign(self.host.key)

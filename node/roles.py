@@ -59,6 +59,18 @@ def role_key(a: RoleAssignment | None) -> tuple | None:
     return (a.role, a.stage, a.expert, a.config)
 
 
+def role_label(a: RoleAssignment | None) -> str:
+    """How a member record names an assignment: "replica", "trainer", "stage:2", "expert:NAME"
+    (trainers find the peers of each stage by it), "idle" for none."""
+    if a is None:
+        return "idle"
+    if a.role == "stage" and a.stage is not None:
+        return f"stage:{a.stage}"
+    if a.role == "expert" and a.expert:
+        return f"expert:{a.expert}"
+    return a.role
+
+
 RoleFactory = Callable[[RoleAssignment], "Role | None"]
 
 

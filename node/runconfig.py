@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 # codecs registered in protocol/codecs.py and the int8 codec's block size range.
 MODEL_PRESETS = ("tiny", "small")
 CODECS = ("none", "fp16", "int8", "topk", "powersgd")
+ACTIVATION_CODECS = ("none", "fp16", "int8")  # element-wise codecs: an activation's every value arrives
 INT8_BLOCK_SIZES = (16, 1 << 20)
 
 
@@ -54,6 +56,13 @@ class RunConfig:
     seed: int = 0  # seed of the model's initialisation and of data sampling
     join_timeout_s: float = 15.0  # seconds an averaging round waits for late replicas
     min_replicas: int = 1  # training starts once this many replicas are registered
+    # pipeline mode (the coordinator's --mode pipeline): the model cut into stages
+    num_stages: int = 0  # stages the model is cut into (each holds at least one block)
+    stage_blocks: str = ""  # blocks per stage, in order, e.g. "2,1,1" (they add up to the model's); empty: even
+    activation_codec: str = "none"  # how activations and their gradients travel between stages: none | fp16 | int8
+    stage_step_samples: int = 64  # samples a stage server accumulates gradients over before an optimizer step
+    micro_batches_in_flight: int = 4  # micro-batches (of batch_size sequences) a trainer keeps in the pipeline
+    stage_sync_every_s: float = 10.0  # seconds between two synchronisations of a stage's replicas (outer_lr, outer_momentum, codec)
 
     def __post_init__(self) -> None:
         check_fields(self, _CHECKS, RunConfigError)
@@ -88,6 +97,17 @@ class RunConfig:
 
         return PRESETS[self.model]
 
+    def stage_plan(self) -> tuple[tuple[int, int], ...]:
+        """[start, end) blocks of each stage (node/stages.py plan_stages); RunConfigError when
+        num_stages and stage_blocks do not fit the model."""
+        from .stages import plan_stages
+
+        counts = [int(c) for c in self.stage_blocks.replace(" ", "").split(",")] if self.stage_blocks.strip() else None
+        try:
+            return plan_stages(self.model_config(), self.num_stages, counts)
+        except ValueError as e:
+            raise RunConfigError(f"pipeline cut: {e} (model {self.model!r}, num_stages {self.num_stages}, stage_blocks {self.stage_blocks!r})", "num_stages") from None
+
     def train_config(self) -> TrainConfig:
         from .diloco import TrainConfig
 
@@ -101,6 +121,9 @@ _CHECKS: dict[str, Check] = {
     "total_steps": at_least(1), "outer_lr": positive, "outer_momentum": below_one, "codec": one_of(*CODECS),
     "block_size": between(*INT8_BLOCK_SIZES), "max_outer_steps": at_least(0), "checkpoint_every": at_least(1),
     "eval_batches": at_least(1), "seed": at_least(0), "join_timeout_s": positive, "min_replicas": at_least(1),
+    "num_stages": at_least(0), "stage_blocks": lambda v: None if re.fullmatch(r"(\d+(,\d+)*)?", v.replace(" ", "")) else "must be block counts separated by commas, e.g. 2,1,1",
+    "activation_codec": one_of(*ACTIVATION_CODECS), "stage_step_samples": at_least(1), "micro_batches_in_flight": at_least(1),
+    "stage_sync_every_s": positive,
 }  # fmt: skip
 
 

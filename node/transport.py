@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from protocol import Decoder, DirectAddress, DirectOpen, Error, Message, Ping, Pong, Probe, RemoteProtocolError
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, encode_buffers
+from protocol.messages import ERROR_CODES
 from protocol.sealing import KEY_BYTES
 
 from . import compat, direct
@@ -47,6 +48,8 @@ class RPCError(Exception):
     """Raised by a handler to refuse a request with a specific error code."""
 
     def __init__(self, code: str, message: str):
+        if code not in ERROR_CODES:  # an Error frame cannot carry it: the caller would get no reply at all
+            raise ValueError(f"RPCError code {code!r} is not one of {', '.join(ERROR_CODES)}")
         super().__init__(message)
         self.code, self.message = code, message
 

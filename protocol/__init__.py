@@ -39,12 +39,14 @@ from .messages import (
     Probe,
     Register,
     RoleAssignment,
+    StageCall,
+    StageResult,
     StateChunk,
     StateRequest,
     TensorPart,
 )
 from .signatures import KeyFileError, SigningKey, canonical, verify
-from .tensors import EncodedTensor, TensorAssembler, split
+from .tensors import EncodedTensor, TensorAssembler, pack_tensors, split, unpack_tensors
 from .tokens import JoinToken, TokenCheck, issue_token, verify_token
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -569,3 +569,71 @@ class AvgDecisionQuery(Message):
 
     def validate(self) -> None:
         _require(self.phase in AVG_PHASES, "phase", f"must be one of {', '.join(AVG_PHASES)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline stages (a trainer's calls to a stage server)
+
+STAGE_OPS = ("forward", "backward", "train")
+MAX_BUNDLE_TENSORS = 4
+
+
+def _check_bundle(msg: Message) -> None:
+    """A few encoded tensors in one message: a header per tensor (name, dtype, codec, nbytes, and
+    the codec's params as `p.<name>`), its shape, and the payloads one after another in `data`."""
+    n = len(msg.tensors)
+    _require(n <= MAX_BUNDLE_TENSORS, "tensors", f"at most {MAX_BUNDLE_TENSORS}")
+    _require(len(msg.shapes) == n, "shapes", "one per tensor")
+    total, names = 0, set()
+    for i, (head, shape) in enumerate(zip(msg.tensors, msg.shapes)):
+        name, dtype, codec, nbytes = head.get("name"), head.get("dtype"), head.get("codec"), head.get("nbytes")
+        _require(isinstance(name, str) and 0 < len(name) <= 64 and name not in names, f"tensors[{i}].name", "must be a distinct name of 1..64 characters")
+        names.add(name)
+        _require(dtype in TENSOR_DTYPES, f"tensors[{i}].dtype", f"unknown dtype {dtype!r}")
+        _require(isinstance(codec, str) and 0 < len(codec) <= 32, f"tensors[{i}].codec", "must be a codec name")
+        _require(isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes >= 0, f"tensors[{i}].nbytes", "must be an int >= 0")
+        _require(len(shape) <= MAX_TENSOR_NDIM and all(d >= 0 for d in shape), f"shapes[{i}]", f"at most {MAX_TENSOR_NDIM} dimensions, each >= 0")
+        total += nbytes
+    _require(total == len(msg.data), "data", f"carries {len(msg.data)} bytes, the headers declare {total}")
+
+
+@message(50)
+class StageCall(Message):
+    """A trainer's call to a stage server, for one micro-batch.
+    - forward: tensor `x` (the stage's input) in; the stage's output `y` back.
+    - backward: `x` again and `grad` (of the stage's output) in; the server recomputes forward from
+      `x`, accumulates its parameters' gradients and sends back `grad` of `x` (none for the first
+      stage, whose input is token ids).
+    - train (the last stage): `x` and `targets` (token ids) in; forward, loss and backward in one
+      call: the `loss` and `grad` of `x` back."""
+
+    BULK_FIELDS = ("data",)
+
+    stage: int
+    op: str
+    micro_batch: str = ""  # the trainer's name for the micro-batch (logs)
+    tensors: tuple[Params, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+    data: bytes = b""
+
+    def validate(self) -> None:
+        _require(self.stage >= 0, "stage", "must be >= 0")
+        _require(self.op in STAGE_OPS, "op", f"must be one of {', '.join(STAGE_OPS)}")
+        _require(len(self.micro_batch) <= MAX_ID_LEN, "micro_batch", "at most 256 characters")
+        _check_bundle(self)
+
+
+@message(51)
+class StageResult(Message):
+    """A stage server's answer to a StageCall: tensors (`y` or `grad`), and the loss of a train call."""
+
+    BULK_FIELDS = ("data",)
+
+    loss: float | None = None
+    tensors: tuple[Params, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+    data: bytes = b""
+
+    def validate(self) -> None:
+        _require(_finite(self.loss), "loss", "must be finite")
+        _check_bundle(self)

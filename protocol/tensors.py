@@ -161,3 +161,28 @@ class TensorAssembler:
             raise RemoteProtocolError(f"parts carry {self._received} of {first.total_size} declared bytes", "total_size")
         payload, self._buf = self._buf, None
         return EncodedTensor(dtype=first.dtype, shape=first.shape, codec=first.codec, payload=payload, params=first.params)
+
+
+def pack_tensors(named: dict[str, EncodedTensor]) -> dict:
+    """The bundle fields (`tensors`, `shapes`, `data`) of a StageCall / StageResult carrying these
+    encoded tensors: one header each, the payloads one after another."""
+    heads, shapes, payloads = [], [], []
+    for name, enc in named.items():
+        heads.append({"name": name, "dtype": enc.dtype, "codec": enc.codec, "nbytes": enc.nbytes, **{f"p.{k}": v for k, v in enc.params.items()}})
+        shapes.append(tuple(enc.shape))
+        payloads.append(memoryview(enc.payload).cast("B"))
+    return {"tensors": tuple(heads), "shapes": tuple(shapes), "data": b"".join(payloads)}
+
+
+def unpack_tensors(msg, max_numel: int = DEFAULT_MAX_NUMEL) -> dict[str, EncodedTensor]:
+    """The encoded tensors of a bundle a peer sent (headers checked against `max_numel`; decode each
+    with `codecs.decode_tensor`, which checks its payload). Views of the message's data, not copies."""
+    out, offset, view = {}, 0, memoryview(msg.data).cast("B")
+    for head, shape in zip(msg.tensors, msg.shapes):
+        n = head["nbytes"]
+        params = {k[2:]: v for k, v in head.items() if k.startswith("p.")}
+        enc = EncodedTensor(dtype=head["dtype"], shape=tuple(shape), codec=head["codec"], payload=view[offset : offset + n], params=params)
+        enc.check_header(max_numel)
+        out[head["name"]] = enc
+        offset += n
+    return out

@@ -36,6 +36,11 @@ SAMPLES = [
     m.AvgDecisionQuery(group_id="g", phase="scatter"),
     m.StateRequest(name="ckpt/000010/model.safetensors", offset=5, length=100),
     m.StateChunk(name="x", offset=0, total_size=3, sha256="0" * 64, data=b"abc", request_id=2**40),
+    m.StageCall(
+        stage=1, op="backward", micro_batch="t-3", shapes=((1, 2), (1, 2)), data=bytes(24),
+        tensors=({"name": "x", "dtype": "float32", "codec": "none", "nbytes": 8}, {"name": "grad", "dtype": "float32", "codec": "int8", "nbytes": 16, "p.block_size": 64}),
+    ),  # fmt: skip
+    m.StageResult(loss=2.5),
 ]
 
 

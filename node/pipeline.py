@@ -1,0 +1,697 @@
+"""Pipeline roles (SWARM-style): stage servers hold one slice of the model, trainers push data through.
+
+    StageServer   the "stage" role: one stage's layers and optimizer; serves StageCall
+    Trainer       the "trainer" role: holds the data; sends micro-batches through one peer per stage
+    StagePeers    a trainer's view of the peers serving each stage: who to call next, how long to wait
+
+A micro-batch goes stage by stage through the trainer, which keeps each stage's input:
+forward on stages 0..S-2, `train` on the last (forward, loss and backward in one call), then
+backward on S-2..0. Backward recomputes the stage's forward from the input the trainer sends
+again, so it may run on any peer of the stage, not only the one that ran forward: servers keep
+no state per micro-batch, a peer that dies or stalls loses nothing but the call in progress, and
+the trainer retries that call on another peer of the stage. The price is one more forward per
+stage and the stage's input sent twice (measured in bench/pipeline.py).
+
+A stage server takes the calls queued at the moment it is free as one batch (calls of the same
+kind and shape, up to `MAX_BATCH_SAMPLES`), so several trainers share one forward; it adds no
+waiting of its own. Gradients of every backward accumulate; after `stage_step_samples` samples
+the server takes an AdamW step (the run's learning rate schedule, gradients clipped per stage).
+
+The peers of a stage stay in step DiLoCo-style: every `stage_sync_every_s` seconds of wall-clock
+time (the same boundaries everywhere, so they arrive together and nobody waits) each averages
+its pseudo-gradient (outer state minus its parameters) with the others of its stage, in the
+averager namespace "stage-<i>", compressed with the run's codec, and applies the run's outer
+step: afterwards they hold bitwise-identical parameters. Their AdamW state stays their own. A
+round's key carries the outer state's hash: peers whose outer states differ never mix.
+
+Everything a peer sends is checked before any compute: tensors' headers and payloads (codecs),
+shapes, dtypes, NaN/Inf, token ranges, the batch size. Bad input is refused with `bad_request`
+naming the problem and scores the sender down; the server keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from protocol import RemoteProtocolError, StageCall, StageResult, decode_tensor, make_codec, pack_tensors, unpack_tensors
+from protocol.tensors import EncodedTensor
+
+from .averaging import Averager, AveragingFailed, NamespaceTaken
+from .config import averager_config
+from .data import Batches, DataError, load_corpus
+from .diloco import OuterOptimizer, copy_into, lr_at, state_hash
+from .membership import read_members
+from .roles import Role, RoleError
+from .runconfig import RunConfig, RunConfigError
+from .stages import Stage, StageInputError, init_stage
+from .transport import NETWORK_ERRORS, HandlerTaken, RemoteError, RPCError
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH_SAMPLES = 256  # sequences one call, or one batch of queued calls, may carry
+MAX_ABS = 1e6  # |activation| or |gradient| beyond this is refused as garbage
+PEERS_REFRESH_S = 2.0  # how often a trainer reads the stages' member records from the DHT
+REPORT_EVERY = 8  # micro-batches per entry of a trainer's loss history
+
+
+def activation_codec(run: RunConfig, n_embd: int):
+    """The codec activations and their gradients travel with. int8 gets one scale per token's
+    vector (a block of n_embd values): the residual stream's magnitude varies by token."""
+    if run.activation_codec == "int8":
+        return make_codec("int8", block_size=max(16, n_embd))
+    return make_codec(run.activation_codec)
+
+
+_TOKENS = make_codec("none")
+
+
+def encode_floats(codec, t: torch.Tensor) -> EncodedTensor:
+    return codec.encode(t.detach().to(torch.float32))
+
+
+def decode_checked(enc: EncodedTensor, max_numel: int, what: str) -> torch.Tensor:
+    """A tensor a peer sent, decoded; RemoteProtocolError naming `what` if it is malformed or
+    holds NaN, Inf or absurd values."""
+    try:
+        t = decode_tensor(enc, max_numel=max_numel, max_abs=MAX_ABS)
+    except RemoteProtocolError as e:
+        raise RemoteProtocolError(f"{what}: {e}") from None
+    return t
+
+
+# ---- the stage server ------------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    op: str
+    x: torch.Tensor
+    extra: torch.Tensor | None  # grad (backward) or targets (train)
+    done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class StageServer(Role):
+    """The stage role: holds stage `index` of the run's cut and serves StageCall for it. Nothing
+    to hand over yet on a planned stop (its replicas do not average yet)."""
+
+    name = "stage"
+
+    def __init__(self, host, transport, membership, node_config, run: RunConfig, index: int | None):
+        try:
+            self.plan = run.stage_plan()
+        except RunConfigError as e:
+            raise RoleError(str(e)) from None
+        if index is None or not 0 <= index < len(self.plan):
+            raise RoleError(f"stage {index} is not a stage of this run's cut (0..{len(self.plan) - 1})")
+        self.host, self.transport, self.membership, self.node_config, self.run_config = host, transport, membership, node_config, run
+        self.index = index
+        self.model_config = run.model_config()
+        self.train_config = run.train_config()
+        self.codec = activation_codec(run, self.model_config.n_embd)
+        self.max_numel = MAX_BATCH_SAMPLES * self.model_config.context * self.model_config.n_embd
+        self.stats_path = Path(node_config.data_dir) / "stage-stats.json"
+        self.stage: Stage | None = None
+        self.opt: torch.optim.AdamW | None = None
+        self.steps = 0  # optimizer steps taken
+        self.samples = 0  # samples whose gradients were accumulated (all steps)
+        self._acc_samples = 0
+        self._acc_calls = 0  # micro-batches in the current accumulation (gradients are averaged over them)
+        self.hash = ""
+        self.calls = {"forward": 0, "backward": 0, "train": 0, "refused": 0, "batched": 0}
+        self.history: list[dict[str, Any]] = []
+        self._queue: deque[_Pending] = deque()
+        self._wake = asyncio.Event()
+        self._registration = None
+        self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, samples) of recent backward work
+        self.outer: OuterOptimizer | None = None
+        self.syncs = 0  # rounds that committed
+        self._busy = asyncio.Lock()  # held while the parameters are used: a batch's compute, a sync
+        self._stage_peers: list[str] = []  # the other peers of this stage, from the DHT
+        codec_params = {"block_size": run.block_size} if run.codec == "int8" else {}
+        self.averager = Averager(
+            host,
+            transport,
+            averager_config(
+                node_config, swarm_id=node_config.swarm_id, namespace=f"stage-{index}", codec=run.codec, codec_params=codec_params,
+                join_timeout_s=min(run.join_timeout_s, run.stage_sync_every_s / 2), bandwidth=node_config.bandwidth_mbps * 1e6 / 8,
+            ),
+        )  # fmt: skip
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="stage", initializer=torch.set_num_threads, initargs=(node_config.torch_threads(),))
+
+    async def _compute(self, fn, *args):
+        """On the stage's one compute thread (see Replica._compute for why a thread of our own)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ---- lifecycle
+
+    async def start(self) -> None:
+        self.stage, self.opt = await self._compute(self._build)
+        self.outer = OuterOptimizer(self.stage.parameters(), self.run_config.outer_lr, self.run_config.outer_momentum)
+        self.hash = state_hash(self.stage.state_dict())
+        try:
+            await self.averager.start()
+            self._registration = self.transport.serve({StageCall: self._on_call}, owner=f"stage {self.index}")
+        except (NamespaceTaken, HandlerTaken) as e:
+            raise RoleError(str(e)) from None
+        first, last = self.plan[self.index]
+        log.info(
+            "stage %d of %d: blocks %d..%d%s%s, %d params, activations %s, hash %s",
+            self.index, len(self.plan), first, last - 1, " + embeddings" if self.stage.first else "", " + head" if self.stage.last else "",
+            self.stage.num_params(), self.codec.name, self.hash,
+        )  # fmt: skip
+        self._report()
+        self.membership.publish_soon()  # trainers find stage servers through the DHT
+
+    def _build(self) -> tuple[Stage, torch.optim.AdamW]:
+        stage = init_stage(self.model_config, self.index, self.plan, self.run_config.seed)
+        cfg = self.train_config
+        params = list(stage.parameters())
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        opt = torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
+        return stage, opt
+
+    async def run(self) -> None:
+        syncing = asyncio.create_task(self._sync_forever(), name=f"stage-{self.index}-sync")
+        try:
+            await self._serve_forever()
+        finally:
+            syncing.cancel()
+            await asyncio.gather(syncing, return_exceptions=True)
+
+    async def _serve_forever(self) -> None:
+        while True:
+            while not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+            await self._busy.acquire()
+            batch = self._take_batch()
+            try:
+                results = await self._compute(self._run_batch, batch)
+            except Exception as e:  # our bug, or the tensors together broke something: every caller hears it
+                log.exception("stage %d: a %s batch failed", self.index, batch[0].op)
+                for p in batch:
+                    if not p.done.done():
+                        p.done.set_exception(RPCError("internal", f"stage {self.index} failed on this batch: {type(e).__name__}"))
+                continue
+            finally:
+                self._busy.release()
+            for p, r in zip(batch, results):
+                if not p.done.done():
+                    p.done.set_result(r)
+            if self._acc_samples >= self.run_config.stage_step_samples:
+                async with self._busy:
+                    await self._compute(self._step)
+                self._report()
+
+    # ---- keeping the stage's peers in step
+
+    async def _sync_forever(self) -> None:
+        period = self.run_config.stage_sync_every_s
+        while True:
+            n = math.floor(time.time() / period) + 1
+            await asyncio.sleep(max(0.0, n * period - time.time()))
+            self._stage_peers = await self._read_stage_peers()
+            if self._stage_peers:
+                await self._sync(n)
+
+    async def _read_stage_peers(self) -> list[str]:
+        try:
+            members = await asyncio.wait_for(read_members(self.host, self.node_config.swarm_id), 3.0)
+        except Exception as e:  # the DHT may be briefly unreachable: no sync this time
+            log.debug("stage %d: could not read member records: %s", self.index, e)
+            return []
+        fresh = time.time() - self.node_config.record_ttl_s
+        return sorted(p for p, rec in members.items() if p != self.host.peer_id and stage_of_role(rec.role) == self.index and rec.issued_at > fresh)
+
+    async def _sync(self, n: int) -> None:
+        """One round with the stage's other peers; the parameters are not used meanwhile (calls
+        queue and are served right after)."""
+        async with self._busy:
+            outer_hash = state_hash(self.outer.params)
+            pseudo = await self._compute(self.outer.pseudo_gradient, list(self.stage.parameters()))
+            key = f"sync-{n}-{outer_hash[:8]}"
+            try:
+                avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=self._stage_peers, state_key="outer")
+            except AveragingFailed as e:
+                log.warning("stage %d: sync %d failed (%s); training on, the next one covers it", self.index, n, e.report.reason)
+                return
+            await self._compute(self._apply_outer, avg)
+        self.syncs += 1
+        log.info("stage %d: sync %d with %d peers in %.2f s, hash %s", self.index, n, len(report.members), report.seconds, self.hash)
+        self._report(sync=n, group=len(report.members))
+
+    def _apply_outer(self, avg: list[torch.Tensor]) -> None:
+        copy_into(self.stage.parameters(), self.outer.apply(avg))
+        self.hash = state_hash(self.stage.state_dict())
+
+    async def stop(self, planned: bool = True) -> None:
+        await self.averager.close()
+        if self._registration is not None:
+            self._registration.close()
+            self._registration = None
+        while self._queue:
+            p = self._queue.popleft()
+            if not p.done.done():
+                p.done.set_exception(RPCError("overloaded", f"stage {self.index} is leaving this peer"))
+        self._pool.shutdown(wait=False)
+
+    # ---- serving
+
+    def _take_batch(self) -> list[_Pending]:
+        """The first queued call and those queued behind it that can share its compute."""
+        first = self._queue.popleft()
+        batch, n = [first], first.x.size(0)
+        rest: deque[_Pending] = deque()
+        while self._queue:
+            p = self._queue.popleft()
+            if p.op == first.op and p.x.shape[1:] == first.x.shape[1:] and n + p.x.size(0) <= MAX_BATCH_SAMPLES:
+                batch.append(p)
+                n += p.x.size(0)
+            else:
+                rest.append(p)
+        self._queue = rest
+        if len(batch) > 1:
+            self.calls["batched"] += len(batch)
+        return batch
+
+    async def _on_call(self, ctx) -> StageResult:
+        req: StageCall = ctx.request
+        if req.stage != self.index:
+            raise RPCError("not_found", f"this peer serves stage {self.index}, not {req.stage}")
+        try:
+            x, extra = self._inputs(req)
+        except (RemoteProtocolError, StageInputError) as e:
+            self.calls["refused"] += 1
+            raise RemoteProtocolError(f"stage {self.index} {req.op}: {e}") from None  # bad_request; the sender is scored down
+        p = _Pending(req.op, x, extra)
+        self._queue.append(p)
+        self._wake.set()
+        loss, out = await p.done
+        self.calls[req.op] += 1
+        tensors = {} if out is None else {"y" if req.op == "forward" else "grad": encode_floats(self.codec, out)}
+        return StageResult(loss=loss, **pack_tensors(tensors))
+
+    def _inputs(self, req: StageCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode and check what a call carries, before any compute; raises RemoteProtocolError
+        or StageInputError naming the problem."""
+        encoded = unpack_tensors(req, self.max_numel)
+        want = {"forward": {"x"}, "backward": {"x", "grad"}, "train": {"x", "targets"}}[req.op]
+        if req.op == "train" and not self.stage.last:
+            raise StageInputError(f"train goes to the last stage ({len(self.plan) - 1}), not to stage {self.index}")
+        if req.op == "forward" and self.stage.last:
+            raise StageInputError("the last stage takes train calls (forward, loss and backward at once), not forward")
+        if set(encoded) != want:
+            raise StageInputError(f"{req.op} carries tensors {sorted(want)}, got {sorted(encoded)}")
+        if self.stage.first and encoded["x"].codec != "none":
+            raise StageInputError(f"token ids travel uncompressed, got codec {encoded['x'].codec}")
+        x = decode_checked(encoded["x"], self.max_numel, "x")
+        self.stage.check_input(x)
+        if x.size(0) > MAX_BATCH_SAMPLES:
+            raise StageInputError(f"{x.size(0)} sequences in one call, at most {MAX_BATCH_SAMPLES}")
+        extra = None
+        if req.op == "backward":
+            extra = decode_checked(encoded["grad"], self.max_numel, "grad")
+            want_shape = (*x.shape[:2], self.model_config.n_embd)
+            if tuple(extra.shape) != want_shape or extra.dtype != torch.float32:
+                raise StageInputError(f"grad must be float32 {want_shape} (the stage's output), got {extra.dtype} {tuple(extra.shape)}")
+        elif req.op == "train":
+            extra = decode_checked(encoded["targets"], self.max_numel, "targets")
+            if extra.dtype != torch.int64 or tuple(extra.shape) != tuple(x.shape[:2]):
+                raise StageInputError(f"targets must be int64 {tuple(x.shape[:2])}, got {extra.dtype} {tuple(extra.shape)}")
+            vocab = self.model_config.vocab_size
+            if int(extra.min()) < 0 or int(extra.max()) >= vocab:
+                raise StageInputError(f"targets must be token ids in [0, {vocab}), got {int(extra.min())}..{int(extra.max())}")
+        return x, extra
+
+    # ---- compute (on the stage's thread)
+
+    def _run_batch(self, batch: list[_Pending]) -> list[tuple[float | None, torch.Tensor | None]]:
+        op, sizes = batch[0].op, [p.x.size(0) for p in batch]
+        x = torch.cat([p.x for p in batch]) if len(batch) > 1 else batch[0].x
+        stage = self.stage
+        if op == "forward":
+            with torch.no_grad():
+                y = stage(x)
+            return [(None, y_i) for y_i in y.split(sizes)]
+        if not stage.first:
+            x = x.detach().requires_grad_(True)
+        if op == "backward":
+            grad = torch.cat([p.extra for p in batch]) if len(batch) > 1 else batch[0].extra
+            stage(x).backward(grad)
+            losses = [None] * len(batch)
+        else:  # train: each micro-batch's loss is its own mean, as if it had come alone
+            targets = torch.cat([p.extra for p in batch]) if len(batch) > 1 else batch[0].extra
+            logits, _ = stage(x)
+            per_token = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none").view(targets.shape)
+            means = [m.mean() for m in per_token.split(sizes)]
+            torch.stack(means).sum().backward()
+            losses = [m.item() for m in means]
+            if not all(math.isfinite(v) for v in losses):  # nothing of it is kept
+                self.opt.zero_grad(set_to_none=True)
+                self._acc_samples = self._acc_calls = 0
+                raise FloatingPointError(f"non-finite loss {losses}")
+        self._acc_samples += sum(sizes)
+        self._acc_calls += len(batch)
+        self.samples += sum(sizes)
+        self._rate.append((time.monotonic(), sum(sizes)))
+        grads = x.grad.split(sizes) if x.grad is not None else [None] * len(batch)
+        return list(zip(losses, grads))
+
+    def _step(self) -> None:
+        """An optimizer step on the gradients accumulated since the last, averaged per micro-batch."""
+        params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
+        for p in params:
+            p.grad.div_(max(self._acc_calls, 1))
+        norm = torch.nn.utils.clip_grad_norm_(params, self.train_config.grad_clip) if self.train_config.grad_clip > 0 else None
+        if norm is not None and not torch.isfinite(norm):
+            log.warning("stage %d: non-finite gradient norm; dropping %d samples' gradients", self.index, self._acc_samples)
+        else:
+            for g in self.opt.param_groups:
+                g["lr"] = lr_at(self.steps, self.train_config)
+            self.opt.step()
+            self.steps += 1
+        self.opt.zero_grad(set_to_none=True)
+        self._acc_samples = self._acc_calls = 0
+        self.hash = state_hash(self.stage.state_dict())
+
+    # ---- reporting
+
+    def samples_per_second(self) -> float | None:
+        if len(self._rate) < 2:
+            return None
+        span = self._rate[-1][0] - self._rate[0][0]
+        return sum(n for _, n in list(self._rate)[1:]) / span if span > 0 else None
+
+    def _report(self, **entry: Any) -> None:
+        p = self.membership.progress
+        p.step, p.state_hash = self.steps, self.hash
+        rate = self.samples_per_second()
+        if rate is not None:
+            p.samples_per_second = rate
+        self.history.append({"step": self.steps, "samples": self.samples, "state_hash": self.hash, "time": time.time(), **entry})
+        del self.history[:-200]
+        stats = {
+            "stage": self.index,
+            "num_stages": len(self.plan),
+            "blocks": list(self.plan[self.index]),
+            "params": sorted(n for n, _ in self.stage.named_parameters()),
+            "num_params": self.stage.num_params(),
+            "steps": self.steps,
+            "syncs": self.syncs,
+            "samples": self.samples,
+            "state_hash": self.hash,
+            "calls": self.calls,
+            "samples_per_second": rate,
+            "history": self.history,
+        }
+        tmp = self.stats_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(stats))
+        os.replace(tmp, self.stats_path)
+
+
+# ---- the trainer ------------------------------------------------------------------------------
+
+
+class NoStagePeer(Exception):
+    """No peer serves a stage (yet)."""
+
+
+@dataclass
+class _PeerStats:
+    ema_s: float | None = None  # smoothed seconds per call
+    inflight: int = 0
+    banned_until: float = 0.0
+    backoff_s: float = 0.0
+    failures: int = 0
+
+
+class StagePeers:
+    """Which peer to call for a stage, and how long to wait for it. Pure bookkeeping, clock passed in.
+
+    The pick is by expected completion time: a peer's smoothed call time times the calls it
+    would then have in flight from us; a peer never measured counts as instant, so new peers are
+    tried at once. A failed or timed-out peer is left alone for a backoff (1 s, doubling per
+    failure in a row, at most `max_backoff_s`); a success clears it. The deadline of a call is
+    `timeout_factor` times the peer's smoothed call time, at least `min_timeout_s`."""
+
+    def __init__(self, min_timeout_s: float = 2.0, first_timeout_s: float = 10.0, timeout_factor: float = 8.0, max_backoff_s: float = 30.0):
+        self.min_timeout_s, self.first_timeout_s, self.timeout_factor, self.max_backoff_s = min_timeout_s, first_timeout_s, timeout_factor, max_backoff_s
+        self.stages: dict[int, list[str]] = {}
+        self.peers: dict[str, _PeerStats] = {}
+
+    def update(self, stages: dict[int, list[str]]) -> None:
+        self.stages = {s: sorted(ps) for s, ps in stages.items()}
+        for ps in self.stages.values():
+            for p in ps:
+                self.peers.setdefault(p, _PeerStats())
+
+    def choose(self, stage: int, now: float, avoid: set[str] = frozenset()) -> str:
+        """The peer to call; NoStagePeer if none serves the stage or all are banned."""
+        candidates = [p for p in self.stages.get(stage, ()) if self.peers[p].banned_until <= now]
+        if not candidates:
+            raise NoStagePeer(f"no peer serves stage {stage}" if not self.stages.get(stage) else f"every peer of stage {stage} failed lately")
+        fresh = [p for p in candidates if p not in avoid] or candidates
+
+        def expected(p: str) -> tuple[float, float]:
+            st = self.peers[p]
+            return ((st.ema_s or 0.0) * (st.inflight + 1), random.random())
+
+        return min(fresh, key=expected)
+
+    def timeout(self, peer: str) -> float:
+        st = self.peers[peer]
+        if st.ema_s is None:
+            return self.first_timeout_s
+        return max(self.min_timeout_s, self.timeout_factor * st.ema_s)
+
+    def succeeded(self, peer: str, seconds: float) -> None:
+        st = self.peers[peer]
+        st.ema_s = seconds if st.ema_s is None else 0.8 * st.ema_s + 0.2 * seconds
+        st.backoff_s, st.failures = 0.0, 0
+
+    def failed(self, peer: str, now: float) -> float:
+        """Ban the peer for its backoff; returns the ban's length. Calls that were in flight
+        together and fail together (a peer that froze) count as one failure."""
+        st = self.peers[peer]
+        if st.banned_until > now:
+            return st.banned_until - now
+        st.failures += 1
+        st.backoff_s = min(self.max_backoff_s, max(1.0, st.backoff_s * 2))
+        st.banned_until = now + st.backoff_s
+        return st.backoff_s
+
+
+def stage_of_role(label: str) -> int | None:
+    """The stage of a member record's role label ("stage:2" -> 2), None for other roles."""
+    role, _, slot = label.partition(":")
+    return int(slot) if role == "stage" and slot.isdigit() else None
+
+
+class Trainer(Role):
+    """The trainer role: feeds micro-batches of `batch_size` sequences through the stages,
+    `micro_batches_in_flight` at a time, and reports the training loss. A micro-batch is retried
+    call by call on other peers until it completes: none is dropped for a peer's failure."""
+
+    name = "trainer"
+
+    def __init__(self, host, transport, membership, node_config, run: RunConfig):
+        try:
+            self.plan = run.stage_plan()
+        except RunConfigError as e:
+            raise RoleError(str(e)) from None
+        self.host, self.transport, self.membership, self.node_config, self.run_config = host, transport, membership, node_config, run
+        self.model_config = run.model_config()
+        self.codec = activation_codec(run, self.model_config.n_embd)
+        self.max_numel = MAX_BATCH_SAMPLES * self.model_config.context * max(self.model_config.n_embd, 1)
+        self.peers = StagePeers()
+        self.stats_path = Path(node_config.data_dir) / "trainer-stats.json"
+        self.micro_batches = 0
+        self.lost = 0  # micro-batches given up (only for input a peer refuses as ours to fix)
+        self.retries = 0
+        self.bytes_sent = self.bytes_received = 0
+        self.history: list[dict[str, Any]] = []
+        self._losses: list[float] = []
+        self._stages_known = asyncio.Event()
+        self._t0 = time.monotonic()
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self, planned: bool = True) -> None:
+        pass
+
+    async def run(self) -> None:
+        try:
+            corpus = await asyncio.to_thread(load_corpus, self.node_config.data or None)
+        except DataError as e:
+            log.error("cannot train: %s", e)
+            raise
+        from .replica import shard_of
+
+        nshards = self.node_config.num_shards
+        shard = self.node_config.shard_index if self.node_config.shard_index >= 0 else shard_of(self.host.peer_id, nshards)
+        batches = Batches(corpus.train, shard, nshards, self.run_config.batch_size, self.model_config.context, self.run_config.seed + shard)
+        refresh = asyncio.create_task(self._refresh_peers(), name="stage-peers")
+        tasks: set[asyncio.Task] = set()
+        try:
+            await self._stages_known.wait()
+            log.info("trainer: %d stages, micro-batches of %d, %d in flight, activations %s, data shard %d/%d",
+                     len(self.plan), self.run_config.batch_size, self.run_config.micro_batches_in_flight, self.codec.name, shard, nshards)  # fmt: skip
+            self._t0 = time.monotonic()
+            n = 0
+            while True:
+                while len(tasks) < self.run_config.micro_batches_in_flight:
+                    x, y = batches.next()
+                    tasks.add(asyncio.create_task(self._micro_batch(f"{self.host.peer_id[-6:]}-{n}", x, y)))
+                    n += 1
+                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    loss = t.result()
+                    if loss is None:
+                        self.lost += 1
+                    else:
+                        self._record(loss)
+        finally:
+            for t in (refresh, *tasks):
+                t.cancel()
+            await asyncio.gather(refresh, *tasks, return_exceptions=True)
+
+    async def _refresh_peers(self) -> None:
+        """Who serves which stage, from the DHT's member records, in the background: a step never
+        waits on the DHT."""
+        while True:
+            try:
+                members = await read_members(self.host, self.node_config.swarm_id)
+            except Exception as e:  # the DHT may be briefly unreachable
+                log.debug("could not read member records: %s", e)
+                members = {}
+            stages: dict[int, list[str]] = {}
+            for peer, rec in members.items():
+                s = stage_of_role(rec.role)
+                if s is not None and s < len(self.plan) and time.time() - rec.issued_at < self.node_config.record_ttl_s:
+                    stages.setdefault(s, []).append(peer)
+            if members:
+                self.peers.update(stages)
+            if all(stages.get(s) for s in range(len(self.plan))):
+                self._stages_known.set()
+            await asyncio.sleep(PEERS_REFRESH_S if self._stages_known.is_set() else 0.5)
+
+    async def _micro_batch(self, name: str, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """One micro-batch through every stage and back; its loss, or None if it was given up."""
+        last = len(self.plan) - 1
+        try:
+            inputs = [x]
+            for s in range(last):
+                (out,), _ = await self._call(s, "forward", name, {"x": inputs[-1]}, ("y",))
+                inputs.append(out)
+            outs, loss = await self._call(last, "train", name, {"x": inputs[-1], "targets": y}, ("grad",) if last else ())
+            grad = outs[0] if last else None
+            for s in range(last - 1, -1, -1):
+                want = ("grad",) if s > 0 else ()
+                outs, _ = await self._call(s, "backward", name, {"x": inputs[s], "grad": grad}, want)
+                grad = outs[0] if want else None
+            return loss
+        except _GiveUp as e:
+            log.error("micro-batch %s given up: %s", name, e)
+            return None
+
+    async def _call(self, stage: int, op: str, name: str, tensors: dict[str, torch.Tensor], want: tuple[str, ...]):
+        """One stage call, retried on other peers of the stage until one answers well."""
+        encoded = {k: (_TOKENS.encode(t) if not t.is_floating_point() else encode_floats(self.codec, t)) for k, t in tensors.items()}
+        request = StageCall(stage=stage, op=op, micro_batch=name, **pack_tensors(encoded))
+        refused: list[str] = []
+        tried: set[str] = set()
+        while True:
+            try:
+                peer = self.peers.choose(stage, time.monotonic(), tried)
+            except NoStagePeer:
+                await asyncio.sleep(0.2)  # a peer comes back from its ban, or the DHT names a new one
+                continue
+            st = self.peers.peers[peer]
+            timeout = self.peers.timeout(peer)
+            st.inflight += 1
+            t0 = time.monotonic()
+            try:
+                reply = await self.transport.send(peer, request, timeout=timeout, reuse=True)
+                outs = self._outputs(reply, want, tensors["x"].shape[:2], op)
+            except (*NETWORK_ERRORS, RemoteProtocolError) as e:
+                tried.add(peer)
+                ban = self.peers.failed(peer, time.monotonic())
+                self.retries += 1
+                log.info("stage %d %s of %s on %s failed (%s); retrying elsewhere, %s left alone for %.0f s", stage, op, name, peer[-8:], _short(e), peer[-8:], ban)
+                if isinstance(e, RemoteError) and e.code == "bad_request":
+                    refused.append(e.message)
+                    if len(refused) >= 3:  # three peers refuse what we send: it is ours to fix
+                        raise _GiveUp(f"stage {stage} {op} refused by 3 peers: {refused[-1]}") from None
+                continue
+            finally:
+                st.inflight -= 1
+            self.peers.succeeded(peer, time.monotonic() - t0)
+            self.bytes_sent += len(request.data)
+            self.bytes_received += len(reply.data)
+            return outs, reply.loss
+
+    def _outputs(self, reply, want: tuple[str, ...], bt: torch.Size, op: str) -> list[torch.Tensor]:
+        """The tensors of a stage's reply, checked: a peer that sends garbage is treated as failed."""
+        if not isinstance(reply, StageResult):
+            raise RemoteProtocolError(f"answered a StageCall with {type(reply).__name__}")
+        encoded = unpack_tensors(reply, self.max_numel)
+        if set(encoded) != set(want):
+            raise RemoteProtocolError(f"{op} reply carries {sorted(encoded)}, expected {sorted(want)}")
+        outs = [decode_checked(encoded[k], self.max_numel, k) for k in want]
+        shape = (*bt, self.model_config.n_embd)
+        for k, t in zip(want, outs):
+            if tuple(t.shape) != shape or t.dtype != torch.float32:
+                raise RemoteProtocolError(f"{op} reply's {k} is {t.dtype} {tuple(t.shape)}, expected float32 {shape}")
+        if op == "train" and (reply.loss is None or not math.isfinite(reply.loss)):
+            raise RemoteProtocolError("train reply without a finite loss")
+        return outs
+
+    def _record(self, loss: float) -> None:
+        self.micro_batches += 1
+        self._losses.append(loss)
+        if len(self._losses) < REPORT_EVERY:
+            return
+        mean = sum(self._losses) / len(self._losses)
+        self._losses.clear()
+        elapsed = time.monotonic() - self._t0
+        rate = self.micro_batches * self.run_config.batch_size / elapsed if elapsed > 0 else None
+        self.history.append({"micro_batches": self.micro_batches, "loss": mean, "time": time.time()})
+        del self.history[:-500]
+        log.info("trainer | %d micro-batches | loss %.4f | %.1f samples/s | %d retries, %d lost", self.micro_batches, mean, rate or 0, self.retries, self.lost)
+        p = self.membership.progress
+        p.step, p.loss, p.samples_per_second = self.micro_batches, mean, rate
+        stats = {
+            "micro_batches": self.micro_batches, "samples": self.micro_batches * self.run_config.batch_size, "lost": self.lost,
+            "retries": self.retries, "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "loss": mean,
+            "samples_per_second": rate, "history": self.history,
+        }  # fmt: skip
+        tmp = self.stats_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(stats))
+        os.replace(tmp, self.stats_path)
+
+
+class _GiveUp(Exception):
+    pass
+
+
+def _short(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text if len(text) < 160 else text[:157] + "..."

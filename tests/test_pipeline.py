@@ -1,0 +1,235 @@
+"""Stage servers on real libp2p transports: calls chained through them compute the model's loss and
+gradients; malformed calls are refused with the problem named and the server keeps serving.
+And the trainer's bookkeeping of stage peers (pure)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+import time
+
+import pytest
+import torch
+
+from node.config import NodeConfig
+from node.membership import Progress
+from node.model import init_model
+from node.pipeline import MAX_BATCH_SAMPLES, NoStagePeer, StagePeers, StageServer, stage_of_role
+from node.roles import RoleError
+from node.runconfig import RunConfig
+from node.transport import RemoteError, Transport, TransportConfig
+from protocol import StageCall, StageResult, decode_tensor, make_codec, pack_tensors, unpack_tensors
+from tests.swarm import start_hosts
+
+pytestmark = pytest.mark.timeout(120)
+
+RUN = RunConfig(model="tiny", num_stages=2, stage_step_samples=10_000, seed=3)
+NONE = make_codec("none")
+
+
+class _Membership:
+    """What a role reports through: the daemon's Progress, and a request to publish its record."""
+
+    def __init__(self):
+        self.progress = Progress()
+        self.published = 0
+
+    def publish_soon(self):
+        self.published += 1
+
+
+@contextlib.asynccontextmanager
+async def stage_servers(tmp_path, run: RunConfig, config: TransportConfig = TransportConfig(), clients: int = 1):
+    """One started StageServer per stage, each on its own real host, and client transports."""
+    hosts = await start_hosts(run.num_stages + clients)
+    transports = [Transport(h, config) for h in hosts]
+    servers, tasks = [], []
+    try:
+        for t in transports:
+            await t.start()
+        for i in range(run.num_stages):
+            s = StageServer(hosts[i], transports[i], _Membership(), NodeConfig(data_dir=str(tmp_path / f"s{i}"), threads=1), run, i)
+            (tmp_path / f"s{i}").mkdir()
+            await s.start()
+            servers.append(s)
+            tasks.append(asyncio.create_task(s.run()))
+        yield servers, (transports[-1] if clients == 1 else transports[run.num_stages :])
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in servers:
+            await s.stop()
+        for t in transports:
+            await t.close()
+        for h in hosts:
+            await h.shutdown()
+
+
+async def call(client, server, op, stage=None, **tensors) -> StageResult:
+    enc = {k: NONE.encode(v) for k, v in tensors.items()}
+    req = StageCall(stage=server.index if stage is None else stage, op=op, micro_batch="m", **pack_tensors(enc))
+    return await client.send(server.transport.peer_id, req, timeout=20, reuse=True)
+
+
+def out(reply: StageResult, name: str) -> torch.Tensor:
+    return decode_tensor(unpack_tensors(reply)[name])
+
+
+def test_calls_chained_through_stage_servers_give_the_models_loss_and_gradients(tmp_path):
+    cfg = RUN.model_config()
+    model = init_model(cfg, RUN.seed)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (3, 16), generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (3, 16), generator=gen)
+    _, loss = model(x, y)
+    loss.backward()
+
+    async def main():
+        async with stage_servers(tmp_path, RUN) as ((s0, s1), client):
+            h = await call(client, s0, "forward", x=x)
+            r = await call(client, s1, "train", x=out(h, "y"), targets=y)
+            g = out(r, "grad")
+            r0 = await call(client, s0, "backward", x=x, grad=g)
+            assert unpack_tensors(r0) == {}  # nothing flows back from the first stage
+            return r.loss, {n: p.grad.clone() for s in (s0, s1) for n, p in s.stage.named_parameters()}, s0, s1
+
+    got_loss, grads, s0, s1 = asyncio.run(main())
+    assert math.isclose(got_loss, loss.item(), rel_tol=1e-6)
+    want = dict(model.named_parameters())
+    assert set(grads) == set(want)  # the two stages together hold every parameter, once
+    for n, g in grads.items():
+        torch.testing.assert_close(g, want[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert s0.samples == s1.samples == 3 and s0.steps == 0  # accumulated, no step yet (10 000 samples per step)
+
+
+def test_a_stage_server_steps_after_its_samples_and_reports_a_new_hash(tmp_path):
+    run = RunConfig(model="tiny", num_stages=2, stage_step_samples=4, seed=3)
+    x = torch.randint(0, 256, (2, 16))
+
+    async def main():
+        async with stage_servers(tmp_path, run) as ((s0, s1), client):
+            h0 = s1.hash
+            y = out(await call(client, s0, "forward", x=x), "y")
+            await call(client, s1, "train", x=y, targets=x)
+            assert s1.steps == 0 and s1.hash == h0  # 2 of 4 samples
+            await call(client, s1, "train", x=y, targets=x)
+            for _ in range(50):  # the step runs right after the call's reply
+                if s1.steps:
+                    break
+                await asyncio.sleep(0.05)
+            assert s1.steps == 1 and s1.hash != h0 and s1.membership.progress.state_hash == s1.hash
+            assert s1.membership.published == 1  # announced itself once, on start
+
+    asyncio.run(main())
+
+
+BAD = [
+    # (stage, op, tensors, what the refusal names)
+    (1, "train", {"x": torch.full((2, 8, 64), float("nan")), "targets": torch.zeros(2, 8, dtype=torch.int64)}, "NaN or Inf"),
+    (1, "train", {"x": torch.zeros(2, 8, 32), "targets": torch.zeros(2, 8, dtype=torch.int64)}, "activations must be (batch, time, 64)"),
+    (1, "train", {"x": torch.zeros(2, 8, 64, dtype=torch.float64), "targets": torch.zeros(2, 8, dtype=torch.int64)}, "must be float32"),
+    (1, "train", {"x": torch.zeros(2, 8, 64), "targets": torch.full((2, 8), 999, dtype=torch.int64)}, "targets must be token ids in [0, 256)"),
+    (1, "train", {"x": torch.zeros(2, 8, 64)}, "carries tensors ['targets', 'x']"),
+    (1, "forward", {"x": torch.zeros(2, 8, 64)}, "the last stage takes train calls"),
+    (0, "train", {"x": torch.zeros(2, 8, dtype=torch.int64), "targets": torch.zeros(2, 8, dtype=torch.int64)}, "train goes to the last stage"),
+    (0, "forward", {"x": torch.full((2, 8), 300, dtype=torch.int64)}, "token ids must be in [0, 256)"),
+    (0, "forward", {"x": torch.zeros(2, 200, dtype=torch.int64)}, "exceeds the model's context 64"),
+    (0, "forward", {"x": torch.zeros(MAX_BATCH_SAMPLES + 1, 8, dtype=torch.int64)}, f"at most {MAX_BATCH_SAMPLES}"),
+    (0, "backward", {"x": torch.zeros(2, 8, dtype=torch.int64), "grad": torch.zeros(2, 8, 65)}, "grad must be float32 (2, 8, 64)"),
+]
+
+
+def test_malformed_calls_are_refused_with_the_problem_named_and_the_server_keeps_serving(tmp_path):
+    # each refused call scores its sender down by 2 at that server; at stage 0's, the last one bans it
+    config = TransportConfig(ban_score=-2.0 * (sum(1 for stage, *_ in BAD if stage == 0) + 1))
+
+    async def main():
+        async with stage_servers(tmp_path, RUN, config, clients=2) as ((s0, s1), (client, other)):
+            servers = (s0, s1)
+            for stage, op, tensors, named in BAD:
+                with pytest.raises(RemoteError) as e:
+                    await call(client, servers[stage], op, **tensors)
+                assert e.value.code == "bad_request" and named in e.value.message, (op, e.value.message)
+            # a stage number this peer does not serve
+            with pytest.raises(RemoteError, match=r"not_found: this peer serves stage 0, not 1"):
+                await call(client, s0, "forward", stage=1, x=torch.zeros(2, 8, dtype=torch.int64))
+            # a header that lies about its payload's size never reaches the server's handler
+            good = pack_tensors({"x": NONE.encode(torch.zeros(2, 8, dtype=torch.int64))})
+            with pytest.raises(RemoteError, match=r"bad_request: .*data: carries 128 bytes, the headers declare 64"):
+                head = dict(good["tensors"][0], nbytes=64)
+                await client.call(s0.transport.peer_id, unchecked(StageCall, stage=0, op="forward", tensors=(head,), shapes=((2, 8),), data=good["data"]), 10)
+            assert s0.calls["refused"] + s1.calls["refused"] == len(BAD)
+            # the sender is banned
+            with pytest.raises(RemoteError, match="unauthorized: banned for 60 more seconds"):
+                await call(client, s0, "forward", x=torch.zeros(2, 8, dtype=torch.int64))
+            assert s1.transport.scores.banned(client.peer_id, time.monotonic()) > 0  # its 6 refusals there, too
+            # and the servers still serve everyone else
+            x = torch.randint(0, 256, (2, 8))
+            r = await call(other, s1, "train", x=out(await call(other, s0, "forward", x=x), "y"), targets=x)
+            assert math.isfinite(r.loss) and out(r, "grad").shape == (2, 8, 64)
+
+    asyncio.run(main())
+
+
+def unchecked(cls, **values):
+    """A message built without its checks: what a buggy or hostile peer may send."""
+    msg = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        object.__setattr__(msg, f.name, values.get(f.name, f.default))
+    return msg
+
+
+def test_a_node_cannot_take_a_stage_outside_the_cut_or_a_cut_that_does_not_fit(tmp_path):
+    cfg = NodeConfig(data_dir=str(tmp_path))
+    with pytest.raises(RoleError, match=r"stage 2 is not a stage of this run's cut \(0..1\)"):
+        StageServer(None, None, _Membership(), cfg, RUN, 2)
+    with pytest.raises(RoleError, match=r"num_stages \(3\) exceeds the model's 2 blocks"):
+        StageServer(None, None, _Membership(), cfg, RunConfig(model="tiny", num_stages=3), 0)
+    with pytest.raises(RoleError, match=r"stage block counts \[1, 2\] add up to 3, the model has 2 blocks"):
+        StageServer(None, None, _Membership(), cfg, RunConfig(model="tiny", num_stages=2, stage_blocks="1,2"), 0)
+
+
+# ---- the trainer's view of stage peers -----------------------------------------------------------
+
+
+def test_stage_peers_pick_by_expected_completion_and_try_new_peers_at_once():
+    peers = StagePeers()
+    peers.update({0: ["a", "b"], 1: ["c"]})
+    peers.succeeded("a", 0.1)
+    assert peers.choose(0, now=0) == "b"  # never measured: tried at once
+    peers.succeeded("b", 0.3)
+    assert peers.choose(0, now=0) == "a"
+    peers.peers["a"].inflight = 3  # 0.1 s x 4 calls > 0.3 s x 1
+    assert peers.choose(0, now=0) == "b"
+    assert peers.choose(0, now=0, avoid={"b"}) == "a"  # a call retried elsewhere
+    assert peers.choose(1, now=0, avoid={"c"}) == "c"  # ... unless there is nowhere else
+    with pytest.raises(NoStagePeer, match="no peer serves stage 2"):
+        peers.choose(2, now=0)
+
+
+def test_stage_peers_ban_failing_peers_with_backoff_and_derive_deadlines_from_measured_times():
+    peers = StagePeers(min_timeout_s=2.0, first_timeout_s=10.0, timeout_factor=8.0, max_backoff_s=30.0)
+    peers.update({0: ["a", "b"]})
+    assert peers.timeout("a") == 10.0  # never measured
+    peers.succeeded("a", 0.5)
+    assert peers.timeout("a") == 4.0
+    peers.succeeded("b", 0.01)
+    assert peers.timeout("b") == 2.0  # the floor
+    assert peers.failed("a", now=100) == 1
+    assert peers.failed("a", now=100.5) == 0.5  # a call that was in flight with the first: the same failure
+    assert [peers.failed("a", now=t) for t in (101, 103, 107, 115, 131, 161)] == [2, 4, 8, 16, 30, 30]
+    assert peers.choose(0, now=170) == "b"
+    with pytest.raises(NoStagePeer, match="every peer of stage 0 failed lately"):
+        peers.failed("b", now=170)
+        peers.choose(0, now=170.5)
+    assert peers.choose(0, now=171.1) == "b"  # its 1-s ban is over: tried again (a's lasts until 191)
+    assert peers.choose(0, now=191.1, avoid={"b"}) == "a"
+    peers.succeeded("a", 0.5)
+    assert peers.failed("a", now=300) == 1  # a success clears the backoff
+
+
+def test_role_labels_name_the_stage():
+    assert [stage_of_role(r) for r in ("stage:0", "stage:12", "replica", "stage:", "stage:x", "expert:e1")] == [0, 12, None, None, None, None]
