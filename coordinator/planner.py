@@ -64,6 +64,8 @@ class PlannerConfig:
     # move a peer only when a slot has more than this many times the throughput of the weakest
     # slot (dimensionless, >= 1); higher = fewer moves, lower = better balance
     rebalance_ratio: float = 2.0
+    # rule 5 (moves by throughput) on or off; rule 4 (filling an empty slot) always applies
+    rebalance: bool = True
     # samples/s assumed per TFLOP/s of capabilities["tflops"] for a member not yet measured
     samples_per_tflop: float = 1.0
     # samples/s assumed for a member with neither a measurement nor a usable "tflops"
@@ -285,7 +287,7 @@ class _SlotPlanner:
             placed_now.add(m.peer_id)
 
         moved = self.fill_empty()
-        if not moved:
+        if not moved and self.config.rebalance:
             self.rebalance(exclude=placed_now)
         empty = tuple(s for s in self.slots if not self.hosts[s])
         return {pid: self.out[pid] for pid in sorted(self.out)}, empty

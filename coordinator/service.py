@@ -125,7 +125,10 @@ class Coordinator:
         self._plan_lock = asyncio.Lock()
         try:
             self.planner = PlannerConfig(
-                mode=config.mode, num_stages=config.run.num_stages, experts=tuple(config.experts), heartbeat_timeout_s=config.heartbeat_timeout_s
+                mode=config.mode, num_stages=config.run.num_stages, experts=tuple(config.experts), heartbeat_timeout_s=config.heartbeat_timeout_s,
+                # a stage peer does not take a stage's state from its peers yet: one moved by
+                # throughput would serve its new stage with the run's initial weights
+                rebalance=config.mode != "pipeline",
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -370,8 +373,18 @@ class Coordinator:
             {"step": i.step, "created_at": i.manifest.get("created_at"), "state_hash": i.manifest.get("state_hash"), "files": i.manifest.get("files")}
             for i in self.store.list()
         ]
+        stages = {}
+        if self.config.mode == "pipeline":  # per stage: its peers, the hashes they report (one after a sync), throughput
+            for i in range(self.config.run.num_stages):
+                peers = [m for m in registered if m.role == "stage" and m.stage == i]
+                stages[str(i)] = {
+                    "peers": sorted(m.peer_id for m in peers),
+                    "state_hashes": sorted({m.state_hash for m in peers if m.state_hash}),
+                    "samples_per_second": sum(m.samples_per_second or 0.0 for m in peers),
+                }
         return {
             "swarm_id": self.config.swarm_id,
+            "stages": stages,
             "peer_id": self.host.peer_id if self.host else None,
             "maddrs": await self.host.visible_maddrs() if self.host else [],
             "now": time.time(),

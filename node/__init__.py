@@ -11,6 +11,8 @@ Files:
     faults.py            typed fault injection (corrupt / delay outgoing parts) for tests and drills
     roles.py             the role interface (start, run, stop(planned)) and the runner that switches roles
     replica.py           the replica role: DiLoCo rounds, catch-up, state serving, checkpoints
+    stages.py            the built-in GPT cut into pipeline stages (plan_stages, Stage)
+    pipeline.py          the stage server and trainer roles: stage calls, retries, stage syncs
     pause.py             PauseWatch: notices this process was frozen (a jump of the clocks between ticks)
     model.py             the built-in GPT (presets tiny, small)
     data.py              the built-in corpus (Python's stdlib sources) or --data, shards, evaluation

@@ -21,8 +21,9 @@ The peers of a stage stay in step DiLoCo-style: every `stage_sync_every_s` secon
 time (the same boundaries everywhere, so they arrive together and nobody waits) each averages
 its pseudo-gradient (outer state minus its parameters) with the others of its stage, in the
 averager namespace "stage-<i>", compressed with the run's codec, and applies the run's outer
-step: afterwards they hold bitwise-identical parameters. Their AdamW state stays their own. A
-round's key carries the outer state's hash: peers whose outer states differ never mix.
+step: afterwards they hold bitwise-identical parameters (the steps a peer took while the round
+ran are dropped: calls are served meanwhile). Their AdamW state stays their own. A round's key
+carries the outer state's hash: peers whose outer states differ never mix.
 
 Everything a peer sends is checked before any compute: tensors' headers and payloads (codecs),
 shapes, dtypes, NaN/Inf, token ranges, the batch size. Bad input is refused with `bad_request`
@@ -136,7 +137,7 @@ class StageServer(Role):
         self._queue: deque[_Pending] = deque()
         self._wake = asyncio.Event()
         self._registration = None
-        self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (time, samples) of recent backward work
+        self._rate: deque[tuple[float, int]] = deque(maxlen=64)  # (compute seconds, samples) of recent backward work
         self.outer: OuterOptimizer | None = None
         self.syncs = 0  # rounds that committed
         self._busy = asyncio.Lock()  # held while the parameters are used: a batch's compute, a sync
@@ -241,21 +242,26 @@ class StageServer(Role):
         return sorted(p for p, rec in members.items() if p != self.host.peer_id and stage_of_role(rec.role) == self.index and rec.issued_at > fresh)
 
     async def _sync(self, n: int) -> None:
-        """One round with the stage's other peers; the parameters are not used meanwhile (calls
-        queue and are served right after)."""
+        """One round with the stage's other peers. Calls are served while it runs (a dead or
+        frozen peer of the stage must not stall the pipeline); the optimizer steps taken
+        meanwhile are dropped when the round commits, so every peer leaves it with the same
+        parameters (measured on loopback: rounds of 0.05-0.6 s against steps every ~0.3 s)."""
         async with self._busy:
             outer_hash = state_hash(self.outer.params)
             pseudo = await self._compute(self.outer.pseudo_gradient, list(self.stage.parameters()))
-            key = f"sync-{n}-{outer_hash[:8]}"
-            try:
-                avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=self._stage_peers, state_key="outer")
-            except AveragingFailed as e:
-                log.warning("stage %d: sync %d failed (%s); training on, the next one covers it", self.index, n, e.report.reason)
-                return
+            steps_before = self.steps
+        key = f"sync-{n}-{outer_hash[:8]}"
+        try:
+            avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=self._stage_peers, state_key="outer")
+        except AveragingFailed as e:
+            log.warning("stage %d: sync %d failed (%s); training on, the next one covers it", self.index, n, e.report.reason)
+            return
+        async with self._busy:
             await self._compute(self._apply_outer, avg)
+            dropped = self.steps - steps_before
         self.syncs += 1
-        log.info("stage %d: sync %d with %d peers in %.2f s, hash %s", self.index, n, len(report.members), report.seconds, self.hash)
-        self._report(sync=n, group=len(report.members))
+        log.info("stage %d: sync %d with %d peers in %.2f s, hash %s (%d steps of the round dropped)", self.index, n, len(report.members), report.seconds, self.hash, dropped)
+        self._report(sync=n, group=len(report.members), dropped_steps=dropped)
 
     def _apply_outer(self, avg: list[torch.Tensor]) -> None:
         copy_into(self.stage.parameters(), self.outer.apply(avg))
@@ -343,6 +349,7 @@ class StageServer(Role):
     # ---- compute (on the stage's thread)
 
     def _run_batch(self, batch: list[_Pending]) -> list[tuple[float | None, torch.Tensor | None]]:
+        t0 = time.monotonic()
         op, sizes = batch[0].op, [p.x.size(0) for p in batch]
         x = torch.cat([p.x for p in batch]) if len(batch) > 1 else batch[0].x
         stage = self.stage
@@ -370,7 +377,7 @@ class StageServer(Role):
         self._acc_samples += sum(sizes)
         self._acc_calls += len(batch)
         self.samples += sum(sizes)
-        self._rate.append((time.monotonic(), sum(sizes)))
+        self._rate.append((time.monotonic() - t0, sum(sizes)))
         grads = x.grad.split(sizes) if x.grad is not None else [None] * len(batch)
         return list(zip(losses, grads))
 
@@ -394,10 +401,11 @@ class StageServer(Role):
     # ---- reporting
 
     def samples_per_second(self) -> float | None:
-        if len(self._rate) < 2:
-            return None
-        span = self._rate[-1][0] - self._rate[0][0]
-        return sum(n for _, n in list(self._rate)[1:]) / span if span > 0 else None
+        """What this peer can do: samples trained (forward and backward) per second of its
+        compute, over its recent batches. Not what it did: in a pipeline every stage does the
+        pipeline's pace; the planner needs each stage's capacity to find the bottleneck."""
+        busy = sum(s for s, _ in self._rate)
+        return sum(n for _, n in self._rate) / busy if busy > 0 else None
 
     def _report(self, **entry: Any) -> None:
         p = self.membership.progress

@@ -228,6 +228,19 @@ def test_imbalance_of_exactly_the_ratio_keeps_everyone():
     assert plan_roles(ms, PlannerConfig(mode="pipeline", num_stages=2, rebalance_ratio=2.0)).changes == ["b"]
 
 
+def test_with_rebalancing_off_only_an_empty_slot_moves_a_peer():
+    ms = [
+        member("a", tp=19.5, role="stage", stage=0),
+        member("b", tp=1, role="stage", stage=0),
+        member("c", tp=10, role="stage", stage=1),
+    ]
+    off = PlannerConfig(mode="pipeline", num_stages=2, rebalance_ratio=2.0, rebalance=False)
+    assert plan_roles(ms, off).changes == []  # 20.5 vs 10 moves b when rebalancing is on (above)
+    ms = ms[:2]  # stage 1 lost its only peer: one of stage 0's fills it
+    plan = plan_roles(ms, off)
+    assert len(plan.changes) == 1 and plan.assignments[plan.changes[0]].stage == 1
+
+
 def test_rebalance_moves_one_peer_per_call_towards_the_weakest():
     cfg = PlannerConfig(mode="pipeline", num_stages=2, rebalance_ratio=2.0)
     ms = [member(f"s0-{i}", tp=10, role="stage", stage=0) for i in range(4)] + [member("s1", tp=10, role="stage", stage=1)]

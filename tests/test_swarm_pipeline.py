@@ -53,6 +53,8 @@ def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_pe
         st = stats(swarm, name, "stage")
         by_stage.setdefault(st["stage"], []).append(name)
     assert sorted(len(v) for v in by_stage.values()) == [2, 2, 2], by_stage
+    shown = coord.status()["stages"]  # /status per stage: its peers, their hashes, throughput
+    assert sorted(shown) == ["0", "1", "2"] and all(len(v["peers"]) == 2 and v["state_hashes"] and v["samples_per_second"] > 0 for v in shown.values()), shown
     want = {0: {"wte", "wpe", "blocks.0", "blocks.1"}, 1: {"blocks.2"}, 2: {"blocks.3", "ln_f", "lm_head"}}
     for s, names in by_stage.items():
         for name in names:
