@@ -14,10 +14,18 @@ Planning rules, in order (pipeline and experts modes; replica mode makes everyon
      experts, the expert with the fewest hosts (an expert with one host dies with it), then the
      least throughput.
   4. A slot still empty is filled by moving one peer from the slot with the most peers (>= 2).
-  5. Only if step 4 moved nobody: when a slot has more than `rebalance_ratio` times the
-     throughput of the weakest slot, move one peer towards the weakest slot (at most one move
-     per call; each move strictly lowers the sum of squared slot loads, so repeated planning
-     converges and never oscillates).
+  5. Only if step 4 moved nobody, at most one move per call towards the weakest slot:
+     experts, when a slot has more than `rebalance_ratio` times the throughput of the weakest
+     (each such move strictly lowers the sum of squared slot loads); pipeline, when the move
+     raises the slowest stage's throughput (the pipeline's) by at least `rebalance_margin`
+     and leaves the donor stage above that too (the minimum never drops and each move lifts a
+     stage off it), and only once every stage peer has a measured throughput (the registry
+     forgets a peer's measurement when its assignment changes: a moved peer is measured at its
+     new stage before anything else moves). Repeated planning converges and never oscillates.
+
+In pipeline mode a peer's measured samples/s are those of its current stage; with
+`stage_costs` (the relative compute per sample of each stage, e.g. its blocks) a peer moved from
+stage d to stage w counts for tp·cost[d]/cost[w] there.
 
 Input order never matters: members are sorted by peer_id first, and every tie is broken by a
 fixed key.
@@ -64,8 +72,10 @@ class PlannerConfig:
     # move a peer only when a slot has more than this many times the throughput of the weakest
     # slot (dimensionless, >= 1); higher = fewer moves, lower = better balance
     rebalance_ratio: float = 2.0
-    # rule 5 (moves by throughput) on or off; rule 4 (filling an empty slot) always applies
-    rebalance: bool = True
+    # pipeline: a move by throughput must raise the slowest stage's throughput by this fraction
+    rebalance_margin: float = 0.2
+    # pipeline: relative compute per sample of each stage (e.g. its number of blocks); () = equal
+    stage_costs: tuple[float, ...] = ()
     # samples/s assumed per TFLOP/s of capabilities["tflops"] for a member not yet measured
     samples_per_tflop: float = 1.0
     # samples/s assumed for a member with neither a measurement nor a usable "tflops"
@@ -88,6 +98,10 @@ class PlannerConfig:
             raise ValueError(f"heartbeat_timeout_s: must be a positive number of seconds, got {self.heartbeat_timeout_s}")
         if not (self.rebalance_ratio >= 1 and math.isfinite(self.rebalance_ratio)):
             raise ValueError(f"rebalance_ratio: must be a finite number >= 1, got {self.rebalance_ratio}")
+        if not (self.rebalance_margin > 0 and math.isfinite(self.rebalance_margin)):
+            raise ValueError(f"rebalance_margin: must be a positive fraction, got {self.rebalance_margin}")
+        if self.stage_costs and (len(self.stage_costs) != self.num_stages or not all(c > 0 and math.isfinite(c) for c in self.stage_costs)):
+            raise ValueError(f"stage_costs: one positive cost per stage ({self.num_stages}), got {self.stage_costs!r}")
         if not (self.samples_per_tflop > 0 and math.isfinite(self.samples_per_tflop)):
             raise ValueError(f"samples_per_tflop: must be positive, got {self.samples_per_tflop}")
         if not (self.default_throughput > 0 and math.isfinite(self.default_throughput)):
@@ -213,22 +227,27 @@ class _SlotPlanner:
         self.hosts: dict[int | str, list[str]] = {s: [] for s in self.slots}
         self.load: dict[int | str, float] = {s: 0.0 for s in self.slots}
         self.tp = {m.peer_id: estimate_throughput(m, config) for m in ordered}
+        self.by_id = {m.peer_id: m for m in ordered}
         self.slot_of: dict[str, int | str] = {}
+        self.speed: dict[str, float] = {}  # throughput × cost of the slot it was measured at
         self.out: dict[str, Assignment] = {}
 
     def label(self, s: int | str) -> str:
         return f"stage {s}" if self.pipeline else f"expert {s!r}"
 
     def put(self, peer_id: str, s: int | str, reason: str) -> None:
+        # a peer's rate was measured where it is first put (its current slot, if still valid):
+        # elsewhere it counts by the two slots' costs
+        self.speed.setdefault(peer_id, self.tp[peer_id] * self.cost(s))
         self.hosts[s].append(peer_id)
-        self.load[s] += self.tp[peer_id]
+        self.load[s] += self.speed[peer_id] / self.cost(s)
         self.slot_of[peer_id] = s
         self.out[peer_id] = self.assignment(s, reason)
 
     def take(self, peer_id: str) -> None:
         s = self.slot_of.pop(peer_id)
         self.hosts[s].remove(peer_id)
-        self.load[s] -= self.tp[peer_id]
+        self.load[s] -= self.speed[peer_id] / self.cost(s)
 
     def assignment(self, s: int | str, reason: str) -> Assignment:
         if self.pipeline:
@@ -287,10 +306,48 @@ class _SlotPlanner:
             placed_now.add(m.peer_id)
 
         moved = self.fill_empty()
-        if not moved and self.config.rebalance:
-            self.rebalance(exclude=placed_now)
+        if not moved:
+            if self.pipeline:
+                self.raise_bottleneck(exclude=placed_now)
+            else:
+                self.rebalance(exclude=placed_now)
         empty = tuple(s for s in self.slots if not self.hosts[s])
         return {pid: self.out[pid] for pid in sorted(self.out)}, empty
+
+    def cost(self, s: int | str) -> float:
+        costs = self.config.stage_costs
+        return float(costs[int(s)]) if self.pipeline and costs else 1.0
+
+    def tp_at(self, peer_id: str, s: int | str) -> float:
+        """What the peer adds to slot `s`, in samples/s."""
+        return self.speed[peer_id] / self.cost(s)
+
+    def raise_bottleneck(self, exclude: set[str]) -> None:
+        """Pipeline: raise the slowest stage (a pipeline runs at its pace) by moving one peer
+        there, if the stage rises by at least `rebalance_margin` and the donor stays at least as
+        far above the old minimum. So the minimum never drops, and each move lifts one of the
+        stages at it: repeated planning comes to rest. Of the moves that qualify, the one that
+        leaves the two stages most even."""
+        if not all(_positive_number(self.by_id[p].throughput) for p in self.slot_of):
+            return  # a peer not measured yet (new, or just moved): its stage's load is a guess; wait
+        weak = min(self.slots, key=lambda s: (self.load[s], len(self.hosts[s]), self.index[s]))
+        before = self.load[weak]
+        floor = (1 + self.config.rebalance_margin) * before
+        best = None
+        for d in self.slots:
+            if d == weak or len(self.hosts[d]) < 2:
+                continue
+            for p in self.hosts[d]:
+                if p in exclude or self.speed[p] <= 0:
+                    continue
+                donor, raised = self.load[d] - self.tp_at(p, d), before + self.tp_at(p, weak)
+                if donor >= floor and raised >= floor and (best is None or (-min(donor, raised), p) < (-best[0], best[1])):
+                    best = (min(donor, raised), p, d, raised)
+        if best is not None:
+            _, p, d, raised = best
+            reason = f"rebalanced from {self.label(d)} to the slowest, {self.label(weak)}: {before:.1f} -> {raised:.1f} samples/s"
+            self.take(p)
+            self.put(p, weak, reason)
 
     def split_choice(self, candidates: list[str], gap: float) -> str:
         """The peer whose move best halves `gap` between two slots (ties: peer_id)."""

@@ -295,9 +295,12 @@ class Registry:
         return unknown
 
     def _set_assignment(self, peer_id: str, role: str | None, stage: int | None, expert: str | None, epoch: int) -> bool:
+        # a throughput measured in one role (or stage, or expert) says little about another:
+        # forgotten when the work changes, until the peer reports it anew
         cur = self._db.execute(
-            "UPDATE members SET role = ?, stage = ?, expert = ?, epoch = ? WHERE peer_id = ?",
-            (role, stage, expert, epoch, peer_id),
+            "UPDATE members SET samples_per_second = CASE WHEN role IS ? AND stage IS ? AND expert IS ? THEN samples_per_second END, "
+            "role = ?, stage = ?, expert = ?, epoch = ? WHERE peer_id = ?",
+            (role, stage, expert, role, stage, expert, epoch, peer_id),
         )
         return cur.rowcount > 0
 

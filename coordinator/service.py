@@ -107,6 +107,15 @@ class StoreSource:
         return self.store.read_chunk(step, name, offset, length)
 
 
+def stage_costs(config: CoordinatorConfig) -> tuple[float, ...]:
+    """Pipeline mode: each stage's compute per sample relative to the others, its blocks (the
+    embeddings' look-up and the head are small next to a block); RunConfigError (a ConfigError,
+    naming it) when the cut does not fit the model."""
+    if config.mode != "pipeline" or config.run.num_stages < 1:
+        return ()
+    return tuple(float(end - start) for start, end in config.run.stage_plan())
+
+
 class Coordinator:
     def __init__(self, config: CoordinatorConfig):
         self.config = config
@@ -126,14 +135,10 @@ class Coordinator:
         try:
             self.planner = PlannerConfig(
                 mode=config.mode, num_stages=config.run.num_stages, experts=tuple(config.experts), heartbeat_timeout_s=config.heartbeat_timeout_s,
-                # a stage peer does not take a stage's state from its peers yet: one moved by
-                # throughput would serve its new stage with the run's initial weights
-                rebalance=config.mode != "pipeline",
+                stage_costs=stage_costs(config),
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if config.mode == "pipeline":
-            config.run.stage_plan()  # the cut must fit the model: RunConfigError (a ConfigError) names it
 
     # ---- lifecycle ------------------------------------------------------------------------------
 

@@ -53,6 +53,8 @@ class Membership:
         self._trouble_logged = False
         self._wake = asyncio.Event()
         self._publish_wake = asyncio.Event()
+        self.leaving = False  # deregistered on purpose: no more heartbeats or registrations
+        self._deregistered = False
 
     def heartbeat_soon(self) -> None:
         """Report progress now instead of at the next interval (e.g. right after an outer step)."""
@@ -150,6 +152,9 @@ class Membership:
         """Register, then heartbeat forever; on trouble keep the role and retry with backoff."""
         backoff = 0.5
         while True:
+            if self.leaving:
+                await asyncio.sleep(3600)
+                continue
             try:
                 if not self.registered.is_set():
                     await self.register()
@@ -201,9 +206,17 @@ class Membership:
         except Exception as e:  # the DHT may be briefly unreachable; the next round retries
             log.debug("could not publish member record: %s", e)
 
+    async def leave(self) -> None:
+        """Deregister now and register no more: the node is going, and the coordinator should plan
+        without it already (e.g. move a peer to the stage it holds, which then takes its state)."""
+        self.leaving = True
+        self._wake.set()
+        await self.deregister()
+
     async def deregister(self, timeout: float = 2.0) -> bool:
-        if self.coordinator is None:
+        if self.coordinator is None or self._deregistered:
             return False
+        self._deregistered = True
         try:
             await self.transport.call(self.coordinator, Deregister(peer_id=self.host.peer_id, reason="shutting down"), timeout=timeout)
             return True

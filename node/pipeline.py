@@ -21,7 +21,8 @@ The peers of a stage stay in step DiLoCo-style: every `stage_sync_every_s` secon
 time (the same boundaries everywhere, so they arrive together and nobody waits) each averages
 its pseudo-gradient (outer state minus its parameters) with the others of its stage, in the
 averager namespace "stage-<i>", compressed with the run's codec, and applies the run's outer
-step: afterwards they hold bitwise-identical parameters (the steps a peer took while the round
+step (a stage's only peer takes its parameters as its outer state instead): afterwards they
+hold bitwise-identical parameters (the steps a peer took while the round
 ran are dropped: calls are served meanwhile). Their AdamW state stays their own. A round's key
 carries the outer state's hash: peers whose outer states differ never mix.
 
@@ -38,6 +39,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -49,16 +51,20 @@ import torch
 import torch.nn.functional as F
 
 from protocol import RemoteProtocolError, StageCall, StageResult, decode_tensor, make_codec, pack_tensors, unpack_tensors
+from protocol.manifest import step_dir_name
 from protocol.tensors import EncodedTensor
 
 from .averaging import Averager, AveragingFailed, NamespaceTaken
 from .config import averager_config
+from .checkpoint_client import download_checkpoint, fetch_manifest
+from .checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manifest, write_checkpoint_dir
 from .data import Batches, DataError, load_corpus
 from .diloco import OuterOptimizer, copy_into, lr_at, state_hash
 from .membership import read_members
 from .roles import Role, RoleError
 from .runconfig import RunConfig, RunConfigError
 from .stages import Stage, StageInputError, init_stage
+from .state_server import CheckpointServer, DirectorySource
 from .transport import NETWORK_ERRORS, HandlerTaken, RemoteError, RPCError
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,9 @@ MAX_BATCH_SAMPLES = 256  # sequences one call, or one batch of queued calls, may
 MAX_ABS = 1e6  # |activation| or |gradient| beyond this is refused as garbage
 PEERS_REFRESH_S = 2.0  # how often a trainer reads the stages' member records from the DHT
 REPORT_EVERY = 8  # micro-batches per entry of a trainer's loss history
+KEEP_STATES = 2  # states a stage server keeps on disk (the latest is served)
+MIN_RATE_BATCHES = 16  # batches a stage server computes before it reports how fast it is
+HANDOVER_S = 60.0  # longest the last peer of a stage waits on SIGTERM for a peer to take its state
 
 
 def activation_codec(run: RunConfig, n_embd: int):
@@ -106,8 +115,13 @@ class _Pending:
 
 
 class StageServer(Role):
-    """The stage role: holds stage `index` of the run's cut and serves StageCall for it. Nothing
-    to hand over yet on a planned stop (its replicas do not average yet)."""
+    """The stage role: holds stage `index` of the run's cut and serves StageCall for it.
+
+    Its state (the stage's outer parameters and momentum, after the last sync) is kept in
+    DATA_DIR/stage-state and served to peers that take the stage later: a peer that joins the
+    stage or is moved to it downloads the state from a peer of the stage, hash-verified, before
+    it serves calls; the run's seeded initialisation only when no peer of the stage has one.
+    A planned stop of the stage's last peer hands its state over (see `stop`)."""
 
     name = "stage"
 
@@ -125,6 +139,13 @@ class StageServer(Role):
         self.codec = activation_codec(run, self.model_config.n_embd)
         self.max_numel = MAX_BATCH_SAMPLES * self.model_config.context * self.model_config.n_embd
         self.stats_path = Path(node_config.data_dir) / "stage-stats.json"
+        self.state_dir = Path(node_config.data_dir) / "stage-state"
+        self.download_dir = Path(node_config.data_dir) / "stage-downloads"
+        self.state_server = CheckpointServer(transport, DirectorySource(self.state_dir), on_served=self._on_served)
+        self.state_step = 0  # the sync round of the outer state we hold (0: the run's initial weights)
+        self.state_from = "init"  # where it came from: "init" or the peer id it was downloaded from
+        self._served: dict[int, dict[str, set[str]]] = {}  # state step -> peer -> files it fetched in full
+        self._leaving = False
         self.stage: Stage | None = None
         self.opt: torch.optim.AdamW | None = None
         self.steps = 0  # optimizer steps taken
@@ -160,21 +181,29 @@ class StageServer(Role):
     # ---- lifecycle
 
     async def start(self) -> None:
+        await asyncio.to_thread(shutil.rmtree, self.state_dir, True)  # another stage's, from an earlier role
+        self.membership.progress.samples_per_second = None  # measured anew at this stage
         self.stage, self.opt = await self._compute(self._build)
         self.outer = OuterOptimizer(self.stage.parameters(), self.run_config.outer_lr, self.run_config.outer_momentum)
-        self.hash = state_hash(self.stage.state_dict())
         try:
             await self.averager.start()
-            self._registration = self.transport.serve({StageCall: self._on_call}, owner=f"stage {self.index}")
+            self.state_server.start()
         except (NamespaceTaken, HandlerTaken) as e:
+            raise RoleError(str(e)) from None
+        await self._obtain_state()
+        self.hash = self._params_hash()
+        await self._save_state(self.state_step)
+        try:
+            self._registration = self.transport.serve({StageCall: self._on_call}, owner=f"stage {self.index}")
+        except HandlerTaken as e:
             raise RoleError(str(e)) from None
         first, last = self.plan[self.index]
         log.info(
-            "stage %d of %d: blocks %d..%d%s%s, %d params, activations %s, hash %s",
+            "stage %d of %d: blocks %d..%d%s%s, %d params, activations %s, state of round %d from %s, hash %s",
             self.index, len(self.plan), first, last - 1, " + embeddings" if self.stage.first else "", " + head" if self.stage.last else "",
-            self.stage.num_params(), self.codec.name, self.hash,
+            self.stage.num_params(), self.codec.name, self.state_step, self.state_from[-8:], self.hash,
         )  # fmt: skip
-        self._report()
+        self._report(start=True, state_from=self.state_from)
         self.membership.publish_soon()  # trainers find stage servers through the DHT
 
     def _build(self) -> tuple[Stage, torch.optim.AdamW]:
@@ -203,8 +232,16 @@ class StageServer(Role):
                 await self._wake.wait()
             await self._busy.acquire()
             batch = self._take_batch()
+            work = asyncio.ensure_future(self._compute(self._run_batch, batch))
             try:
-                results = await self._compute(self._run_batch, batch)
+                try:
+                    results = await asyncio.shield(work)
+                except asyncio.CancelledError:  # leaving: what is in flight finishes, its callers get their answers
+                    results = await work
+                    for p, r in zip(batch, results):
+                        if not p.done.done():
+                            p.done.set_result(r)
+                    raise
             except Exception as e:  # our bug, or the tensors together broke something: every caller hears it
                 log.exception("stage %d: a %s batch failed", self.index, batch[0].op)
                 for p in batch:
@@ -223,6 +260,65 @@ class StageServer(Role):
 
     # ---- keeping the stage's peers in step
 
+    # ---- the stage's state: save, serve, obtain
+
+    def _names(self) -> list[str]:
+        return [n for n, _ in self.stage.named_parameters()]
+
+    def _params_hash(self) -> str:
+        return state_hash({n: p for n, p in self.stage.named_parameters()})
+
+    def _meta(self) -> dict[str, Any]:
+        """What a state is for: the model and where this stage cuts it (checked on download)."""
+        return {**self.model_config.to_dict(), "stage": self.index, "blocks": list(self.plan[self.index]), "num_stages": len(self.plan)}
+
+    async def _save_state(self, step: int, params: list[torch.Tensor] | None = None) -> None:
+        """Write our outer state (or `params`, a planned leave's latest parameters) as state `step`."""
+        names = self._names()
+        model = {n: t.detach().clone() for n, t in zip(names, params if params is not None else self.outer.params)}
+        tensors = {"model": model, "outer": {n: b.clone() for n, b in zip(names, self.outer.buffers)}}
+        await asyncio.to_thread(write_checkpoint_dir, self.state_dir, step, tensors, self._meta(), state_hash(model))
+        for old in sorted(self.state_dir.glob("step-*"))[:-KEEP_STATES]:
+            await asyncio.to_thread(shutil.rmtree, old, True)
+
+    def _on_served(self, peer: str, step: int, name: str) -> None:
+        self._served.setdefault(step, {}).setdefault(peer, set()).add(name)
+
+    async def _obtain_state(self) -> None:
+        """The stage's state from a peer of the stage that has one; else keep the seeded init."""
+        peers = await self._read_stage_peers()
+        random.shuffle(peers)
+        for peer in peers:
+            try:
+                step, manifest = await fetch_manifest(self.transport, peer, timeout=5.0)
+                if manifest.get("model_config") != self._meta():
+                    log.warning("stage %d: %s holds a state for %s, not this stage", self.index, peer[-8:], manifest.get("model_config"))
+                    continue
+                path = await download_checkpoint(self.transport, peer, self.download_dir, step=step, manifest=manifest, timeout_s=120.0)
+                state = await self._compute(load_checkpoint_dir, path)
+                await self._compute(self._adopt, state, manifest.get("state_hash") or "")
+            except (*NETWORK_ERRORS, CheckpointDirError, ValueError, KeyError, RuntimeError) as e:
+                if not (isinstance(e, RemoteError) and e.code == "not_found"):  # not_found: it has none yet either
+                    log.warning("stage %d: could not take the state from %s: %s", self.index, peer[-8:], _short(e))
+                continue
+            finally:
+                await asyncio.to_thread(shutil.rmtree, self.download_dir, True)
+            self.state_step, self.state_from = step, peer
+            return
+
+    def _adopt(self, state: dict[str, dict[str, torch.Tensor]], expected_hash: str) -> None:
+        """Take a downloaded state: parameters = outer parameters; momentum; hash checked first."""
+        names = self._names()
+        model, momentum = state["model"], state["outer"]
+        got = state_hash(model)
+        if got != expected_hash:
+            raise CheckpointDirError(f"the state hashes to {got}, its manifest says {expected_hash}")
+        self.stage.load_state_dict(model)  # strict: the same parameter names and shapes, or RuntimeError
+        self.outer = OuterOptimizer(self.stage.parameters(), self.run_config.outer_lr, self.run_config.outer_momentum)
+        self.outer.load_state_dict({"params": self.outer.params, "momentum": [momentum[n] for n in names], "step": 0})
+
+    # ---- keeping the stage's peers in step
+
     async def _sync_forever(self) -> None:
         period = self.run_config.stage_sync_every_s
         while True:
@@ -231,6 +327,17 @@ class StageServer(Role):
             self._stage_peers = await self._read_stage_peers()
             if self._stage_peers:
                 await self._sync(n)
+            else:
+                await self._advance_alone(n)
+
+    async def _advance_alone(self, n: int) -> None:
+        """The stage's only peer: its parameters become its outer state as they are, so the state
+        a peer that joins downloads is what this one trained, not where the last sync left it."""
+        async with self._busy:
+            params = [p.detach().clone() for p in self.stage.parameters()]
+            self.outer.load_state_dict({"params": params, "momentum": self.outer.buffers, "step": self.outer.step_count})
+        self.state_step = n
+        await self._save_state(n)
 
     async def _read_stage_peers(self) -> list[str]:
         try:
@@ -247,7 +354,7 @@ class StageServer(Role):
         meanwhile are dropped when the round commits, so every peer leaves it with the same
         parameters (measured on loopback: rounds of 0.05-0.6 s against steps every ~0.3 s)."""
         async with self._busy:
-            outer_hash = state_hash(self.outer.params)
+            outer_hash = state_hash(dict(zip(self._names(), self.outer.params)))
             pseudo = await self._compute(self.outer.pseudo_gradient, list(self.stage.parameters()))
             steps_before = self.steps
         key = f"sync-{n}-{outer_hash[:8]}"
@@ -258,25 +365,65 @@ class StageServer(Role):
             return
         async with self._busy:
             await self._compute(self._apply_outer, avg)
-            dropped = self.steps - steps_before
+            dropped, synced = self.steps - steps_before, self.hash  # (the next step changes self.hash)
         self.syncs += 1
-        log.info("stage %d: sync %d with %d peers in %.2f s, hash %s (%d steps of the round dropped)", self.index, n, len(report.members), report.seconds, self.hash, dropped)
-        self._report(sync=n, group=len(report.members), dropped_steps=dropped)
+        self.state_step = n
+        await self._save_state(n)  # what a peer that takes this stage next downloads
+        log.info("stage %d: sync %d with %d peers in %.2f s, hash %s (%d steps of the round dropped)", self.index, n, len(report.members), report.seconds, synced, dropped)
+        self._report(sync=n, group=len(report.members), dropped_steps=dropped, state_hash=synced)
 
     def _apply_outer(self, avg: list[torch.Tensor]) -> None:
         copy_into(self.stage.parameters(), self.outer.apply(avg))
-        self.hash = state_hash(self.stage.state_dict())
+        self.hash = self._params_hash()
 
     async def stop(self, planned: bool = True) -> None:
-        await self.averager.close()
+        """Give everything back. Planned (SIGTERM, Ctrl-C, a new assignment): new calls are
+        refused (trainers retry them on other peers) after the batch in flight finished, and the
+        stage's last peer hands its state over first."""
         if self._registration is not None:
             self._registration.close()
             self._registration = None
+        self._refuse_queued()
+        if planned and self.stage is not None:
+            await self._hand_over()
+        await self.averager.close()
+        self.state_server.close()
+        if self._registration is not None:
+            self._registration.close()
+            self._registration = None
+        self._refuse_queued()
+        self._pool.shutdown(wait=False)
+
+    def _refuse_queued(self) -> None:
         while self._queue:
             p = self._queue.popleft()
             if not p.done.done():
                 p.done.set_exception(RPCError("overloaded", f"stage {self.index} is leaving this peer"))
-        self._pool.shutdown(wait=False)
+
+    async def _hand_over(self) -> None:
+        """The stage's last peer does not take the stage with it: it saves its latest parameters
+        (the steps since the last sync included) as a new state, leaves the swarm (the planner
+        then moves a peer to the stage), and waits until a peer has downloaded that state, at
+        most HANDOVER_S. Peers of the stage that stay keep the stage's state: nothing to hand."""
+        if await self._read_stage_peers():
+            return
+        step = max(self.state_step + 1, math.floor(time.time() / self.run_config.stage_sync_every_s))
+        async with self._busy:
+            params = [p.detach().clone() for p in self.stage.parameters()]
+            self.hash = self._params_hash()
+        await self._save_state(step, params)
+        files = set(read_manifest(self.state_dir / step_dir_name(step))["files"])
+        log.info("stage %d: its last peer is leaving; handing over its state (round %d, hash %s)", self.index, step, self.hash)
+        await self.membership.leave()  # the coordinator re-plans without us: a peer moves to this stage
+        deadline = time.monotonic() + HANDOVER_S
+        while time.monotonic() < deadline:
+            taken = sorted(p for p, got in self._served.get(step, {}).items() if got >= files)
+            if taken:
+                log.info("stage %d: %s took the stage's state (hash %s); leaving", self.index, taken[0][-8:], self.hash)
+                self._report(handed_over_to=taken[0], handover_step=step)
+                return
+            await asyncio.sleep(0.2)
+        log.warning("stage %d: no peer took the stage's state within %.0f s; it stays in %s", self.index, HANDOVER_S, self.state_dir)
 
     # ---- serving
 
@@ -396,7 +543,7 @@ class StageServer(Role):
             self.steps += 1
         self.opt.zero_grad(set_to_none=True)
         self._acc_samples = self._acc_calls = 0
-        self.hash = state_hash(self.stage.state_dict())
+        self.hash = self._params_hash()
 
     # ---- reporting
 
@@ -404,6 +551,8 @@ class StageServer(Role):
         """What this peer can do: samples trained (forward and backward) per second of its
         compute, over its recent batches. Not what it did: in a pipeline every stage does the
         pipeline's pace; the planner needs each stage's capacity to find the bottleneck."""
+        if len(self._rate) < MIN_RATE_BATCHES:  # too few batches at this stage to say
+            return None
         busy = sum(s for s, _ in self._rate)
         return sum(n for _, n in self._rate) / busy if busy > 0 else None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,8 +78,9 @@ class CheckpointServer:
     (one group; a second checkpoint service on the same transport is refused), `close()`
     unregisters them."""
 
-    def __init__(self, transport: Transport, source: CheckpointSource):
+    def __init__(self, transport: Transport, source: CheckpointSource, on_served: Callable[[str, int, str], None] | None = None):
         self.transport, self.source = transport, source
+        self.on_served = on_served  # (peer, step, file name): that peer read the file to its end
         self._registration: Registration | None = None
 
     def start(self) -> CheckpointServer:
@@ -124,9 +125,9 @@ class CheckpointServer:
         if req.offset > size:
             raise RemoteProtocolError(f"offset {req.offset} is past the end ({size})", "offset")
         end = size if req.length == 0 else min(size, req.offset + req.length)
-        return self._chunks(step, filename, req.name, req.offset, end, size, sha)
+        return self._chunks(step, filename, req.name, req.offset, end, size, sha, ctx.peer_id)
 
-    async def _chunks(self, step, filename, name, start, end, size, sha) -> AsyncIterator[StateChunk]:
+    async def _chunks(self, step, filename, name, start, end, size, sha, peer) -> AsyncIterator[StateChunk]:
         loop = asyncio.get_running_loop()
         offset = start
         while True:
@@ -135,4 +136,6 @@ class CheckpointServer:
             yield StateChunk(name=name, offset=offset, total_size=size, sha256=sha, data=data)
             offset += n
             if offset >= end:
+                if end == size and self.on_served is not None:
+                    self.on_served(peer, step, filename)
                 return

@@ -217,65 +217,78 @@ def test_unmeasured_newcomer_uses_tflops():
 
 def test_imbalance_of_exactly_the_ratio_keeps_everyone():
     ms = [
-        member("a", tp=19, role="stage", stage=0),
-        member("b", tp=1, role="stage", stage=0),  # movable (0 < 1 < gap 10), but 20 vs 10 is not > 2x
-        member("c", tp=10, role="stage", stage=1),
+        member("a", tp=19, role="expert", expert="e0"),
+        member("b", tp=1, role="expert", expert="e0"),  # movable (0 < 1 < gap 10), but 20 vs 10 is not > 2x
+        member("c", tp=10, role="expert", expert="e1"),
     ]
-    plan = plan_roles(ms, PlannerConfig(mode="pipeline", num_stages=2, rebalance_ratio=2.0))
+    plan = plan_roles(ms, PlannerConfig(mode="experts", experts=("e0", "e1"), rebalance_ratio=2.0))
     assert plan.changes == []
     assert all(a.reason == "kept" for a in plan.assignments.values())
-    ms[0] = member("a", tp=19.5, role="stage", stage=0)  # 20.5 vs 10: now b moves
-    assert plan_roles(ms, PlannerConfig(mode="pipeline", num_stages=2, rebalance_ratio=2.0)).changes == ["b"]
+    ms[0] = member("a", tp=19.5, role="expert", expert="e0")  # 20.5 vs 10: now b moves
+    assert plan_roles(ms, PlannerConfig(mode="experts", experts=("e0", "e1"), rebalance_ratio=2.0)).changes == ["b"]
 
 
-def test_with_rebalancing_off_only_an_empty_slot_moves_a_peer():
-    ms = [
-        member("a", tp=19.5, role="stage", stage=0),
-        member("b", tp=1, role="stage", stage=0),
-        member("c", tp=10, role="stage", stage=1),
-    ]
-    off = PlannerConfig(mode="pipeline", num_stages=2, rebalance_ratio=2.0, rebalance=False)
-    assert plan_roles(ms, off).changes == []  # 20.5 vs 10 moves b when rebalancing is on (above)
-    ms = ms[:2]  # stage 1 lost its only peer: one of stage 0's fills it
-    plan = plan_roles(ms, off)
+def test_pipeline_moves_a_peer_only_when_that_raises_the_slowest_stage():
+    cfg = PlannerConfig(mode="pipeline", num_stages=2)
+    three_one = [member(f"a{i}", tp=10, role="stage", stage=0) for i in range(3)] + [member("b", tp=10, role="stage", stage=1)]
+    plan = plan_roles(three_one, cfg)
     assert len(plan.changes) == 1 and plan.assignments[plan.changes[0]].stage == 1
+    assert plan.assignments[plan.changes[0]].reason == "rebalanced from stage 0 to the slowest, stage 1: 10.0 -> 20.0 samples/s"
+    settled, n = settle(three_one, cfg)
+    assert n == 1 and sorted(loads(settled, cfg).values()) == [20.0, 20.0]
+    # 2 + 1 peers: moving one would leave stage 0 at 10: the pipeline would not get faster
+    assert plan_roles(three_one[1:], cfg).changes == []
+    # nor a move that lifts the slowest stage by less than the margin (20%)
+    ms = [member("a", tp=10, role="stage", stage=0), member("b", tp=1.5, role="stage", stage=0), member("c", tp=10, role="stage", stage=1)]
+    assert plan_roles(ms, cfg).changes == []
+
+
+def test_pipeline_rebalancing_counts_a_moved_peer_by_the_stages_costs():
+    # stage 0 costs twice stage 1 per sample: a peer doing 20 samples/s on stage 1 does 10 on stage 0
+    cfg = PlannerConfig(mode="pipeline", num_stages=2, stage_costs=(2.0, 1.0))
+    ms = [member(f"a{i}", tp=5, role="stage", stage=0) for i in range(2)] + [member(f"b{i}", tp=20, role="stage", stage=1) for i in range(3)]
+    plan = plan_roles(ms, cfg)
+    assert len(plan.changes) == 1 and plan.changes[0].startswith("b")
+    assert plan.assignments[plan.changes[0]].reason == "rebalanced from stage 1 to the slowest, stage 0: 10.0 -> 20.0 samples/s"
+    with pytest.raises(ValueError, match="stage_costs: one positive cost per stage"):
+        PlannerConfig(mode="pipeline", num_stages=2, stage_costs=(1.0,))
 
 
 def test_rebalance_moves_one_peer_per_call_towards_the_weakest():
-    cfg = PlannerConfig(mode="pipeline", num_stages=2, rebalance_ratio=2.0)
-    ms = [member(f"s0-{i}", tp=10, role="stage", stage=0) for i in range(4)] + [member("s1", tp=10, role="stage", stage=1)]
+    cfg = PlannerConfig(mode="experts", experts=("e0", "e1"), rebalance_ratio=2.0)
+    ms = [member(f"s0-{i}", tp=10, role="expert", expert="e0") for i in range(4)] + [member("s1", tp=10, role="expert", expert="e1")]
     plan = plan_roles(ms, cfg)
     assert len(plan.changes) == 1
     moved = plan.assignments[plan.changes[0]]
-    assert moved.stage == 1
-    assert moved.reason == "rebalanced from stage 0 to stage 1: 40.0 vs 10.0 samples/s exceeded ratio 2"
+    assert moved.expert == "e1"
+    assert moved.reason == "rebalanced from expert 'e0' to expert 'e1': 40.0 vs 10.0 samples/s exceeded ratio 2"
     settled, n = settle(ms, cfg)
     assert n == 1  # 30 vs 20 is within ratio: one move was enough
     assert sorted(loads(settled, cfg).values()) == [20.0, 30.0]
 
 
 def test_rebalance_picks_the_peer_that_best_halves_the_gap():
-    cfg = PlannerConfig(mode="pipeline", num_stages=2, rebalance_ratio=1.5)
+    cfg = PlannerConfig(mode="experts", experts=("e0", "e1"), rebalance_ratio=1.5)
     ms = [
-        member("a", tp=1, role="stage", stage=0),
-        member("b", tp=8, role="stage", stage=0),
-        member("c", tp=5, role="stage", stage=0),
-        member("d", tp=4, role="stage", stage=1),
+        member("a", tp=1, role="expert", expert="e0"),
+        member("b", tp=8, role="expert", expert="e0"),
+        member("c", tp=5, role="expert", expert="e0"),
+        member("d", tp=4, role="expert", expert="e1"),
     ]
     # 14 vs 4, gap 10: moving c (5) makes it 9 vs 9.
     plan = plan_roles(ms, cfg)
-    assert plan.changes == ["c"] and plan.assignments["c"].stage == 1
+    assert plan.changes == ["c"] and plan.assignments["c"].expert == "e1"
 
 
 def test_no_move_that_would_not_lower_the_imbalance():
-    # Stage 0 = {a: 100, b: 0.5}, stage 1 = {c: 1}. b is the only candidate (0 < 0.5 < 99.5);
+    # e0 = {a: 100, b: 0.5}, e1 = {c: 1}. b is the only candidate (0 < 0.5 < 99.5);
     # after moving it: 100 vs 1.5, still imbalanced, but a (100) can never move (100 >= gap),
-    # and stage 0 then has one peer: the plan must come to rest, not oscillate.
-    cfg = PlannerConfig(mode="pipeline", num_stages=2)
-    ms = [member("a", tp=100, role="stage", stage=0), member("b", tp=0.5, role="stage", stage=0), member("c", tp=1, role="stage", stage=1)]
+    # and e0 then has one peer: the plan must come to rest, not oscillate.
+    cfg = PlannerConfig(mode="experts", experts=("e0", "e1"))
+    ms = [member("a", tp=100, role="expert", expert="e0"), member("b", tp=0.5, role="expert", expert="e0"), member("c", tp=1, role="expert", expert="e1")]
     settled, n = settle(ms, cfg)
     assert n == 1
-    assert slots(settled, cfg) == {0: ["a"], 1: ["b", "c"]}
+    assert slots(settled, cfg) == {"e0": ["a"], "e1": ["b", "c"]}
 
 
 def test_a_peer_leaving_its_stage_empty_is_replaced_by_one_move():

@@ -108,14 +108,20 @@ def test_a_failing_batch_leaves_nothing_half_written(reg):
 def test_views_feed_the_planner(reg):
     reg.register("a", [], {"tflops": 2.0}, now=1.0)
     reg.register("b", [], {}, now=2.0, wanted_role="trainer")
-    reg.heartbeat("a", now=5.0, samples_per_second=12.5)
     reg.set_assignment("a", "stage", 0, None, epoch=1)
+    reg.heartbeat("a", now=5.0, samples_per_second=12.5)
     views = reg.views()
     assert views[0] == MemberView(
         peer_id="a", last_seen=5.0, registered_at=1.0, role="stage", stage=0, throughput=12.5, capabilities={"tflops": 2.0}
     )
     plan = plan_roles(views, PlannerConfig(mode="pipeline", num_stages=2))
     assert plan.assignments["a"].reason == "kept" and plan.assignments["b"].role == "trainer"
+    reg.set_assignment("a", "stage", 0, None, epoch=2)  # the same work under a new plan: still measured
+    assert reg.get("a").samples_per_second == 12.5
+    reg.set_assignment("a", "stage", 1, None, epoch=3)  # another stage: measured anew
+    assert reg.get("a").samples_per_second is None
+    reg.heartbeat("a", now=6.0)  # a report without a rate keeps none
+    assert reg.get("a").samples_per_second is None
 
 
 def test_meta_values_round_trip_as_json(reg):

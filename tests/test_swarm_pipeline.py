@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.swarm import Swarm, wait_for
+from tests.swarm import Swarm, node_peer_id, wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 
@@ -38,55 +38,71 @@ def micro_batches(swarm, name) -> int:
     return stats(swarm, name, "trainer").get("micro_batches", 0)
 
 
+def placed(coord) -> dict[int, list[str]]:
+    """stage -> peer ids the coordinator assigned to it."""
+    out: dict[int, list[str]] = {}
+    for m in coord.status()["members"]:
+        if m.get("role") == "stage":
+            out.setdefault(m["stage"], []).append(m["peer_id"])
+    return out
+
+
+def by_stage(swarm, names) -> dict[int, list[str]]:
+    """stage -> names of the nodes serving it, from their own stats files."""
+    out: dict[int, list[str]] = {}
+    for name in names:
+        st = stats(swarm, name, "stage")
+        if "stage" in st:
+            out.setdefault(st["stage"], []).append(name)
+    return out
+
+
 def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_peer(swarm):
     coord = swarm.coordinator("coordinator", None, None, *RUN)
     maddr = coord.wait_ready()["maddrs"][0]
     servers = {f"s{i}": swarm.node(f"s{i}", [maddr], *NODE) for i in range(6)}
-    # stage servers first, so the planner spreads them over the stages before the trainers come
-    wait_for(lambda: sorted(m.get("stage") for m in coord.status()["members"] if m.get("role") == "stage") == [0, 0, 1, 1, 2, 2], 120, "two peers per stage")
+    # stage servers first: the planner spreads them over the stages (by their measured speed)
+    wait_for(lambda: len(placed(coord)) == 3 and sum(map(len, placed(coord).values())) == 6, 120, "six stage peers on three stages")
     trainers = {f"t{i}": swarm.node(f"t{i}", [maddr], *NODE, "--wanted-role", "trainer", "--shard-index", str(i)) for i in range(2)}
 
     # both trainers push micro-batches through; every stage server holds only its own layers
     wait_for(lambda: min(micro_batches(swarm, t) for t in trainers) >= 48, 300, "48 micro-batches per trainer")
-    by_stage: dict[int, list[str]] = {}
+    want = {0: {"wte", "wpe", "blocks.0", "blocks.1"}, 1: {"blocks.2"}, 2: {"blocks.3", "ln_f", "lm_head"}}
     for name in servers:
         st = stats(swarm, name, "stage")
-        by_stage.setdefault(st["stage"], []).append(name)
-    assert sorted(len(v) for v in by_stage.values()) == [2, 2, 2], by_stage
+        groups = {p.split(".")[0] if not p.startswith("blocks.") else ".".join(p.split(".")[:2]) for p in st["params"]}
+        assert groups == want[st["stage"]], (name, st["stage"], groups)
+        assert st["calls"]["refused"] == 0, st
+    assert sum(stats(swarm, n, "stage")["calls"]["train"] for n in servers) >= 96
     shown = coord.status()["stages"]  # /status per stage: its peers, their hashes, throughput
-    assert sorted(shown) == ["0", "1", "2"] and all(len(v["peers"]) == 2 and v["state_hashes"] and v["samples_per_second"] > 0 for v in shown.values()), shown
-    want = {0: {"wte", "wpe", "blocks.0", "blocks.1"}, 1: {"blocks.2"}, 2: {"blocks.3", "ln_f", "lm_head"}}
-    for s, names in by_stage.items():
-        for name in names:
-            st = stats(swarm, name, "stage")
-            groups = {p.split(".")[0] if not p.startswith("blocks.") else ".".join(p.split(".")[:2]) for p in st["params"]}
-            assert groups == want[s], (name, s, groups)
-            assert st["steps"] > 0 and st["calls"]["refused"] == 0, st
-    assert sum(stats(swarm, n, "stage")["calls"]["train"] for n in by_stage[2]) >= 96
-    # the two peers of each stage synchronise every 3 s and hold the same parameters afterwards
-    wait_for(lambda: all(len(common_syncs(swarm, names)) >= 2 for names in by_stage.values()), 120, "two common syncs in every stage")
-    for names in by_stage.values():
+    assert sorted(shown) == ["0", "1", "2"] and all(v["peers"] and v["state_hashes"] and v["samples_per_second"] > 0 for v in shown.values()), shown
+    # the peers of a stage synchronise every 3 s and hold the same parameters afterwards
+    shared = [names for names in by_stage(swarm, servers).values() if len(names) >= 2]
+    assert shared, by_stage(swarm, servers)
+    wait_for(lambda: all(len(common_syncs(swarm, names)) >= 2 for names in shared), 120, "two common syncs in every shared stage")
+    for names in shared:
         for n, hashes in common_syncs(swarm, names).items():
             assert len(set(hashes)) == 1, (names, n, hashes)
 
-    # SIGKILL one peer of the middle stage mid-run: its calls go to the other one, nothing is lost
-    victim = by_stage[1][0]
+    # SIGKILL one peer of a stage that has two: its calls go to the other one, nothing is lost
+    victim = next(names for names in by_stage(swarm, servers).values() if len(names) >= 2)[0]
     done_before = {t: micro_batches(swarm, t) for t in trainers}
     servers[victim].kill()
     wait_for(lambda: all(micro_batches(swarm, t) >= done_before[t] + 48 for t in trainers), 300, "48 more micro-batches per trainer after the kill")
     assert not servers[victim].leftovers()
+    alive = {n: p for n, p in servers.items() if n != victim}
 
-    # SIGSTOP one peer of the last stage: calls to it pass their deadline (from its measured call
-    # times) and go to the other peer; after SIGCONT it serves calls again
-    frozen = by_stage[2][0]
+    # SIGSTOP one peer of a stage that has two: calls to it pass their deadline (from its
+    # measured call times) and go to the other peer; after SIGCONT it serves calls again
+    frozen = next(names for names in by_stage(swarm, alive).values() if len(names) >= 2)[0]
     done_before = {t: micro_batches(swarm, t) for t in trainers}
     servers[frozen].stall()
     try:
         wait_for(lambda: all(micro_batches(swarm, t) >= done_before[t] + 32 for t in trainers), 300, "32 more micro-batches per trainer while a peer is frozen")
     finally:
         servers[frozen].resume()
-    served = stats(swarm, frozen, "stage")["calls"]["train"]
-    wait_for(lambda: stats(swarm, frozen, "stage")["calls"]["train"] > served + 16, 120, "the frozen peer to serve calls again after SIGCONT")
+    served = sum(stats(swarm, frozen, "stage")["calls"].values())
+    wait_for(lambda: sum(stats(swarm, frozen, "stage")["calls"].values()) > served + 16, 120, "the frozen peer to serve calls again after SIGCONT")
     for t in trainers:
         log = trainers[t].log()
         deadlines = [float(w.split(" s)")[0]) for w in log.split("timed out after ")[1:]]
@@ -95,3 +111,51 @@ def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_pe
         assert st["lost"] == 0, st
         h = st["history"]
         assert h[-1]["loss"] < h[0]["loss"] - 0.3, [(e["micro_batches"], round(e["loss"], 3)) for e in h]
+
+
+def start_entry(swarm, name) -> dict:
+    """The history entry a stage server wrote when it took its current stage."""
+    return [e for e in stats(swarm, name, "stage").get("history", []) if e.get("start")][-1]
+
+
+def test_a_joiner_takes_its_stage_state_and_the_last_peer_of_a_stage_hands_it_over_on_sigterm(swarm):
+    run = [
+        "--mode", "pipeline", "--num-stages", "2", "--model", "tiny", "--batch-size", "4", "--stage-step-samples", "16",
+        "--micro-batches-in-flight", "4", "--warmup-steps", "5", "--heartbeat-timeout-s", "10", "--stage-sync-every-s", "2",
+    ]  # fmt: skip
+    coord = swarm.coordinator("coordinator", None, None, *run)
+    maddr = coord.wait_ready()["maddrs"][0]
+    nodes = {n: swarm.node(n, [maddr], *NODE) for n in ("a", "b")}
+    wait_for(lambda: sorted(m.get("stage") for m in coord.status()["members"] if m.get("role") == "stage") == [0, 1], 120, "one peer per stage")
+    trainer = swarm.node("t", [maddr], *NODE, "--wanted-role", "trainer")
+    wait_for(lambda: micro_batches(swarm, "t") >= 32, 300, "32 micro-batches")
+
+    # a joiner goes to the stage with less capacity and starts from that stage's state, not the init
+    nodes["c"] = swarm.node("c", [maddr], *NODE)
+    wait_for(lambda: stats(swarm, "c", "stage").get("history"), 120, "c to take a stage")
+    joined = stats(swarm, "c", "stage")["stage"]
+    why = [line for line in coord.proc.log().splitlines() if f"assigned {node_peer_id(nodes['c'])}: stage" in line]
+    assert why and f"stage {joined} (new member: stage {joined} had the least throughput" in why[-1], why
+    holder = next(n for n in ("a", "b") if stats(swarm, n, "stage")["stage"] == joined)
+    first = start_entry(swarm, "c")
+    assert first["state_from"] == node_peer_id(nodes[holder]), first
+    assert first["state_hash"] != start_entry(swarm, holder)["state_hash"]  # what the holder trained, not the initial weights
+    wait_for(lambda: common_syncs(swarm, [holder, "c"]), 120, "c to sync with the other peer of its stage")
+    assert all(len(set(h)) == 1 for h in common_syncs(swarm, [holder, "c"]).values())
+
+    # SIGTERM the last peer of the other stage: a peer of the joined stage moves there and
+    # continues from the leaver's latest parameters (the hash it handed over)
+    leaver = next(n for n in ("a", "b") if n != holder)
+    done_before = micro_batches(swarm, "t")
+    nodes[leaver].terminate()
+    assert nodes[leaver].wait(90) == 0
+    handed = [e for e in stats(swarm, leaver, "stage")["history"] if "handed_over_to" in e]
+    assert handed, stats(swarm, leaver, "stage")["history"][-3:]
+    taker = next(n for n in (holder, "c") if node_peer_id(nodes[n]) == handed[-1]["handed_over_to"])
+    wait_for(lambda: stats(swarm, taker, "stage")["stage"] == 1 - joined, 60, "the taker to serve the left stage")
+    entry = start_entry(swarm, taker)
+    assert entry["state_hash"] == handed[-1]["state_hash"] and entry["state_from"] == node_peer_id(nodes[leaver]), (entry, handed[-1])
+    wait_for(lambda: micro_batches(swarm, "t") >= done_before + 32, 300, "32 more micro-batches after the handover")
+    st = stats(swarm, "t", "trainer")
+    assert st["lost"] == 0 and st["history"][-1]["loss"] < st["history"][0]["loss"] - 0.3, st
+    assert trainer.alive()
