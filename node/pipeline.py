@@ -6,15 +6,19 @@
 
 A micro-batch goes stage by stage through the trainer, which keeps each stage's input:
 forward on stages 0..S-2, `train` on the last (forward, loss and backward in one call), then
-backward on S-2..0. Backward recomputes the stage's forward from the input the trainer sends
-again, so it may run on any peer of the stage, not only the one that ran forward: servers keep
-no state per micro-batch, a peer that dies or stalls loses nothing but the call in progress, and
-the trainer retries that call on another peer of the stage. The price is one more forward per
-stage and the stage's input sent twice (measured in bench/pipeline.py).
+backward on S-2..0. The peer that ran a forward keeps its autograd graph (at most `MAX_SAVED`,
+for `SAVED_S`), and the backward goes to that peer with only the gradient. Where that peer is
+gone or no longer has the graph, the trainer sends the backward with the stage's input again
+to any peer of the stage, which recomputes the forward: a peer that dies or stalls loses
+nothing but the call in progress. (Recomputing every backward, as SWARM does, measured 0.73x
+the samples/s of torch.distributed.pipelining on this machine: a fourth more compute on every
+stage but the last; see bench/pipeline.py.) Optimizer steps do not wait for the graphs kept: a
+kept graph saves a copy of the weights it used (one copy per parameter between two steps,
+PipeDream's weight stashing), so its backward computes the gradient of the forward it ran.
 
-A stage server takes the calls queued at the moment it is free as one batch (calls of the same
-kind and shape, up to `MAX_BATCH_SAMPLES`), so several trainers share one forward; it adds no
-waiting of its own. Gradients of every backward accumulate; after `stage_step_samples` samples
+A stage server takes the calls queued at the moment it is free as one batch (forwards that keep
+no graph, recomputing backwards and train calls of the same shape, up to `MAX_BATCH_SAMPLES`),
+so several trainers share one forward; it adds no waiting of its own. Gradients of every backward accumulate; after `stage_step_samples` samples
 the server takes an AdamW step (the run's learning rate schedule, gradients clipped per stage).
 
 The peers of a stage stay in step DiLoCo-style: every `stage_sync_every_s` seconds of wall-clock
@@ -73,6 +77,8 @@ MAX_BATCH_SAMPLES = 256  # sequences one call, or one batch of queued calls, may
 MAX_ABS = 1e6  # |activation| or |gradient| beyond this is refused as garbage
 PEERS_REFRESH_S = 2.0  # how often a trainer reads the stages' member records from the DHT
 REPORT_EVERY = 8  # micro-batches per entry of a trainer's loss history
+MAX_SAVED = 32  # forward graphs a stage server keeps for their backward (oldest dropped first)
+SAVED_S = 60.0  # seconds a kept forward graph waits for its backward
 KEEP_STATES = 2  # states a stage server keeps on disk (the latest is served)
 MIN_RATE_BATCHES = 16  # batches a stage server computes before it reports how fast it is
 HANDOVER_S = 60.0  # longest the last peer of a stage waits on SIGTERM for a peer to take its state
@@ -87,6 +93,10 @@ def activation_codec(run: RunConfig, n_embd: int):
 
 
 _TOKENS = make_codec("none")
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def encode_floats(codec, t: torch.Tensor) -> EncodedTensor:
@@ -109,9 +119,21 @@ def decode_checked(enc: EncodedTensor, max_numel: int, what: str) -> torch.Tenso
 @dataclass
 class _Pending:
     op: str
-    x: torch.Tensor
+    x: torch.Tensor | None  # None: a backward from the graph this peer kept (`key`)
     extra: torch.Tensor | None  # grad (backward) or targets (train)
+    key: tuple[str, str] | None = None  # (caller, micro-batch): the graph a forward keeps, or a backward uses
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def alone(self) -> bool:
+        """Computed on its own: its graph is kept, or was."""
+        return self.key is not None
+
+    @property
+    def samples(self) -> int:
+        return (self.x if self.x is not None else self.extra).size(0)
+
+
 
 
 class StageServer(Role):
@@ -153,7 +175,7 @@ class StageServer(Role):
         self._acc_samples = 0
         self._acc_calls = 0  # micro-batches in the current accumulation (gradients are averaged over them)
         self.hash = ""
-        self.calls = {"forward": 0, "backward": 0, "train": 0, "refused": 0, "batched": 0}
+        self.calls = {"forward": 0, "backward": 0, "train": 0, "refused": 0, "batched": 0, "kept": 0}  # kept: backwards through a kept graph
         self.history: list[dict[str, Any]] = []
         self._queue: deque[_Pending] = deque()
         self._wake = asyncio.Event()
@@ -172,6 +194,9 @@ class StageServer(Role):
                 join_timeout_s=min(run.join_timeout_s, run.stage_sync_every_s / 2), bandwidth=node_config.bandwidth_mbps * 1e6 / 8,
             ),
         )  # fmt: skip
+        self._saved: dict[tuple[str, str], tuple[float, torch.Tensor, torch.Tensor]] = {}  # key -> (when, input, output); the compute thread's
+        self._stash: dict[tuple, torch.Tensor] = {}  # a weight (or view of one) -> its value for the graphs kept since the last step
+        self._param_storages: set[int] = set()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stage", initializer=torch.set_num_threads, initargs=(node_config.torch_threads(),))
 
     async def _compute(self, fn, *args):
@@ -242,6 +267,11 @@ class StageServer(Role):
                         if not p.done.done():
                             p.done.set_result(r)
                     raise
+            except (RPCError, RemoteProtocolError) as e:  # the call's own problem, found in compute: its caller hears it
+                for p in batch:
+                    if not p.done.done():
+                        p.done.set_exception(e)
+                continue
             except Exception as e:  # our bug, or the tensors together broke something: every caller hears it
                 log.exception("stage %d: a %s batch failed", self.index, batch[0].op)
                 for p in batch:
@@ -374,6 +404,7 @@ class StageServer(Role):
 
     def _apply_outer(self, avg: list[torch.Tensor]) -> None:
         copy_into(self.stage.parameters(), self.outer.apply(avg))
+        self._stash = {}
         self.hash = self._params_hash()
 
     async def stop(self, planned: bool = True) -> None:
@@ -430,13 +461,15 @@ class StageServer(Role):
     def _take_batch(self) -> list[_Pending]:
         """The first queued call and those queued behind it that can share its compute."""
         first = self._queue.popleft()
-        batch, n = [first], first.x.size(0)
+        if first.alone:
+            return [first]
+        batch, n = [first], first.samples
         rest: deque[_Pending] = deque()
         while self._queue:
             p = self._queue.popleft()
-            if p.op == first.op and p.x.shape[1:] == first.x.shape[1:] and n + p.x.size(0) <= MAX_BATCH_SAMPLES:
+            if not p.alone and p.op == first.op and p.x.shape[1:] == first.x.shape[1:] and n + p.samples <= MAX_BATCH_SAMPLES:
                 batch.append(p)
-                n += p.x.size(0)
+                n += p.samples
             else:
                 rest.append(p)
         self._queue = rest
@@ -453,11 +486,13 @@ class StageServer(Role):
         except (RemoteProtocolError, StageInputError) as e:
             self.calls["refused"] += 1
             raise RemoteProtocolError(f"stage {self.index} {req.op}: {e}") from None  # bad_request; the sender is scored down
-        p = _Pending(req.op, x, extra)
+        keep = req.micro_batch and (req.op == "forward" or (req.op == "backward" and x is None))
+        p = _Pending(req.op, x, extra, (ctx.peer_id, req.micro_batch) if keep else None)
         self._queue.append(p)
         self._wake.set()
         loss, out = await p.done
         self.calls[req.op] += 1
+        self.calls["kept"] += p.op == "backward" and p.x is None
         tensors = {} if out is None else {"y" if req.op == "forward" else "grad": encode_floats(self.codec, out)}
         return StageResult(loss=loss, **pack_tensors(tensors))
 
@@ -468,8 +503,15 @@ class StageServer(Role):
         want = {"forward": {"x"}, "backward": {"x", "grad"}, "train": {"x", "targets"}}[req.op]
         if req.op == "train" and not self.stage.last:
             raise StageInputError(f"train goes to the last stage ({len(self.plan) - 1}), not to stage {self.index}")
-        if req.op == "forward" and self.stage.last:
-            raise StageInputError("the last stage takes train calls (forward, loss and backward at once), not forward")
+        if req.op in ("forward", "backward") and self.stage.last:
+            raise StageInputError(f"the last stage takes train calls (forward, loss and backward at once), not {req.op}")
+        if req.op == "backward" and set(encoded) == {"grad"}:  # from the graph its forward kept here
+            if not req.micro_batch:
+                raise StageInputError("a backward without the stage's input must name its micro-batch")
+            grad = decode_checked(encoded["grad"], self.max_numel, "grad")
+            if grad.dtype != torch.float32 or grad.dim() != 3 or grad.size(2) != self.model_config.n_embd:
+                raise StageInputError(f"grad must be float32 (batch, time, {self.model_config.n_embd}), got {grad.dtype} {tuple(grad.shape)}")
+            return None, grad
         if set(encoded) != want:
             raise StageInputError(f"{req.op} carries tensors {sorted(want)}, got {sorted(encoded)}")
         if self.stage.first and encoded["x"].codec != "none":
@@ -497,12 +539,15 @@ class StageServer(Role):
 
     def _run_batch(self, batch: list[_Pending]) -> list[tuple[float | None, torch.Tensor | None]]:
         t0 = time.monotonic()
-        op, sizes = batch[0].op, [p.x.size(0) for p in batch]
+        if batch[0].alone:
+            return [self._run_kept(batch[0], t0)]
+        op, sizes = batch[0].op, [p.samples for p in batch]
         x = torch.cat([p.x for p in batch]) if len(batch) > 1 else batch[0].x
         stage = self.stage
         if op == "forward":
             with torch.no_grad():
                 y = stage(x)
+            self._rate.append((time.monotonic() - t0, 0))
             return [(None, y_i) for y_i in y.split(sizes)]
         if not stage.first:
             x = x.detach().requires_grad_(True)
@@ -521,12 +566,52 @@ class StageServer(Role):
                 self.opt.zero_grad(set_to_none=True)
                 self._acc_samples = self._acc_calls = 0
                 raise FloatingPointError(f"non-finite loss {losses}")
-        self._acc_samples += sum(sizes)
-        self._acc_calls += len(batch)
-        self.samples += sum(sizes)
-        self._rate.append((time.monotonic() - t0, sum(sizes)))
+        self._accumulated(sum(sizes), len(batch), t0)
         grads = x.grad.split(sizes) if x.grad is not None else [None] * len(batch)
         return list(zip(losses, grads))
+
+    def _stash_weights(self, t: torch.Tensor) -> torch.Tensor:
+        """What a kept graph saves of a weight (the parameter, or a view of it such as the
+        transpose a linear layer saves): a copy, shared by the graphs kept until the weights
+        change, so an optimizer step in between does not touch what their backward uses."""
+        if t.untyped_storage().data_ptr() not in self._param_storages:
+            return t
+        key = (t.untyped_storage().data_ptr(), tuple(t.shape), t.stride(), t.storage_offset())
+        kept = self._stash.get(key)
+        if kept is None:
+            kept = self._stash[key] = t.detach().clone()
+        return kept
+
+    def _accumulated(self, samples: int, calls: int, t0: float) -> None:
+        self._acc_samples += samples
+        self._acc_calls += calls
+        self.samples += samples
+        self._rate.append((time.monotonic() - t0, samples))
+
+    def _run_kept(self, p: _Pending, t0: float) -> tuple[float | None, torch.Tensor | None]:
+        """A forward that keeps its graph, or the backward through a kept graph."""
+        if p.op == "forward":
+            now = time.monotonic()
+            for key in [k for k, (when, _, _) in self._saved.items() if now - when > SAVED_S]:
+                del self._saved[key]  # their trainers went elsewhere
+            while len(self._saved) >= MAX_SAVED:
+                del self._saved[next(iter(self._saved))]
+            x = p.x if self.stage.first else p.x.detach().requires_grad_(True)
+            self._param_storages = {q.untyped_storage().data_ptr() for q in self.stage.parameters()}
+            with torch.autograd.graph.saved_tensors_hooks(self._stash_weights, _same):
+                y = self.stage(x)
+            self._saved[p.key] = (now, x, y)
+            self._rate.append((time.monotonic() - t0, 0))
+            return None, y.detach()
+        kept = self._saved.pop(p.key, None)
+        if kept is None:
+            raise RPCError("not_found", f"no forward of micro-batch {p.key[1]!r} kept here: send the stage's input")
+        _, x, y = kept
+        if p.extra.shape != y.shape:
+            raise RemoteProtocolError(f"stage {self.index} backward: grad has shape {tuple(p.extra.shape)}, the forward gave {tuple(y.shape)}")
+        y.backward(p.extra)
+        self._accumulated(x.size(0), 1, t0)
+        return None, x.grad
 
     def _step(self) -> None:
         """An optimizer step on the gradients accumulated since the last, averaged per micro-batch."""
@@ -540,6 +625,7 @@ class StageServer(Role):
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(self.steps, self.train_config)
             self.opt.step()
+            self._stash = {}
             self.steps += 1
         self.opt.zero_grad(set_to_none=True)
         self._acc_samples = self._acc_calls = 0
@@ -754,23 +840,52 @@ class Trainer(Role):
         """One micro-batch through every stage and back; its loss, or None if it was given up."""
         last = len(self.plan) - 1
         try:
-            inputs = [x]
+            inputs, forward_peers = [x], []
             for s in range(last):
-                (out,), _ = await self._call(s, "forward", name, {"x": inputs[-1]}, ("y",))
+                (out,), _, peer = await self._call(s, "forward", name, {"x": inputs[-1]}, ("y",))
                 inputs.append(out)
-            outs, loss = await self._call(last, "train", name, {"x": inputs[-1], "targets": y}, ("grad",) if last else ())
+                forward_peers.append(peer)
+            outs, loss, _ = await self._call(last, "train", name, {"x": inputs[-1], "targets": y}, ("grad",) if last else ())
             grad = outs[0] if last else None
             for s in range(last - 1, -1, -1):
                 want = ("grad",) if s > 0 else ()
-                outs, _ = await self._call(s, "backward", name, {"x": inputs[s], "grad": grad}, want)
+                outs = await self._backward_kept(s, forward_peers[s], name, grad, want, inputs[s].shape[:2])
+                if outs is None:  # that peer is gone or kept no graph: recompute, on any peer of the stage
+                    outs, _, _ = await self._call(s, "backward", name, {"x": inputs[s], "grad": grad}, want)
                 grad = outs[0] if want else None
             return loss
         except _GiveUp as e:
             log.error("micro-batch %s given up: %s", name, e)
             return None
 
+    async def _backward_kept(self, stage: int, peer: str, name: str, grad: torch.Tensor, want: tuple[str, ...], bt: torch.Size):
+        """The backward on the peer that ran the forward, through the graph it kept: only the
+        gradient travels. None when that does not work out (the caller recomputes elsewhere)."""
+        request = StageCall(stage=stage, op="backward", micro_batch=name, **pack_tensors({"grad": encode_floats(self.codec, grad)}))
+        st = self.peers.peers.get(peer)
+        if st is None or st.banned_until > time.monotonic():
+            return None
+        st.inflight += 1
+        t0 = time.monotonic()
+        try:
+            reply = await self.transport.send(peer, request, timeout=self.peers.timeout(peer), reuse=True)
+            outs = self._outputs(reply, want, bt, "backward")
+        except (*NETWORK_ERRORS, RemoteProtocolError) as e:
+            if not (isinstance(e, RemoteError) and e.code == "not_found"):  # not_found: it dropped the graph, nothing wrong
+                self.peers.failed(peer, time.monotonic())
+                self.retries += 1
+                log.info("stage %d backward of %s on %s failed (%s); recomputing elsewhere", stage, name, peer[-8:], _short(e))
+            return None
+        finally:
+            st.inflight -= 1
+        self.peers.succeeded(peer, time.monotonic() - t0)
+        self.bytes_sent += len(request.data)
+        self.bytes_received += len(reply.data)
+        return outs
+
     async def _call(self, stage: int, op: str, name: str, tensors: dict[str, torch.Tensor], want: tuple[str, ...]):
-        """One stage call, retried on other peers of the stage until one answers well."""
+        """One stage call, retried on other peers of the stage until one answers well; (tensors
+        wanted, loss, the peer that answered)."""
         encoded = {k: (_TOKENS.encode(t) if not t.is_floating_point() else encode_floats(self.codec, t)) for k, t in tensors.items()}
         request = StageCall(stage=stage, op=op, micro_batch=name, **pack_tensors(encoded))
         refused: list[str] = []
@@ -803,7 +918,7 @@ class Trainer(Role):
             self.peers.succeeded(peer, time.monotonic() - t0)
             self.bytes_sent += len(request.data)
             self.bytes_received += len(reply.data)
-            return outs, reply.loss
+            return outs, reply.loss, peer
 
     def _outputs(self, reply, want: tuple[str, ...], bt: torch.Size, op: str) -> list[torch.Tensor]:
         """The tensors of a stage's reply, checked: a peer that sends garbage is treated as failed."""

@@ -68,9 +68,9 @@ async def stage_servers(tmp_path, run: RunConfig, config: TransportConfig = Tran
             await h.shutdown()
 
 
-async def call(client, server, op, stage=None, **tensors) -> StageResult:
+async def call(client, server, op, stage=None, micro_batch="m", **tensors) -> StageResult:
     enc = {k: NONE.encode(v) for k, v in tensors.items()}
-    req = StageCall(stage=server.index if stage is None else stage, op=op, micro_batch="m", **pack_tensors(enc))
+    req = StageCall(stage=server.index if stage is None else stage, op=op, micro_batch=micro_batch, **pack_tensors(enc))
     return await client.send(server.transport.peer_id, req, timeout=20, reuse=True)
 
 
@@ -103,6 +103,49 @@ def test_calls_chained_through_stage_servers_give_the_models_loss_and_gradients(
     for n, g in grads.items():
         torch.testing.assert_close(g, want[n].grad, rtol=1e-5, atol=1e-6, msg=n)
     assert s0.samples == s1.samples == 3 and s0.steps == 0  # accumulated, no step yet (10 000 samples per step)
+
+
+def test_a_backward_through_the_graph_its_forward_kept_gives_the_same_gradients_without_the_input(tmp_path):
+    run = RunConfig(model="tiny", num_stages=2, stage_step_samples=3, seed=3)  # a step after each micro-batch
+    cfg = run.model_config()
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randint(0, cfg.vocab_size, (3, 16), generator=gen) for _ in range(2)]
+
+    async def main():
+        async with stage_servers(tmp_path, run) as ((s0, s1), client):
+            # micro-batch a's forward, then b's whole round trip (s0 steps on b's gradients), then
+            # a's backward through its kept graph: it must use the weights a's forward saw
+            before = {n: p.detach().clone() for n, p in s0.stage.named_parameters()}
+            ya = out(await call(client, s0, "forward", x=xs[0], micro_batch="a"), "y")
+            yb = out(await call(client, s0, "forward", x=xs[1], micro_batch="b"), "y")
+            gb = out(await call(client, s1, "train", x=yb, targets=xs[1]), "grad")
+            await call(client, s0, "backward", grad=gb, micro_batch="b")
+            for _ in range(100):
+                if s0.steps:
+                    break
+                await asyncio.sleep(0.05)
+            assert s0.steps == 1 and s0.calls["kept"] == 1
+            ga = out(await call(client, s1, "train", x=ya, targets=xs[0]), "grad")
+            r = await call(client, s0, "backward", grad=ga, micro_batch="a")
+            assert unpack_tensors(r) == {} and s0.calls["kept"] == 2
+            got = {n: p.grad.clone() for n, p in s0.stage.named_parameters()}
+            with pytest.raises(RemoteError, match=r"not_found: no forward of micro-batch 'a' kept here"):
+                await call(client, s0, "backward", grad=ga, micro_batch="a")  # used up
+            return before, got, ga
+
+    before, got, ga = asyncio.run(main())
+    # what a's gradients are with the weights before the step
+    model = init_model(cfg, 3)
+    stage0 = {n: p for n, p in model.named_parameters() if n in before}
+    with torch.no_grad():
+        for n, p in stage0.items():
+            p.copy_(before[n])
+    from node.stages import Stage
+
+    ref = Stage.from_gpt(model, 0, RUN.stage_plan())
+    ref(xs[0]).backward(ga)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_a_stage_server_steps_after_its_samples_and_reports_a_new_hash(tmp_path):

@@ -1,0 +1,353 @@
+"""Pipeline training side by side: one process, torch.distributed.pipelining, and the swarm.
+
+    python -m bench.pipeline --json [--model small] [--stages 3] [--samples 2048] [--arms a,b,c,d,e]
+
+Every arm trains the same model, cut the same way (node/stages.py plan_stages), on the same
+micro-batches of the built-in corpus (batch size B sequences), with AdamW stepping every
+`step_samples` samples (gradients averaged over the micro-batches in between), until `samples`
+samples went through:
+
+  (a) the whole model in one process;
+  (b) torch.distributed.pipelining, Schedule1F1B over gloo, one process per stage, one optimizer
+      step per schedule step (step_samples / B micro-batches);
+  (c) the swarm: a coordinator, one stage server per stage, one trainer (real processes, real p2pd);
+  (d) the swarm with two peers per stage and two trainers (the samples are split between them);
+  (e) (d) with one stage peer SIGKILLed and started again every `kill_every_s` seconds.
+
+Reported per arm: samples/s (from the end of the first optimizer step, or the trainer's first
+report, to the last sample), the training loss over the last window of micro-batches before
+`samples`, bytes per sample across stage boundaries, lost micro-batches. Every process gets one
+torch thread. Prints one JSON object; exits 1 if an arm failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = 8  # micro-batches per loss report of a trainer (node/pipeline.py REPORT_EVERY)
+WINDOW = 32  # micro-batches the final loss is the mean of (a multiple of REPORT)
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = "small"
+    stages: int = 3
+    batch_size: int = 8
+    samples: int = 2048
+    step_samples: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    seed: int = 0
+    in_flight: int = 4
+    kill_every_s: float = 30.0
+    activation_codec: str = "none"
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
+
+
+# ---- (a) one process -----------------------------------------------------------------------------
+
+
+def run_single(s: Settings) -> dict:
+    import torch
+
+    from node.data import Batches, load_corpus
+    from node.diloco import TrainConfig, lr_at
+    from node.model import PRESETS, init_model
+
+    torch.set_num_threads(1)
+    cfg = PRESETS[s.model]
+    model = init_model(cfg, s.seed)
+    tc = TrainConfig(inner_lr=s.lr, warmup_steps=s.warmup_steps)
+    opt = _adamw(model.parameters(), tc)
+    batches = Batches(load_corpus().train, 0, 1, s.batch_size, cfg.context, s.seed)
+    per_step = s.step_samples // s.batch_size
+    losses, t_first, steps = [], None, 0
+    for i in range(s.samples // s.batch_size):
+        x, y = batches.next()
+        _, loss = model(x, y)
+        (loss / per_step).backward()
+        losses.append(loss.item())
+        if (i + 1) % per_step == 0:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(steps, tc)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            steps += 1
+            if t_first is None:
+                t_first, first_samples = time.perf_counter(), (i + 1) * s.batch_size
+    seconds = time.perf_counter() - t_first
+    return {"samples_per_s": (s.samples - first_samples) / seconds, "final_loss": sum(losses[-WINDOW:]) / WINDOW, "bytes_per_sample": 0, "lost": 0}
+
+
+def _adamw(params, tc):
+    import torch
+
+    params = list(params)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay}, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tc.inner_lr, betas=(tc.beta1, tc.beta2))
+
+
+# ---- (b) torch.distributed.pipelining ------------------------------------------------------------
+
+
+def run_torch_pipeline(s: Settings, work: Path, timeout: float) -> dict:
+    port = _free_port()
+    work.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for r in range(s.stages):
+        log = open(work / f"rank{r}.log", "wb")
+        cmd = [sys.executable, "-m", "bench.pipeline", "--rank", str(r), "--port", str(port), "--settings", json.dumps(asdict(s)), "--out", str(work / f"rank{r}.json")]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+    try:
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                raise RuntimeError("a rank failed or the arm timed out:\n" + _tail(work / "rank0.log") + "\n" + _tail(work / f"rank{s.stages - 1}.log"))
+            time.sleep(0.2)
+    finally:
+        _stop_all(procs)
+    last = json.loads((work / f"rank{s.stages - 1}.json").read_text())
+    first = json.loads((work / "rank0.json").read_text())
+    return {**last, "samples_per_s": (s.samples - first["first_samples"]) / first["seconds"]}
+
+
+def rank_main(rank: int, port: int, s: Settings, out: Path) -> int:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from node.data import Batches, load_corpus
+    from node.diloco import TrainConfig, lr_at
+    from node.model import PRESETS
+    from node.stages import init_stage, plan_stages
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=s.stages, timeout=datetime.timedelta(seconds=600))
+    cfg = PRESETS[s.model]
+    plan = plan_stages(cfg, s.stages)
+    stage = init_stage(cfg, rank, plan, s.seed)
+    last = rank == s.stages - 1
+
+    class Logits(torch.nn.Module):  # the pipelining stage must hand on a tensor: the last one its logits
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            out = self.inner(x)
+            return out[0] if last else out
+
+    module = Logits(stage)
+    n_micro = s.step_samples // s.batch_size
+    pstage = PipelineStage(module, rank, s.stages, torch.device("cpu"))
+    losses: list = []
+
+    def loss_fn(logits, target):
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+        return loss
+
+    schedule = Schedule1F1B(pstage, n_micro, loss_fn=loss_fn)
+    tc = TrainConfig(inner_lr=s.lr, warmup_steps=s.warmup_steps)
+    opt = _adamw(module.parameters(), tc)
+    batches = Batches(load_corpus().train, 0, 1, s.batch_size, cfg.context, s.seed)  # the micro-batches of (a), in order
+    steps, t_first, first_samples, done = 0, None, 0, 0
+    while done < s.samples:
+        pairs = [batches.next() for _ in range(n_micro)]
+        x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+        for g in opt.param_groups:
+            g["lr"] = lr_at(steps, tc)
+        if rank == 0:
+            schedule.step(x)
+        elif last:
+            step_losses: list = []
+            schedule.step(target=y, losses=step_losses)
+            losses.extend(float(v) for v in step_losses)
+        else:
+            schedule.step()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), tc.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps += 1
+        done += s.step_samples
+        if t_first is None:
+            t_first, first_samples = time.perf_counter(), done
+    seconds = time.perf_counter() - t_first
+    act = s.batch_size * cfg.context * cfg.n_embd * 4
+    result = {
+        "seconds": seconds, "first_samples": first_samples, "lost": 0,
+        "bytes_per_sample": 2 * (s.stages - 1) * act / s.batch_size,  # each boundary: activations forward, their gradient back
+    }  # fmt: skip
+    if last:
+        result["final_loss"] = sum(losses[-WINDOW:]) / WINDOW
+    out.write_text(json.dumps(result))
+    dist.destroy_process_group()
+    return 0
+
+
+# ---- (c), (d), (e) the swarm -----------------------------------------------------------------------
+
+
+def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill: bool, timeout: float) -> dict:
+    from tests.swarm import Swarm, wait_for
+
+    sw = Swarm(work)
+    work.mkdir(parents=True, exist_ok=True)
+    run = [
+        "--mode", "pipeline", "--num-stages", str(s.stages), "--model", s.model, "--batch-size", str(s.batch_size),
+        "--stage-step-samples", str(s.step_samples), "--micro-batches-in-flight", str(s.in_flight), "--inner-lr", str(s.lr),
+        "--warmup-steps", str(s.warmup_steps), "--seed", str(s.seed), "--activation-codec", s.activation_codec,
+        "--heartbeat-timeout-s", "10", "--log-level", "WARNING",
+    ]  # fmt: skip
+    node = ["--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "1", "--log-level", "WARNING"]
+
+    def stats(name: str) -> dict:
+        try:
+            return json.loads((work / name / "trainer-stats.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    try:
+        coord = sw.coordinator("coordinator", None, None, *run)
+        maddr = coord.wait_ready()["maddrs"][0]
+        servers = {f"s{i}": sw.node(f"s{i}", [maddr], *node) for i in range(s.stages * peers_per_stage)}
+
+        def placed() -> dict:
+            out: dict = {}
+            for m in coord.status()["members"]:
+                if m.get("role") == "stage":
+                    out.setdefault(m["stage"], []).append(m["peer_id"])
+            return out
+
+        wait_for(lambda: len(placed()) == s.stages and sum(map(len, placed().values())) == len(servers), 120, "every stage server placed")
+        names = [f"t{i}" for i in range(trainers)]
+        # one trainer reads the micro-batches (a) and (b) read, in the same order; two split the data
+        shards = ["--num-shards", str(trainers)]
+        procs = {n: sw.node(n, [maddr], *node, "--wanted-role", "trainer", "--shard-index", str(i), *shards) for i, n in enumerate(names)}
+        per_trainer = s.samples // trainers
+        kills, next_kill, victim_i = 0, time.monotonic() + s.kill_every_s, 0
+        deadline = time.monotonic() + timeout
+        while not all(stats(n).get("samples", 0) >= per_trainer for n in names):
+            if time.monotonic() > deadline or not all(p.alive() for p in procs.values()):
+                raise RuntimeError(f"the swarm arm did not reach {per_trainer} samples per trainer in {timeout:.0f} s: {[stats(n).get('samples') for n in names]}")
+            if kill and time.monotonic() >= next_kill:
+                name = f"s{victim_i % len(servers)}"
+                victim_i += 1
+                servers[name].kill()
+                servers[name].wait(30)
+                servers[name] = sw.node(name, [maddr], *node)  # the same data dir and identity: it comes back
+                kills += 1
+                next_kill = time.monotonic() + s.kill_every_s
+            time.sleep(0.5)
+        rates, losses, lost, nbytes, samples = [], [], 0, 0, 0
+        for n in names:
+            st = stats(n)
+            h = [e for e in st["history"] if e["micro_batches"] * s.batch_size <= per_trainer] or st["history"]
+            first, end = st["history"][0], h[-1]
+            span = end["time"] - first["time"]
+            rates.append((end["micro_batches"] - first["micro_batches"]) * s.batch_size / span if span > 0 else 0.0)
+            tail = h[-(WINDOW // REPORT) :]
+            losses.append(sum(e["loss"] for e in tail) / len(tail))
+            lost += st["lost"]
+            nbytes += st["bytes_sent"] + st["bytes_received"]
+            samples += st["samples"]
+        return {"samples_per_s": sum(rates), "final_loss": sum(losses) / len(losses), "bytes_per_sample": nbytes / max(samples, 1), "lost": lost, "kills": kills}
+    finally:
+        sw.close()
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _stop_all(procs) -> None:
+    from bench.workers import kill_session
+
+    for p in procs:
+        kill_session(p.pid)
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (the default output)")
+    p.add_argument("--arms", default="a,b,c,d", help="which arms to run, e.g. a,b,c,d,e")
+    p.add_argument("--work-dir", default="", help="where the arms' logs go (default: a temporary directory)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds each arm may take")
+    for f in Settings.__dataclass_fields__.values():
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--settings", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rank is not None:
+        return rank_main(args.rank, args.port, Settings(**json.loads(args.settings)), Path(args.out))
+    s = Settings(**{k: getattr(args, k) for k in Settings.__dataclass_fields__})
+    if s.step_samples % s.batch_size or s.samples % (2 * s.step_samples):
+        print("error: --step-samples must be a multiple of --batch-size, and --samples of 2 x --step-samples", file=sys.stderr)
+        return 2
+    import tempfile
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-pipeline-"))
+    arms = {
+        "a": ("the model in one process", lambda: run_single(s)),
+        "b": ("torch.distributed.pipelining 1F1B over gloo, one process per stage", lambda: run_torch_pipeline(s, work / "b", args.timeout)),
+        "c": ("swarm: 1 peer per stage, 1 trainer", lambda: run_swarm(s, work / "c", 1, 1, False, args.timeout)),
+        "d": ("swarm: 2 peers per stage, 2 trainers", lambda: run_swarm(s, work / "d", 2, 2, False, args.timeout)),
+        "e": (f"swarm (d), a stage peer SIGKILLed and restarted every {s.kill_every_s:g} s", lambda: run_swarm(s, work / "e", 2, 2, True, args.timeout)),
+    }
+    rows = []
+    for key in args.arms.split(","):
+        name, fn = arms[key]
+        t0 = time.monotonic()
+        try:
+            row = {"arm": key, "name": name, "status": "ok", **fn()}
+        except Exception as e:  # one arm failing must not hide the others' results
+            row = {"arm": key, "name": name, "status": "failed", "error": f"{type(e).__name__}: {e}"}
+        row["wall_s"] = round(time.monotonic() - t0, 1)
+        rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    by = {r["arm"]: r for r in rows if r["status"] == "ok"}
+    ratios = {}
+    if "b" in by and "c" in by:
+        ratios["c_over_b_samples_per_s"] = round(by["c"]["samples_per_s"] / by["b"]["samples_per_s"], 3)
+    if "a" in by and "c" in by:
+        ratios["c_loss_over_a"] = round(by["c"]["final_loss"] / by["a"]["final_loss"], 4)
+    if "d" in by and "e" in by:
+        ratios["e_over_d_samples_per_s"] = round(by["e"]["samples_per_s"] / by["d"]["samples_per_s"], 3)
+    print(json.dumps({"settings": asdict(s), "arms": rows, "ratios": ratios, "work_dir": str(work)}, indent=1))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

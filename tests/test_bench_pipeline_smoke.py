@@ -1,0 +1,28 @@
+"""The pipeline benchmark runs end to end on a tiny setting and reports comparable arms."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_pipeline_bench_runs_one_process_and_torch_pipelining_on_the_same_micro_batches(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.pipeline", "--json", "--arms", "a,b", "--model", "tiny", "--stages", "2", "--samples", "128",
+         "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    a, b = result["arms"]
+    assert a["status"] == b["status"] == "ok" and a["samples_per_s"] > 0 and b["samples_per_s"] > 0
+    # both trained the same model on the same micro-batches from the same weights: close losses
+    assert abs(a["final_loss"] - b["final_loss"]) < 0.25 * a["final_loss"], (a, b)
+    assert b["bytes_per_sample"] == 2 * 1 * 4 * 64 * 64 * 4 / 4  # one boundary: activations and their gradients, fp32
+
+
+def test_pipeline_bench_refuses_settings_that_do_not_divide():
+    out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--samples", "100", "--arms", "a"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--samples of 2 x --step-samples" in out.stderr
