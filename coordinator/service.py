@@ -33,6 +33,7 @@ from protocol.records import CoordinatorRecord, coordinator_key
 from node.config import ConfigError
 from node.daemon import check_data_dir, load_identity
 from node.p2p import Host, HostConfig
+from node.roles import label_of
 from node.state_server import CheckpointServer
 from node.transport import CallContext, RPCError, Transport
 
@@ -72,8 +73,14 @@ def _plan_and_store(registry: Registry, planner: PlannerConfig) -> Plan:
 
 
 def _heartbeat(registry: Registry, req: Heartbeat, now: float) -> Member | None:
-    """Store a heartbeat and its progress point; None for an unknown peer."""
-    member = registry.heartbeat(req.peer_id, now, req.step, req.loss, req.samples_per_second, req.state_hash)
+    """Store a heartbeat and its progress point; None for an unknown peer. A throughput measured
+    at other work than the member's current assignment (it has not switched yet) is dropped."""
+    rate = req.samples_per_second
+    if req.measured_as:
+        current = registry.get(req.peer_id)
+        if current is None or req.measured_as != label_of(current.role, current.stage, current.expert):
+            rate = None
+    member = registry.heartbeat(req.peer_id, now, req.step, req.loss, rate, req.state_hash)
     if member is not None and req.loss is not None:
         registry.record_progress(req.step, req.loss, now, req.peer_id)
     return member
@@ -128,6 +135,8 @@ class Coordinator:
         self.evictions = 0
         self.reasons: dict[str, str] = {}  # why each member has its role (for its log and ours)
         self.hash_reports: dict[int, dict[str, str]] = {}  # step -> peer -> state hash it reported
+        self.stage_hash_reports: dict[tuple[int, int], dict[str, str]] = {}  # (stage, sync round) -> peer -> hash
+        self.stage_stores: dict[int, CheckpointStore] = {}  # pipeline mode: each stage's checkpoints
         self.run_config = json.dumps(config.run_config(), sort_keys=True).encode()
         self.started_at = time.time()
         self._tasks: list[asyncio.Task] = []
@@ -168,6 +177,10 @@ class Coordinator:
             raise ConfigError(str(e)) from None
         try:
             self.store = CheckpointStore(data / "checkpoints", keep=c.keep_checkpoints, signing_key=key)
+            if c.mode == "pipeline":
+                self.stage_stores = {
+                    i: CheckpointStore(data / "stage-checkpoints" / f"stage-{i}", keep=c.keep_checkpoints, signing_key=key) for i in range(c.run.num_stages)
+                }
         except (CheckpointError, OSError) as e:
             raise ConfigError(f"checkpoint store: {e}") from None
         return key
@@ -187,7 +200,8 @@ class Coordinator:
             (CheckpointOffer, self.on_checkpoint_offer),
         ]:
             self.transport.on(msg_type, handler)
-        CheckpointServer(self.transport, StoreSource(self.store)).start()
+        stage_sources = {i: StoreSource(store) for i, store in self.stage_stores.items()}
+        CheckpointServer(self.transport, StoreSource(self.store), stage_source=stage_sources.get).start()
         await self.transport.start()
         if c.http:
             from .http import start_http
@@ -303,20 +317,28 @@ class Coordinator:
         if member is None:
             raise RPCError("not_found", "unknown peer: register first")
         if req.state_hash:
-            self.hash_reports.setdefault(req.step, {})[req.peer_id] = req.state_hash
-            for old in sorted(self.hash_reports)[:-64]:  # a bounded window of recent steps
-                del self.hash_reports[old]
+            # a stage server reports the sync round and the hash of its stage's state after it
+            stage_key = member.stage if member.role == "stage" else None
+            reports, key = (self.stage_hash_reports, (stage_key, req.step)) if stage_key is not None else (self.hash_reports, req.step)
+            reports.setdefault(key, {})[req.peer_id] = req.state_hash
+            while len(reports) > 64 * max(1, len(self.stage_stores)):  # a bounded window of the most recent steps
+                del reports[min(reports, key=lambda k: k if stage_key is None else k[1])]
         return await self._assignment(req.peer_id)
 
     async def on_deregister(self, ctx: CallContext) -> Ack:
         req: Deregister = ctx.request
         self._check_sender(ctx, req.peer_id)
+        leaving = await self.registry.get(req.peer_id)
         removed = await self.registry.remove(req.peer_id)
+        info: dict = {"removed": removed}
         if removed:
             self.reasons.pop(req.peer_id, None)
             log.info("deregistered %s (%s)", req.peer_id, req.reason or "no reason given")
             await self._replan()
-        return Ack(info={"removed": removed})
+            if leaving is not None and leaving.role == "stage":
+                # who serves its stage now: the last peer of a stage hands its state to them
+                info["stage_peers"] = ",".join(sorted(m.peer_id for m in await self.registry.members() if m.role == "stage" and m.stage == leaving.stage))
+        return Ack(info=info)
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
@@ -327,9 +349,17 @@ class Coordinator:
         except ValueError as e:
             raise RemoteProtocolError(f"manifest is not JSON: {e}", "manifest") from None
         state_hash = manifest.get("state_hash") if isinstance(manifest, dict) else None
-        await self._await_quorum(offer.step, state_hash if isinstance(state_hash, str) else None)
+        stage = (manifest.get("model_config") or {}).get("stage") if isinstance(manifest, dict) and isinstance(manifest.get("model_config"), dict) else None
+        store = self.store
+        if self.stage_stores:  # pipeline mode: a stage server's state, kept per stage
+            if stage not in self.stage_stores or isinstance(stage, bool):
+                raise RemoteProtocolError(f"a checkpoint of this pipeline must name its stage (0..{len(self.stage_stores) - 1}) in model_config, got {stage!r}", "manifest")
+            store = self.stage_stores[stage]
+        else:
+            stage = None
+        await self._await_quorum(offer.step, state_hash if isinstance(state_hash, str) else None, stage)
         try:
-            upload = self.store.begin_upload(offer.step, manifest)
+            upload = store.begin_upload(offer.step, manifest)
         except CheckpointError as e:
             raise RemoteProtocolError(f"manifest refused: {e}", "manifest") from None
         try:
@@ -349,15 +379,20 @@ class Coordinator:
         except BaseException:
             upload.abort()
             raise
-        log.info("stored checkpoint %d uploaded by %s", info.step, ctx.peer_id)
+        log.info("stored checkpoint %d%s uploaded by %s", info.step, "" if stage is None else f" of stage {stage}", ctx.peer_id)
         return Ack(info={"step": info.step})
 
-    async def _await_quorum(self, step: int, state_hash: str | None, wait_s: float = 15.0) -> None:
-        """Hold an upload until enough replicas reported its hash (their heartbeats may trail it)."""
+    async def _await_quorum(self, step: int, state_hash: str | None, stage: int | None = None, wait_s: float = 15.0) -> None:
+        """Hold an upload until enough replicas (of the stage) reported its hash (their
+        heartbeats may trail it)."""
         deadline = time.monotonic() + wait_s
         while True:
-            replicas = sum(1 for m in await self.registry.members() if m.role == "replica")
-            ok, reason = checkpoint_quorum(step, state_hash, self.hash_reports.get(step, {}), replicas)
+            if stage is None:
+                replicas, reports = sum(1 for m in await self.registry.members() if m.role == "replica"), self.hash_reports.get(step, {})
+            else:
+                replicas = sum(1 for m in await self.registry.members() if m.role == "stage" and m.stage == stage)
+                reports = self.stage_hash_reports.get((stage, step), {})
+            ok, reason = checkpoint_quorum(step, state_hash, reports, replicas)
             if ok:
                 log.debug("checkpoint %d: %s", step, reason)
                 return
@@ -385,6 +420,7 @@ class Coordinator:
                 stages[str(i)] = {
                     "peers": sorted(m.peer_id for m in peers),
                     "state_hashes": sorted({m.state_hash for m in peers if m.state_hash}),
+                    "checkpoints": [{"step": c.step, "state_hash": c.manifest.get("state_hash")} for c in self.stage_stores[i].list()] if i in self.stage_stores else [],
                     "samples_per_second": sum(m.samples_per_second or 0.0 for m in peers),
                 }
         return {

@@ -79,11 +79,17 @@ def _bad(transport: Transport, peer_id: str, file: str, problem: str) -> Checkpo
 
 
 async def fetch_manifest(
-    transport: Transport, peer_id: str, step: int | None = None, timeout: float = CALL_TIMEOUT_S, max_file_size: int = DEFAULT_MAX_FILE_SIZE
+    transport: Transport,
+    peer_id: str,
+    step: int | None = None,
+    timeout: float = CALL_TIMEOUT_S,
+    max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+    stage: int | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """(step, checked manifest) of the peer's checkpoint `step`, or of its latest (`step` None).
-    A peer without it answers RemoteError(not_found)."""
-    reply = await transport.call(peer_id, CheckpointQuery(step=step), timeout)
+    """(step, checked manifest) of the peer's checkpoint `step`, or of its latest (`step` None);
+    of pipeline stage `stage`'s checkpoints where the peer keeps them per stage (the
+    coordinator). A peer without it answers RemoteError(not_found)."""
+    reply = await transport.call(peer_id, CheckpointQuery(step=step, stage=stage), timeout)
     if not isinstance(reply, CheckpointManifest):
         raise _bad(transport, peer_id, MANIFEST, f"expected a CheckpointManifest, got {type(reply).__name__}")
     if step is not None and reply.step != step:
@@ -108,6 +114,7 @@ async def download_checkpoint(
     manifest: Mapping[str, Any] | None = None,
     chunk_timeout_s: float = CHUNK_TIMEOUT_S,
     max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+    stage: int | None = None,
 ) -> Path:
     """Download checkpoint `step` (None: the peer's latest) into `dest_dir/step-XXXXXXXX/` and
     return that path. The manifest is asked of the same peer unless given (e.g. one learnt
@@ -118,7 +125,7 @@ async def download_checkpoint(
     try:
         async with asyncio.timeout(timeout_s):
             if manifest is None:
-                step, manifest = await fetch_manifest(transport, peer_id, step, min(CALL_TIMEOUT_S, timeout_s), max_file_size)
+                step, manifest = await fetch_manifest(transport, peer_id, step, min(CALL_TIMEOUT_S, timeout_s), max_file_size, stage)
                 from_peer = True
             else:
                 manifest = check_manifest(manifest, max_file_size)  # ManifestError: the caller's input is bad
@@ -139,7 +146,7 @@ async def download_checkpoint(
             tmp = await asyncio.to_thread(make_tmp_dir, dest, step_dir_name(step))
             try:
                 for fname, meta in sorted(manifest["files"].items()):
-                    await _download_file(transport, peer_id, step, fname, meta, tmp / fname, chunk_timeout_s, timeout_s)
+                    await _download_file(transport, peer_id, step, fname, meta, tmp / fname, chunk_timeout_s, timeout_s, stage)
                 path, _ = await asyncio.to_thread(place, tmp, dest, manifest)
                 return path
             finally:
@@ -161,9 +168,10 @@ def _finish_file(f, path: Path) -> str | None:
 
 
 async def _download_file(
-    transport: Transport, peer_id: str, step: int, fname: str, meta: Mapping[str, Any], path: Path, chunk_timeout_s: float, timeout_s: float
+    transport: Transport, peer_id: str, step: int, fname: str, meta: Mapping[str, Any], path: Path, chunk_timeout_s: float, timeout_s: float,
+    stage: int | None = None,
 ) -> None:
-    name = f"{CHECKPOINT_PREFIX}{step}/{fname}"
+    name = ("" if stage is None else f"stage-{stage}/") + f"{CHECKPOINT_PREFIX}{step}/{fname}"
     size, sha = meta["size"], meta["sha256"]
     h = hashlib.sha256()
     written = 0

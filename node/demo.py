@@ -1,6 +1,7 @@
 """`python -m node.demo`: a whole local swarm on this machine — a coordinator and N replica nodes
 training the built-in model on the built-in corpus on CPU — that shows validation loss falling
-and stops by itself.
+and stops by itself. `--mode pipeline`: the model cut into stages instead, stage servers and
+trainers; it shows the training loss falling and each stage's hash.
 
 Every process is a real daemon started from its console script, talking over real libp2p on
 loopback; this script only starts them, watches the coordinator's /status, and stops them
@@ -80,13 +81,30 @@ def main(argv=None) -> int:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--outer-steps", type=int, default=12, help="outer steps to train before stopping")
     ap.add_argument("--inner-steps", type=int, default=25, help="H: inner steps per outer step")
-    ap.add_argument("--model", default="tiny", choices=["tiny", "small"])
+    ap.add_argument("--model", default="", choices=["", "tiny", "small"], help="default: tiny (replicas), small (pipeline)")
     ap.add_argument("--codec", default="int8")
     ap.add_argument("--run-dir", default="", help="where logs and data go (default runs/demo-<time>)")
     ap.add_argument("--timeout-s", type=float, default=900, help="give up after this long")
+    pipe = ap.add_argument_group("--mode pipeline")
+    ap.add_argument("--mode", default="replica", choices=["replica", "pipeline"], help="replicas (DiLoCo) or a pipeline of stages")
+    pipe.add_argument("--stages", type=int, default=3, help="stages the model is cut into")
+    pipe.add_argument("--peers-per-stage", type=int, default=1)
+    pipe.add_argument("--trainers", type=int, default=1)
+    pipe.add_argument("--micro-batches", type=int, default=320, help="micro-batches (of 8 sequences) each trainer sends before stopping")
+    pipe.add_argument("--activation-codec", default="none", choices=["none", "fp16", "int8"])
     args = ap.parse_args(argv)
     if args.replicas < 1 or args.outer_steps < 1:
         ap.error("--replicas and --outer-steps must be at least 1")
+    if args.mode == "pipeline":
+        if min(args.stages, args.peers_per_stage, args.trainers, args.micro_batches) < 1:
+            ap.error("--stages, --peers-per-stage, --trainers and --micro-batches must be at least 1")
+        from node.model import PRESETS
+
+        blocks = PRESETS[args.model or "small"].n_layer
+        if args.stages > blocks:
+            ap.error(f"--stages {args.stages}: the {args.model or 'small'} model has {blocks} blocks, and every stage holds at least one")
+        return main_pipeline(args)
+    args.model = args.model or "tiny"
 
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     if run_dir.exists():
@@ -191,6 +209,95 @@ def watch(http: int, args, run_dir: Path, t0: float, procs: Procs) -> int:
                 f"({step * args.inner_steps} inner steps per replica, {len(replicas)} replicas, "
                 f"{time.monotonic() - t0:.0f} s); checkpoints kept at steps {ckpts}"
             )
+            return 0
+    print(f"gave up after {args.timeout_s:.0f} s; see the logs in {run_dir}/")
+    return 1
+
+
+def main_pipeline(args) -> int:
+    """Coordinator, stage servers (placed by the coordinator), then trainers; stops once every
+    trainer sent its micro-batches."""
+    run_dir = Path(args.run_dir or f"runs/demo-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    http, p2p = free_port(), free_port()
+    procs = Procs(run_dir)
+    t0 = time.monotonic()
+    model = args.model or "small"
+    servers = args.stages * args.peers_per_stage
+    print(f"swarmtrain demo: a coordinator, {servers} stage servers ({args.stages} stages of the {model} model) and {args.trainers} trainer(s); logs in {run_dir}/")
+    try:
+        procs.start(
+            "coordinator", script("swarmtrain-coordinator"),
+            "--data-dir", str(run_dir / "coordinator"), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{p2p}", "--http", f"127.0.0.1:{http}",
+            "--mode", "pipeline", "--num-stages", str(args.stages), "--model", model, "--batch-size", "8", "--stage-step-samples", "32",
+            "--warmup-steps", "5", "--stage-sync-every-s", "5", "--activation-codec", args.activation_codec, "--codec", args.codec,
+        )  # fmt: skip
+        status = None
+        while status is None:
+            if time.monotonic() - t0 > 120:
+                raise SystemExit(f"the coordinator did not start; see {run_dir}/coordinator.log")
+            time.sleep(0.5)
+            status = get_status(http)
+        maddr = status["maddrs"][0]
+        print(f"coordinator up: status at http://127.0.0.1:{http}/status")
+        node = ["--initial-peers", maddr, "--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "1"]
+        for i in range(servers):
+            procs.start(f"stage-server{i}", script("swarmtrain-node"), "--data-dir", str(run_dir / f"stage-server{i}"), *node)
+        while sum(len(v["peers"]) for v in (get_status(http) or {}).get("stages", {}).values()) < servers:
+            if time.monotonic() - t0 > 180:
+                raise SystemExit(f"the stage servers did not all get a stage; see {run_dir}/")
+            time.sleep(0.5)
+        for i in range(args.trainers):
+            procs.start(
+                f"trainer{i}", script("swarmtrain-node"), "--data-dir", str(run_dir / f"trainer{i}"), *node,
+                "--wanted-role", "trainer", "--shard-index", str(i), "--num-shards", str(args.trainers),
+            )  # fmt: skip
+        return watch_pipeline(http, args, run_dir, t0, procs)
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping the swarm")
+        return 130
+    finally:
+        procs.stop()
+        print(f"all processes stopped ({time.monotonic() - t0:.0f} s in all)")
+
+
+def watch_pipeline(http: int, args, run_dir: Path, t0: float, procs: Procs) -> int:
+    def trainer_stats() -> list[dict]:
+        out = []
+        for i in range(args.trainers):
+            try:
+                out.append(json.loads((run_dir / f"trainer{i}" / "trainer-stats.json").read_text()))
+            except (OSError, ValueError):
+                out.append({})
+        return out
+
+    print(f"{'micro-batches':>13} {'train loss':>10} {'samples/s':>9}  stages (peers: hashes)")
+    shown, first_loss, every = 0, None, max(8, args.micro_batches // 10 // 8 * 8)
+    while time.monotonic() - t0 < args.timeout_s:
+        for name, p in procs.procs:
+            if p.poll() is not None:
+                print(f"{name} exited with code {p.returncode}; see {run_dir}/{name}.log")
+                return 1
+        time.sleep(0.5)
+        stats, status = trainer_stats(), get_status(http)
+        if status is None or not all(st.get("history") for st in stats):
+            continue
+        done = min(st["micro_batches"] for st in stats)
+        if done < shown + every and done < args.micro_batches:
+            continue
+        shown = done
+        loss = sum(st["loss"] for st in stats) / len(stats)
+        first_loss = first_loss if first_loss is not None else loss
+        rate = sum(st.get("samples_per_second") or 0 for st in stats)
+        stages = "  ".join(
+            f"{s}: {len(v['peers'])} {'/'.join(h[:8] for h in v['state_hashes']) or '-'}" for s, v in sorted(status["stages"].items(), key=lambda kv: int(kv[0]))
+        )
+        print(f"{done:>13} {loss:>10.4f} {rate:>9.1f}  {stages}", flush=True)
+        if done >= args.micro_batches:
+            lost = sum(st.get("lost", 0) for st in stats)
+            print(f"done: training loss {first_loss:.3f} -> {loss:.3f} after {done} micro-batches per trainer ({lost} lost, {time.monotonic() - t0:.0f} s)")
             return 0
     print(f"gave up after {args.timeout_s:.0f} s; see the logs in {run_dir}/")
     return 1

@@ -36,6 +36,7 @@ class Progress:
     loss: float | None = None
     samples_per_second: float | None = None
     state_hash: str | None = None
+    measured_as: str = ""  # the work samples_per_second was measured at (a member record's role label); "": any
     extra: dict = field(default_factory=dict)
 
 
@@ -128,7 +129,10 @@ class Membership:
         p = self.progress
         reply = await self.transport.call(
             self.coordinator,
-            Heartbeat(peer_id=self.host.peer_id, step=p.step, loss=p.loss, samples_per_second=p.samples_per_second, state_hash=p.state_hash),
+            Heartbeat(
+                peer_id=self.host.peer_id, step=p.step, loss=p.loss, samples_per_second=p.samples_per_second, state_hash=p.state_hash,
+                measured_as=p.measured_as,
+            ),  # fmt: skip
             timeout=self.config.rpc_timeout_s,
         )
         return self._accept(reply)
@@ -141,6 +145,9 @@ class Membership:
         )
         self.assignment = reply
         if changed:
+            # what the old role measured and held is not the new one's to report
+            p = self.progress
+            p.state_hash, p.samples_per_second, p.measured_as = None, None, ""
             where = f" stage {reply.stage}" if reply.stage is not None else f" expert {reply.expert}" if reply.expert else ""
             log.info("role: %s%s (%s)", reply.role, where, reply.reason)
             if self.on_assignment:
@@ -206,23 +213,27 @@ class Membership:
         except Exception as e:  # the DHT may be briefly unreachable; the next round retries
             log.debug("could not publish member record: %s", e)
 
-    async def leave(self) -> None:
+    async def leave(self) -> dict | None:
         """Deregister now and register no more: the node is going, and the coordinator should plan
-        without it already (e.g. move a peer to the stage it holds, which then takes its state)."""
+        without it already (e.g. move a peer to the stage it holds, which then takes its state).
+        The coordinator's answer (Ack.info), None if it could not be told."""
         self.leaving = True
         self._wake.set()
-        await self.deregister()
+        return await self._deregister()
 
     async def deregister(self, timeout: float = 2.0) -> bool:
+        return await self._deregister(timeout) is not None
+
+    async def _deregister(self, timeout: float = 2.0) -> dict | None:
         if self.coordinator is None or self._deregistered:
-            return False
+            return None
         self._deregistered = True
         try:
-            await self.transport.call(self.coordinator, Deregister(peer_id=self.host.peer_id, reason="shutting down"), timeout=timeout)
-            return True
+            reply = await self.transport.call(self.coordinator, Deregister(peer_id=self.host.peer_id, reason="shutting down"), timeout=timeout)
+            return dict(getattr(reply, "info", {}) or {})
         except NETWORK_ERRORS as e:
             log.warning("could not deregister: %s", e)
-            return False
+            return None
 
 
 async def read_members(host: Host, swarm_id: str) -> dict[str, MemberRecord]:

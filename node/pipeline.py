@@ -60,13 +60,14 @@ from protocol.tensors import EncodedTensor
 
 from .averaging import Averager, AveragingFailed, NamespaceTaken
 from .config import averager_config
-from .checkpoint_client import download_checkpoint, fetch_manifest
+from .checkpoint_client import download_checkpoint, fetch_manifest, upload_checkpoint
 from .checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manifest, write_checkpoint_dir
 from .data import Batches, DataError, load_corpus
 from .diloco import OuterOptimizer, copy_into, lr_at, state_hash
 from .membership import read_members
 from .roles import Role, RoleError
 from .runconfig import RunConfig, RunConfigError
+from .replica import choose_state
 from .stages import Stage, StageInputError, init_stage
 from .state_server import CheckpointServer, DirectorySource
 from .transport import NETWORK_ERRORS, HandlerTaken, RemoteError, RPCError
@@ -165,6 +166,9 @@ class StageServer(Role):
         self.download_dir = Path(node_config.data_dir) / "stage-downloads"
         self.state_server = CheckpointServer(transport, DirectorySource(self.state_dir), on_served=self._on_served)
         self.state_step = 0  # the sync round of the outer state we hold (0: the run's initial weights)
+        self.synced_hash = ""  # the hash of that state
+        self._uploads: set[asyncio.Task] = set()
+        self._uploading = ""  # the state dir an upload reads
         self.state_from = "init"  # where it came from: "init" or the peer id it was downloaded from
         self._served: dict[int, dict[str, set[str]]] = {}  # state step -> peer -> files it fetched in full
         self._leaving = False
@@ -207,7 +211,7 @@ class StageServer(Role):
 
     async def start(self) -> None:
         await asyncio.to_thread(shutil.rmtree, self.state_dir, True)  # another stage's, from an earlier role
-        self.membership.progress.samples_per_second = None  # measured anew at this stage
+        self.membership.progress.samples_per_second, self.membership.progress.measured_as = None, ""  # measured anew at this stage
         self.stage, self.opt = await self._compute(self._build)
         self.outer = OuterOptimizer(self.stage.parameters(), self.run_config.outer_lr, self.run_config.outer_momentum)
         try:
@@ -216,7 +220,7 @@ class StageServer(Role):
         except (NamespaceTaken, HandlerTaken) as e:
             raise RoleError(str(e)) from None
         await self._obtain_state()
-        self.hash = self._params_hash()
+        self.hash = self.synced_hash = self._params_hash()
         await self._save_state(self.state_step)
         try:
             self._registration = self.transport.serve({StageCall: self._on_call}, owner=f"stage {self.index}")
@@ -309,27 +313,42 @@ class StageServer(Role):
         tensors = {"model": model, "outer": {n: b.clone() for n, b in zip(names, self.outer.buffers)}}
         await asyncio.to_thread(write_checkpoint_dir, self.state_dir, step, tensors, self._meta(), state_hash(model))
         for old in sorted(self.state_dir.glob("step-*"))[:-KEEP_STATES]:
-            await asyncio.to_thread(shutil.rmtree, old, True)
+            if old.name != self._uploading:  # an upload reads it
+                await asyncio.to_thread(shutil.rmtree, old, True)
 
     def _on_served(self, peer: str, step: int, name: str) -> None:
         self._served.setdefault(step, {}).setdefault(peer, set()).add(name)
 
     async def _obtain_state(self) -> None:
-        """The stage's state from a peer of the stage that has one; else keep the seeded init."""
-        peers = await self._read_stage_peers()
-        random.shuffle(peers)
-        for peer in peers:
+        """The newest state of the stage: from a peer of the stage or the coordinator's
+        checkpoint of it, whichever is at the later sync round (peers first on a tie); else
+        keep the seeded init."""
+        offers: list[tuple[int, int, str, dict]] = []  # (round, peers first, from, manifest)
+        sources = [(p, None) for p in await self._read_stage_peers()]
+        if self.membership.coordinator:
+            sources.append((self.membership.coordinator, self.index))
+
+        async def ask(peer: str, stage: int | None) -> None:
             try:
-                step, manifest = await fetch_manifest(self.transport, peer, timeout=5.0)
-                if manifest.get("model_config") != self._meta():
-                    log.warning("stage %d: %s holds a state for %s, not this stage", self.index, peer[-8:], manifest.get("model_config"))
-                    continue
-                path = await download_checkpoint(self.transport, peer, self.download_dir, step=step, manifest=manifest, timeout_s=120.0)
+                step, manifest = await fetch_manifest(self.transport, peer, timeout=5.0, stage=stage)
+            except (*NETWORK_ERRORS, ValueError) as e:
+                if not (isinstance(e, RemoteError) and e.code == "not_found"):  # not_found: it has none (yet)
+                    log.warning("stage %d: could not ask %s for the stage's state: %s", self.index, peer[-8:], _short(e))
+                return
+            if manifest.get("model_config") != self._meta():
+                log.warning("stage %d: %s holds a state for %s, not this stage", self.index, peer[-8:], manifest.get("model_config"))
+            else:
+                offers.append((step, stage is None, peer, manifest))
+
+        await asyncio.gather(*(ask(p, st) for p, st in sources))
+        for step, _, peer, manifest in sorted(offers, key=lambda o: (o[0], o[1], random.random()), reverse=True):
+            stage = None if peer != self.membership.coordinator else self.index
+            try:
+                path = await download_checkpoint(self.transport, peer, self.download_dir, step=step, manifest=manifest, timeout_s=120.0, stage=stage)
                 state = await self._compute(load_checkpoint_dir, path)
                 await self._compute(self._adopt, state, manifest.get("state_hash") or "")
             except (*NETWORK_ERRORS, CheckpointDirError, ValueError, KeyError, RuntimeError) as e:
-                if not (isinstance(e, RemoteError) and e.code == "not_found"):  # not_found: it has none yet either
-                    log.warning("stage %d: could not take the state from %s: %s", self.index, peer[-8:], _short(e))
+                log.warning("stage %d: could not take the state from %s: %s", self.index, peer[-8:], _short(e))
                 continue
             finally:
                 await asyncio.to_thread(shutil.rmtree, self.download_dir, True)
@@ -337,7 +356,8 @@ class StageServer(Role):
             return
 
     def _adopt(self, state: dict[str, dict[str, torch.Tensor]], expected_hash: str) -> None:
-        """Take a downloaded state: parameters = outer parameters; momentum; hash checked first."""
+        """Take a downloaded state: parameters = outer parameters; momentum; hash checked first.
+        (The AdamW state stays ours.)"""
         names = self._names()
         model, momentum = state["model"], state["outer"]
         got = state_hash(model)
@@ -346,6 +366,7 @@ class StageServer(Role):
         self.stage.load_state_dict(model)  # strict: the same parameter names and shapes, or RuntimeError
         self.outer = OuterOptimizer(self.stage.parameters(), self.run_config.outer_lr, self.run_config.outer_momentum)
         self.outer.load_state_dict({"params": self.outer.params, "momentum": [momentum[n] for n in names], "step": 0})
+        self._stash = {}
 
     # ---- keeping the stage's peers in step
 
@@ -366,8 +387,34 @@ class StageServer(Role):
         async with self._busy:
             params = [p.detach().clone() for p in self.stage.parameters()]
             self.outer.load_state_dict({"params": params, "momentum": self.outer.buffers, "step": self.outer.step_count})
-        self.state_step = n
+            synced = self._params_hash()
+        self.syncs += 1
+        self.state_step, self.synced_hash = n, synced
         await self._save_state(n)
+        if self.syncs % self.run_config.checkpoint_every == 0:
+            self._upload(n)
+        self._report(sync=n, group=1, state_hash=synced)
+
+    def _upload(self, step: int) -> None:
+        """State `step` to the coordinator, which keeps it once the stage's peers reported its
+        hash: a stage whose every peer is gone starts again from there."""
+        coordinator = self.membership.coordinator
+        if coordinator is None or self._uploads:  # the last upload is still on its way: skip this one
+            return
+
+        async def upload() -> None:
+            self._uploading = step_dir_name(step)
+            try:
+                await upload_checkpoint(self.transport, coordinator, self.state_dir / step_dir_name(step))
+                log.info("stage %d: the coordinator keeps state %d (hash %s)", self.index, step, self.synced_hash)
+            except (*NETWORK_ERRORS, CheckpointDirError, OSError) as e:
+                log.warning("stage %d: checkpoint %d not kept by the coordinator: %s", self.index, step, _short(e))
+            finally:
+                self._uploading = ""
+
+        task = asyncio.create_task(upload())
+        self._uploads.add(task)
+        task.add_done_callback(self._uploads.discard)
 
     async def _read_stage_peers(self) -> list[str]:
         try:
@@ -392,15 +439,56 @@ class StageServer(Role):
             avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=self._stage_peers, state_key="outer")
         except AveragingFailed as e:
             log.warning("stage %d: sync %d failed (%s); training on, the next one covers it", self.index, n, e.report.reason)
+            await self._catch_up()
             return
         async with self._busy:
             await self._compute(self._apply_outer, avg)
             dropped, synced = self.steps - steps_before, self.hash  # (the next step changes self.hash)
         self.syncs += 1
-        self.state_step = n
+        self.state_step, self.synced_hash = n, synced
         await self._save_state(n)  # what a peer that takes this stage next downloads
+        if self.syncs % self.run_config.checkpoint_every == 0 and self.host.peer_id == min(report.members):
+            self._upload(n)
         log.info("stage %d: sync %d with %d peers in %.2f s, hash %s (%d steps of the round dropped)", self.index, n, len(report.members), report.seconds, synced, dropped)
         self._report(sync=n, group=len(report.members), dropped_steps=dropped, state_hash=synced)
+
+    async def _catch_up(self) -> None:
+        """After a failed sync: if the stage's other peers hold a newer state than ours (or, at
+        the same round, the one more of them hold; a tie goes to the smaller hash), take it, so
+        peers that drifted apart (a round that failed only for us, two peers that each thought
+        they were alone) average together again. Our steps since our last sync are dropped."""
+        held: dict[str, tuple[int, str]] = {}
+        manifests: dict[str, dict] = {}
+
+        async def ask(peer: str) -> None:
+            try:
+                step, manifest = await fetch_manifest(self.transport, peer, timeout=3.0)
+            except (*NETWORK_ERRORS, ValueError):
+                return
+            if manifest.get("model_config") == self._meta() and manifest.get("state_hash"):
+                held[peer], manifests[peer] = (step, manifest["state_hash"]), manifest
+
+        await asyncio.gather(*(ask(p) for p in self._stage_peers))
+        choice = choose_state((self.state_step, self.synced_hash), held)
+        if choice is None:
+            return
+        for peer in [p for p, h in held.items() if h == choice]:
+            try:
+                path = await download_checkpoint(self.transport, peer, self.download_dir, step=choice[0], manifest=manifests[peer], timeout_s=120.0)
+                state = await self._compute(load_checkpoint_dir, path)
+                async with self._busy:
+                    await self._compute(self._adopt, state, choice[1])
+                    self.hash = self._params_hash()
+            except (*NETWORK_ERRORS, CheckpointDirError, ValueError, KeyError, RuntimeError) as e:
+                log.warning("stage %d: could not take the state from %s: %s", self.index, peer[-8:], _short(e))
+                continue
+            finally:
+                await asyncio.to_thread(shutil.rmtree, self.download_dir, True)
+            self.state_step, self.synced_hash = choice
+            await self._save_state(self.state_step)
+            log.info("stage %d: took the stage's state of round %d (hash %s) from %s", self.index, choice[0], choice[1], peer[-8:])
+            self._report(caught_up_from=peer, sync=choice[0], state_hash=choice[1])
+            return
 
     def _apply_outer(self, avg: list[torch.Tensor]) -> None:
         copy_into(self.stage.parameters(), self.outer.apply(avg))
@@ -417,6 +505,9 @@ class StageServer(Role):
         self._refuse_queued()
         if planned and self.stage is not None:
             await self._hand_over()
+        for t in list(self._uploads):
+            t.cancel()
+        await asyncio.gather(*self._uploads, return_exceptions=True)
         await self.averager.close()
         self.state_server.close()
         if self._registration is not None:
@@ -434,8 +525,8 @@ class StageServer(Role):
     async def _hand_over(self) -> None:
         """The stage's last peer does not take the stage with it: it saves its latest parameters
         (the steps since the last sync included) as a new state, leaves the swarm (the planner
-        then moves a peer to the stage), and waits until a peer has downloaded that state, at
-        most HANDOVER_S. Peers of the stage that stay keep the stage's state: nothing to hand."""
+        then moves a peer to the stage and the coordinator names it), and waits until a peer has
+        downloaded that state, at most HANDOVER_S; not at all when nobody was named. Peers of the stage that stay keep the stage's state: nothing to hand."""
         if await self._read_stage_peers():
             return
         step = max(self.state_step + 1, math.floor(time.time() / self.run_config.stage_sync_every_s))
@@ -444,8 +535,12 @@ class StageServer(Role):
             self.hash = self._params_hash()
         await self._save_state(step, params)
         files = set(read_manifest(self.state_dir / step_dir_name(step))["files"])
-        log.info("stage %d: its last peer is leaving; handing over its state (round %d, hash %s)", self.index, step, self.hash)
-        await self.membership.leave()  # the coordinator re-plans without us: a peer moves to this stage
+        answer = await self.membership.leave()  # the coordinator re-plans without us: a peer moves to this stage
+        named = [p for p in str((answer or {}).get("stage_peers", "")).split(",") if p and p != self.host.peer_id]
+        if not named:  # no coordinator, or no peer it could move: nobody will come for the state
+            log.warning("stage %d: its last peer is leaving and no peer takes the stage; its state (hash %s) stays in %s", self.index, self.hash, self.state_dir)
+            return
+        log.info("stage %d: its last peer is leaving; handing over its state (round %d, hash %s) to %s", self.index, step, self.hash, ", ".join(p[-8:] for p in named))
         deadline = time.monotonic() + HANDOVER_S
         while time.monotonic() < deadline:
             taken = sorted(p for p, got in self._served.get(step, {}).items() if got >= files)
@@ -538,7 +633,7 @@ class StageServer(Role):
     # ---- compute (on the stage's thread)
 
     def _run_batch(self, batch: list[_Pending]) -> list[tuple[float | None, torch.Tensor | None]]:
-        t0 = time.monotonic()
+        t0 = time.thread_time()  # CPU time of this thread: time others had the core is not our speed
         if batch[0].alone:
             return [self._run_kept(batch[0], t0)]
         op, sizes = batch[0].op, [p.samples for p in batch]
@@ -547,7 +642,7 @@ class StageServer(Role):
         if op == "forward":
             with torch.no_grad():
                 y = stage(x)
-            self._rate.append((time.monotonic() - t0, 0))
+            self._rate.append((time.thread_time() - t0, 0))
             return [(None, y_i) for y_i in y.split(sizes)]
         if not stage.first:
             x = x.detach().requires_grad_(True)
@@ -586,7 +681,7 @@ class StageServer(Role):
         self._acc_samples += samples
         self._acc_calls += calls
         self.samples += samples
-        self._rate.append((time.monotonic() - t0, samples))
+        self._rate.append((time.thread_time() - t0, samples))
 
     def _run_kept(self, p: _Pending, t0: float) -> tuple[float | None, torch.Tensor | None]:
         """A forward that keeps its graph, or the backward through a kept graph."""
@@ -601,7 +696,7 @@ class StageServer(Role):
             with torch.autograd.graph.saved_tensors_hooks(self._stash_weights, _same):
                 y = self.stage(x)
             self._saved[p.key] = (now, x, y)
-            self._rate.append((time.monotonic() - t0, 0))
+            self._rate.append((time.thread_time() - t0, 0))
             return None, y.detach()
         kept = self._saved.pop(p.key, None)
         if kept is None:
@@ -644,10 +739,10 @@ class StageServer(Role):
 
     def _report(self, **entry: Any) -> None:
         p = self.membership.progress
-        p.step, p.state_hash = self.steps, self.hash
+        p.step, p.state_hash = self.state_step, self.synced_hash  # the same on every peer of the stage after a sync
         rate = self.samples_per_second()
         if rate is not None:
-            p.samples_per_second = rate
+            p.samples_per_second, p.measured_as = rate, f"stage:{self.index}"
         self.history.append({"step": self.steps, "samples": self.samples, "state_hash": self.hash, "time": time.time(), **entry})
         del self.history[:-200]
         stats = {

@@ -22,7 +22,7 @@ from .checkpoint_dir import CheckpointDirError, file_list, read_manifest, read_r
 from .transport import CallContext, Registration, RPCError, Transport
 
 CHUNK = 4 << 20  # bytes per StateChunk
-PREFIX = "checkpoint/"  # StateRequest names: checkpoint/<step>/<file>
+PREFIX = "checkpoint/"  # StateRequest names: checkpoint/<step>/<file>, or stage-<i>/checkpoint/<step>/<file>
 
 
 class CheckpointSource(Protocol):
@@ -78,8 +78,15 @@ class CheckpointServer:
     (one group; a second checkpoint service on the same transport is refused), `close()`
     unregisters them."""
 
-    def __init__(self, transport: Transport, source: CheckpointSource, on_served: Callable[[str, int, str], None] | None = None):
+    def __init__(
+        self,
+        transport: Transport,
+        source: CheckpointSource,
+        on_served: Callable[[str, int, str], None] | None = None,
+        stage_source: Callable[[int], CheckpointSource | None] | None = None,
+    ):
         self.transport, self.source = transport, source
+        self.stage_source = stage_source  # a pipeline stage's checkpoints, where kept per stage (None: not here)
         self.on_served = on_served  # (peer, step, file name): that peer read the file to its end
         self._registration: Registration | None = None
 
@@ -93,30 +100,46 @@ class CheckpointServer:
             self._registration.close()
             self._registration = None
 
+    def _source(self, stage: int | None) -> CheckpointSource:
+        if stage is None:
+            return self.source
+        source = self.stage_source(stage) if self.stage_source is not None else None
+        if source is None:
+            raise RPCError("not_found", f"no checkpoints of stage {stage} here")
+        return source
+
     async def on_query(self, ctx: CallContext) -> CheckpointManifest:
         step = ctx.request.step
+        source = self._source(ctx.request.stage)
         loop = asyncio.get_running_loop()
         if step is None:
-            step = await loop.run_in_executor(None, self.source.latest_step)
+            step = await loop.run_in_executor(None, source.latest_step)
             if step is None:
                 raise RPCError("not_found", "no checkpoint yet")
-        manifest = await loop.run_in_executor(None, self.source.manifest, step)
+        manifest = await loop.run_in_executor(None, source.manifest, step)
         if manifest is None:
             raise RPCError("not_found", f"no checkpoint for step {step}")
         return CheckpointManifest(step=step, manifest=json.dumps(manifest, sort_keys=True).encode())
 
     async def on_state_request(self, ctx: CallContext) -> AsyncIterator[StateChunk]:
         req: StateRequest = ctx.request
-        if not req.name.startswith(PREFIX):
+        name, stage = req.name, None
+        if name.startswith("stage-"):
+            head, _, name = name.partition("/")
+            if not head[6:].isdigit():
+                raise RemoteProtocolError("expected stage-<i>/checkpoint/<step>/<file>", "name")
+            stage = int(head[6:])
+        if not name.startswith(PREFIX):
             raise RPCError("not_found", f"no state named {req.name!r} here")
         try:
-            step_text, filename = req.name[len(PREFIX) :].split("/", 1)
+            step_text, filename = name[len(PREFIX) :].split("/", 1)
             step = int(step_text)
         except ValueError:
             raise RemoteProtocolError("expected checkpoint/<step>/<file>", "name") from None
+        source = self._source(stage)
         loop = asyncio.get_running_loop()
         try:
-            files = await loop.run_in_executor(None, self.source.files, step)
+            files = await loop.run_in_executor(None, source.files, step)
         except (KeyError, OSError, ValueError) as e:
             raise RPCError("not_found", f"no checkpoint {step} here ({e})") from None
         if filename not in files:
@@ -125,14 +148,14 @@ class CheckpointServer:
         if req.offset > size:
             raise RemoteProtocolError(f"offset {req.offset} is past the end ({size})", "offset")
         end = size if req.length == 0 else min(size, req.offset + req.length)
-        return self._chunks(step, filename, req.name, req.offset, end, size, sha, ctx.peer_id)
+        return self._chunks(source, step, filename, req.name, req.offset, end, size, sha, ctx.peer_id)
 
-    async def _chunks(self, step, filename, name, start, end, size, sha, peer) -> AsyncIterator[StateChunk]:
+    async def _chunks(self, source, step, filename, name, start, end, size, sha, peer) -> AsyncIterator[StateChunk]:
         loop = asyncio.get_running_loop()
         offset = start
         while True:
             n = min(CHUNK, end - offset)
-            data = await loop.run_in_executor(None, self.source.read_chunk, step, filename, offset, n) if n else b""
+            data = await loop.run_in_executor(None, source.read_chunk, step, filename, offset, n) if n else b""
             yield StateChunk(name=name, offset=offset, total_size=size, sha256=sha, data=data)
             offset += n
             if offset >= end:

@@ -269,9 +269,13 @@ class Heartbeat(Message):
     loss: float | None = None
     samples_per_second: float | None = None
     state_hash: str | None = None
+    # the work samples_per_second was measured at ("stage:2"); "": the current assignment's.
+    # A rate reported for other work than the coordinator now assigns is not stored
+    measured_as: str = ""
 
     def validate(self) -> None:
         _require(0 < len(self.peer_id) <= MAX_ID_LEN, "peer_id", "must be 1..256 characters")
+        _require(len(self.measured_as) <= MAX_ID_LEN, "measured_as", "at most 256 characters")
         _require(self.step >= 0, "step", "must be >= 0")
         _require(_finite(self.loss), "loss", "must be finite")
         _require(_finite(self.samples_per_second), "samples_per_second", "must be finite")
@@ -433,9 +437,14 @@ MAX_MANIFEST_BYTES = 1 << 20
 
 @message(30)
 class CheckpointQuery(Message):
-    """Ask for a checkpoint's manifest: a given step, or the latest (`step` None)."""
+    """Ask for a checkpoint's manifest: a given step, or the latest (`step` None); of a pipeline
+    stage's checkpoints (`stage`) where the peer keeps them per stage (the coordinator)."""
 
     step: int | None = None
+    stage: int | None = None
+
+    def validate(self) -> None:
+        _require(self.stage is None or self.stage >= 0, "stage", "must be >= 0")
 
 
 @message(31)

@@ -31,3 +31,21 @@ def test_demo_trains_in_lockstep_and_stops_by_itself(tmp_path):
     assert rows[-1][1] < rows[0][1] - 1.0, out.stdout  # from ~5.5 (uniform over bytes) down
     assert "all processes stopped" in out.stdout
     assert (tmp_path / "run" / "coordinator.log").exists()
+
+
+PIPE_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+0: (\d) (\S+)\s+1: (\d) (\S+)$")
+
+
+def test_the_pipeline_demo_trains_shows_each_stages_hash_and_stops_by_itself(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "node.demo", "--mode", "pipeline", "--model", "tiny", "--stages", "2", "--micro-batches", "64",
+         "--run-dir", str(tmp_path / "run"), "--timeout-s", "300"],
+        cwd=ROOT, capture_output=True, text=True, timeout=360, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [m for m in map(PIPE_ROW.match, out.stdout.splitlines()) if m]
+    assert rows and int(rows[-1][1]) >= 64, out.stdout
+    assert all(r[4] == r[6] == "1" and "/" not in r[5] + r[7] for r in rows), out.stdout  # one peer, one hash per stage
+    done = re.search(r"done: training loss ([\d.]+) -> ([\d.]+) after \d+ micro-batches per trainer \(0 lost", out.stdout)
+    assert done and float(done[2]) < float(done[1]) - 0.5, out.stdout
+    assert "all processes stopped" in out.stdout

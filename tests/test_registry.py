@@ -343,3 +343,15 @@ def test_async_registry_passes_errors_through(tmp_path):
             await areg.close()
 
     asyncio.run(main())
+
+
+def test_a_rate_measured_at_other_work_than_the_current_assignment_is_not_stored(reg):
+    from coordinator.service import _heartbeat
+    from protocol import Heartbeat
+
+    reg.register("a", [], {}, now=1.0)
+    reg.set_assignment("a", "stage", 1, None, epoch=1)
+    # the node has not switched yet: its rate is the old stage's
+    assert _heartbeat(reg, Heartbeat(peer_id="a", samples_per_second=50.0, measured_as="stage:0"), 2.0).samples_per_second is None
+    assert _heartbeat(reg, Heartbeat(peer_id="a", samples_per_second=70.0, measured_as="stage:1"), 3.0).samples_per_second == 70.0
+    assert _heartbeat(reg, Heartbeat(peer_id="a", samples_per_second=80.0), 4.0).samples_per_second == 80.0  # no label: as before
