@@ -12,7 +12,9 @@ samples went through:
       step per schedule step (step_samples / B micro-batches);
   (c) the swarm: a coordinator, one stage server per stage, one trainer (real processes, real p2pd);
   (d) the swarm with two peers per stage and two trainers (the samples are split between them);
-  (e) (d) with one stage peer SIGKILLed and started again every `kill_every_s` seconds.
+  (e) (d) with one stage peer SIGKILLed and started again every `kill_every_s` seconds;
+  (f) (c) with every process in its own network namespace behind a `rate` link (tbf, both
+      directions; root only), once per activation codec: none, fp16, int8.
 
 Reported per arm: samples/s (from the end of the first optimizer step, or the trainer's first
 report, to the last sample), the training loss over the last window of micro-batches before
@@ -23,6 +25,7 @@ torch thread. Prints one JSON object; exits 1 if an arm failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -50,6 +53,7 @@ class Settings:
     in_flight: int = 4
     kill_every_s: float = 30.0
     activation_codec: str = "none"
+    rate: str = "100mbit"  # (f): each process's link
 
 
 def _env() -> dict:
@@ -201,11 +205,25 @@ def rank_main(rank: int, port: int, s: Settings, out: Path) -> int:
 # ---- (c), (d), (e) the swarm -----------------------------------------------------------------------
 
 
-def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill: bool, timeout: float) -> dict:
+def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill: bool, timeout: float, shaped: bool = False) -> dict:
     from tests.swarm import Swarm, wait_for
 
     sw = Swarm(work)
     work.mkdir(parents=True, exist_ok=True)
+    topo = None
+    if shaped:  # (f): every process in its own namespace, behind its own shaped link
+        from bench import netns
+
+        netns.check_available()
+        netns.remove_stale()
+        topo = netns.Topology.create(n_peers=1 + s.stages * peers_per_stage + trainers, rate=s.rate)
+
+    def where(i: int) -> tuple[list[str], list[str]]:
+        """(argv prefix, --host-maddrs) of process i (0: the coordinator)."""
+        if topo is None:
+            return [], []
+        return topo.wrap(i, []), ["--host-maddrs", f"/ip4/{topo.ip(i)}/tcp/0"]
+
     run = [
         "--mode", "pipeline", "--num-stages", str(s.stages), "--model", s.model, "--batch-size", str(s.batch_size),
         "--stage-step-samples", str(s.step_samples), "--micro-batches-in-flight", str(s.in_flight), "--inner-lr", str(s.lr),
@@ -221,22 +239,33 @@ def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill
             return {}
 
     try:
-        coord = sw.coordinator("coordinator", None, None, *run)
-        maddr = coord.wait_ready()["maddrs"][0]
-        servers = {f"s{i}": sw.node(f"s{i}", [maddr], *node) for i in range(s.stages * peers_per_stage)}
+        n_servers = s.stages * peers_per_stage
+        if topo is None:
+            coord = sw.coordinator("coordinator", None, None, *run)
+            maddr = coord.wait_ready()["maddrs"][0]
+        else:  # the coordinator's status page is inside its namespace: its address comes from its log
+            import re
 
-        def placed() -> dict:
-            out: dict = {}
-            for m in coord.status()["members"]:
-                if m.get("role") == "stage":
-                    out.setdefault(m["stage"], []).append(m["peer_id"])
-            return out
+            prefix, host = where(0)
+            coord = sw.start("coordinator", "swarmtrain-coordinator", "--data-dir", str(work / "coordinator"), *host, "--http", "", *run, prefix=prefix)
+            found = wait_for(lambda: re.search(rf"/ip4/{re.escape(topo.ip(0))}/tcp/\d+/p2p/\w+", coord.log()), 60, "the coordinator's address")
+            maddr = found.group(0)
+        servers = {f"s{i}": sw.node(f"s{i}", [maddr], *node, *where(1 + i)[1], prefix=where(1 + i)[0]) for i in range(n_servers)}
 
-        wait_for(lambda: len(placed()) == s.stages and sum(map(len, placed().values())) == len(servers), 120, "every stage server placed")
+        def stage_of(name: str) -> int | None:
+            try:
+                return json.loads((work / name / "stage-stats.json").read_text())["stage"]
+            except (OSError, ValueError, KeyError):
+                return None
+
+        wait_for(lambda: {stage_of(n) for n in servers} == set(range(s.stages)), 120, "every stage served")
         names = [f"t{i}" for i in range(trainers)]
         # one trainer reads the micro-batches (a) and (b) read, in the same order; two split the data
         shards = ["--num-shards", str(trainers)]
-        procs = {n: sw.node(n, [maddr], *node, "--wanted-role", "trainer", "--shard-index", str(i), *shards) for i, n in enumerate(names)}
+        procs = {
+            n: sw.node(n, [maddr], *node, "--wanted-role", "trainer", "--shard-index", str(i), *shards, *where(1 + n_servers + i)[1], prefix=where(1 + n_servers + i)[0])
+            for i, n in enumerate(names)
+        }
         per_trainer = s.samples // trainers
         kills, next_kill, victim_i = 0, time.monotonic() + s.kill_every_s, 0
         deadline = time.monotonic() + timeout
@@ -248,7 +277,8 @@ def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill
                 victim_i += 1
                 servers[name].kill()
                 servers[name].wait(30)
-                servers[name] = sw.node(name, [maddr], *node)  # the same data dir and identity: it comes back
+                k = int(name[1:])
+                servers[name] = sw.node(name, [maddr], *node, *where(1 + k)[1], prefix=where(1 + k)[0])  # the same data dir and identity: it comes back
                 kills += 1
                 next_kill = time.monotonic() + s.kill_every_s
             time.sleep(0.5)
@@ -267,6 +297,8 @@ def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill
         return {"samples_per_s": sum(rates), "final_loss": sum(losses) / len(losses), "bytes_per_sample": nbytes / max(samples, 1), "lost": lost, "kills": kills}
     finally:
         sw.close()
+        if topo is not None:
+            topo.destroy()
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -300,7 +332,7 @@ def _stop_all(procs) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (the default output)")
-    p.add_argument("--arms", default="a,b,c,d", help="which arms to run, e.g. a,b,c,d,e")
+    p.add_argument("--arms", default="a,b,c,d", help="which arms to run, e.g. a,b,c,d,e,f (f: root, network namespaces)")
     p.add_argument("--work-dir", default="", help="where the arms' logs go (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each arm may take")
     for f in Settings.__dataclass_fields__.values():
@@ -326,8 +358,19 @@ def main(argv=None) -> int:
         "d": ("swarm: 2 peers per stage, 2 trainers", lambda: run_swarm(s, work / "d", 2, 2, False, args.timeout)),
         "e": (f"swarm (d), a stage peer SIGKILLed and restarted every {s.kill_every_s:g} s", lambda: run_swarm(s, work / "e", 2, 2, True, args.timeout)),
     }
+    for codec in ("none", "fp16", "int8"):
+        shaped = dataclasses.replace(s, activation_codec=codec)
+        arms[f"f-{codec}"] = (
+            f"swarm (c), each process behind a {s.rate} link (netns), activations {codec}",
+            lambda shaped=shaped, codec=codec: run_swarm(shaped, work / f"f-{codec}", 1, 1, False, args.timeout, shaped=True),
+        )
+    wanted = [k for a in args.arms.split(",") for k in (["f-none", "f-fp16", "f-int8"] if a == "f" else [a])]
+    unknown = [k for k in wanted if k not in arms]
+    if unknown:
+        print(f"error: unknown arm(s) {', '.join(unknown)}; known: {', '.join(arms)} (f: all three f-*)", file=sys.stderr)
+        return 2
     rows = []
-    for key in args.arms.split(","):
+    for key in wanted:
         name, fn = arms[key]
         t0 = time.monotonic()
         try:
@@ -345,6 +388,10 @@ def main(argv=None) -> int:
         ratios["c_loss_over_a"] = round(by["c"]["final_loss"] / by["a"]["final_loss"], 4)
     if "d" in by and "e" in by:
         ratios["e_over_d_samples_per_s"] = round(by["e"]["samples_per_s"] / by["d"]["samples_per_s"], 3)
+    for codec in ("fp16", "int8"):
+        if "f-none" in by and f"f-{codec}" in by:
+            ratios[f"f_{codec}_over_none_samples_per_s"] = round(by[f"f-{codec}"]["samples_per_s"] / by["f-none"]["samples_per_s"], 3)
+            ratios[f"f_{codec}_loss_over_none"] = round(by[f"f-{codec}"]["final_loss"] / by["f-none"]["final_loss"], 4)
     print(json.dumps({"settings": asdict(s), "arms": rows, "ratios": ratios, "work_dir": str(work)}, indent=1))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
