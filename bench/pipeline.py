@@ -54,6 +54,8 @@ class Settings:
     kill_every_s: float = 30.0
     activation_codec: str = "none"
     rate: str = "100mbit"  # (f): each process's link
+    outer_momentum: float = 0.0  # stage syncs (2 peers per stage), outer lr 1: 0 = plain parameter averaging
+    sync_every_s: float = 10.0  # stage syncs: seconds between two
 
 
 def _env() -> dict:
@@ -107,14 +109,20 @@ def _adamw(params, tc):
 # ---- (b) torch.distributed.pipelining ------------------------------------------------------------
 
 
-def run_torch_pipeline(s: Settings, work: Path, timeout: float) -> dict:
+def _start_ranks(s: Settings, work: Path) -> list[subprocess.Popen]:
+    """One process per stage, each in its own session (rank_main below)."""
     port = _free_port()
     work.mkdir(parents=True, exist_ok=True)
     procs = []
     for r in range(s.stages):
-        log = open(work / f"rank{r}.log", "wb")
-        cmd = [sys.executable, "-m", "bench.pipeline", "--rank", str(r), "--port", str(port), "--settings", json.dumps(asdict(s)), "--out", str(work / f"rank{r}.json")]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+        with open(work / f"rank{r}.log", "wb") as log:
+            cmd = [sys.executable, "-m", "bench.pipeline", "--rank", str(r), "--port", str(port), "--settings", json.dumps(asdict(s)), "--out", str(work / f"rank{r}.json")]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+    return procs
+
+
+def run_torch_pipeline(s: Settings, work: Path, timeout: float) -> dict:
+    procs = _start_ranks(s, work)
     try:
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
@@ -202,6 +210,32 @@ def rank_main(rank: int, port: int, s: Settings, out: Path) -> int:
     return 0
 
 
+def run_torch_pipeline_killed(s: Settings, work: Path, kill_after_s: float = 8.0, wait_s: float = 60.0) -> dict:
+    """(b) with its middle rank SIGKILLed once, `kill_after_s` into the run: what the others do."""
+    from bench.workers import kill_session
+
+    procs = _start_ranks(s, work)
+    try:
+        time.sleep(kill_after_s)
+        victim = s.stages // 2
+        kill_session(procs[victim].pid)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < wait_s and any(p.poll() is None for i, p in enumerate(procs) if i != victim):
+            time.sleep(0.2)
+        others = {i: p.poll() for i, p in enumerate(procs) if i != victim}
+        finished = [i for i in others if (work / f"rank{i}.json").exists()]
+        outcome = (
+            f"rank {victim} killed {kill_after_s:g} s in; " + ", ".join(
+                f"rank {i} " + (f"exited with {c} after {time.monotonic() - t0:.0f} s" if c is not None else f"still waiting {wait_s:g} s later (stopped by the bench)")
+                for i, c in others.items()
+            ) + ("" if not finished else f"; ranks {finished} had finished")
+        )  # fmt: skip
+        last_error = next((line for i in others for line in reversed(_tail(work / f"rank{i}.log", 40).splitlines()) if "Error" in line), "")
+        return {"samples_per_s": 0.0, "lost": "the run (no checkpoint, no rerouting)", "outcome": outcome, "error_seen": last_error[:300]}
+    finally:
+        _stop_all(procs)
+
+
 # ---- (c), (d), (e) the swarm -----------------------------------------------------------------------
 
 
@@ -228,7 +262,8 @@ def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill
         "--mode", "pipeline", "--num-stages", str(s.stages), "--model", s.model, "--batch-size", str(s.batch_size),
         "--stage-step-samples", str(s.step_samples), "--micro-batches-in-flight", str(s.in_flight), "--inner-lr", str(s.lr),
         "--warmup-steps", str(s.warmup_steps), "--seed", str(s.seed), "--activation-codec", s.activation_codec,
-        "--heartbeat-timeout-s", "10", "--log-level", "WARNING",
+        "--heartbeat-timeout-s", "10",  # (the coordinator logs at INFO: its address, its plans)
+        "--stage-outer-momentum", str(s.outer_momentum), "--stage-sync-every-s", str(s.sync_every_s),
     ]  # fmt: skip
     node = ["--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "1", "--log-level", "WARNING"]
 
@@ -354,6 +389,7 @@ def main(argv=None) -> int:
     arms = {
         "a": ("the model in one process", lambda: run_single(s)),
         "b": ("torch.distributed.pipelining 1F1B over gloo, one process per stage", lambda: run_torch_pipeline(s, work / "b", args.timeout)),
+        "b-kill": ("(b) with its middle stage's process SIGKILLed once", lambda: run_torch_pipeline_killed(s, work / "b-kill")),
         "c": ("swarm: 1 peer per stage, 1 trainer", lambda: run_swarm(s, work / "c", 1, 1, False, args.timeout)),
         "d": ("swarm: 2 peers per stage, 2 trainers", lambda: run_swarm(s, work / "d", 2, 2, False, args.timeout)),
         "e": (f"swarm (d), a stage peer SIGKILLed and restarted every {s.kill_every_s:g} s", lambda: run_swarm(s, work / "e", 2, 2, True, args.timeout)),

@@ -54,6 +54,7 @@ def build_parser():
     pipe.add_argument("--stage-step-samples", type=int, help=f"samples per optimizer step of a stage server (default {d.stage_step_samples})")
     pipe.add_argument("--micro-batches-in-flight", type=int, help=f"micro-batches a trainer keeps in the pipeline (default {d.micro_batches_in_flight})")
     pipe.add_argument("--stage-sync-every-s", type=float, help=f"seconds between two synchronisations of a stage's peers (default {d.stage_sync_every_s})")
+    pipe.add_argument("--stage-outer-momentum", type=float, help="outer momentum of those syncs (default 0: plain parameter averaging)")
     return p
 
 

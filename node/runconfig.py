@@ -62,7 +62,8 @@ class RunConfig:
     activation_codec: str = "none"  # how activations and their gradients travel between stages: none | fp16 | int8
     stage_step_samples: int = 64  # samples a stage server accumulates gradients over before an optimizer step
     micro_batches_in_flight: int = 4  # micro-batches (of batch_size sequences) a trainer keeps in the pipeline
-    stage_sync_every_s: float = 10.0  # seconds between two synchronisations of a stage's replicas (outer_lr, outer_momentum, codec)
+    stage_sync_every_s: float = 10.0  # seconds between two synchronisations of a stage's peers (with the run's codec)
+    stage_outer_momentum: float = 0.0  # Nesterov momentum of those syncs' outer step (lr 1); 0: plain parameter averaging
 
     def __post_init__(self) -> None:
         check_fields(self, _CHECKS, RunConfigError)
@@ -123,7 +124,7 @@ _CHECKS: dict[str, Check] = {
     "eval_batches": at_least(1), "seed": at_least(0), "join_timeout_s": positive, "min_replicas": at_least(1),
     "num_stages": at_least(0), "stage_blocks": lambda v: None if re.fullmatch(r"(\d+(,\d+)*)?", v.replace(" ", "")) else "must be block counts separated by commas, e.g. 2,1,1",
     "activation_codec": one_of(*ACTIVATION_CODECS), "stage_step_samples": at_least(1), "micro_batches_in_flight": at_least(1),
-    "stage_sync_every_s": positive,
+    "stage_sync_every_s": positive, "stage_outer_momentum": below_one,
 }  # fmt: skip
 
 

@@ -25,7 +25,8 @@ from tests.swarm import start_hosts
 
 pytestmark = pytest.mark.timeout(120)
 
-RUN = RunConfig(model="tiny", num_stages=2, stage_step_samples=10_000, seed=3)
+NO_SYNC = 1e9  # seconds between syncs (wall-clock boundaries): none during a test, which would move the state on
+RUN = RunConfig(model="tiny", num_stages=2, stage_step_samples=10_000, seed=3, stage_sync_every_s=NO_SYNC)
 NONE = make_codec("none")
 
 
@@ -107,10 +108,10 @@ def test_calls_chained_through_stage_servers_give_the_models_loss_and_gradients(
 
 
 def test_a_backward_through_the_graph_its_forward_kept_gives_the_same_gradients_without_the_input(tmp_path):
-    run = RunConfig(model="tiny", num_stages=2, stage_step_samples=3, seed=3)  # a step after each micro-batch
+    run = RunConfig(model="tiny", num_stages=2, stage_step_samples=3, seed=3, stage_sync_every_s=NO_SYNC)  # a step after b's 3 samples, none after a's 2
     cfg = run.model_config()
     gen = torch.Generator().manual_seed(1)
-    xs = [torch.randint(0, cfg.vocab_size, (3, 16), generator=gen) for _ in range(2)]
+    xs = [torch.randint(0, cfg.vocab_size, (n, 16), generator=gen) for n in (2, 3)]
 
     async def main():
         async with stage_servers(tmp_path, run) as ((s0, s1), client):
@@ -150,7 +151,7 @@ def test_a_backward_through_the_graph_its_forward_kept_gives_the_same_gradients_
 
 
 def test_a_stage_server_steps_after_its_samples_and_reports_a_new_hash(tmp_path):
-    run = RunConfig(model="tiny", num_stages=2, stage_step_samples=4, seed=3)
+    run = RunConfig(model="tiny", num_stages=2, stage_step_samples=4, seed=3, stage_sync_every_s=NO_SYNC)
     x = torch.randint(0, 256, (2, 16))
 
     async def main():
