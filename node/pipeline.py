@@ -442,7 +442,11 @@ class StageServer(Role):
             avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=self._stage_peers, state_key="outer")
         except AveragingFailed as e:
             log.warning("stage %d: sync %d failed (%s); training on, the next one covers it", self.index, n, e.report.reason)
-            await self._catch_up()
+            if not await self._catch_up() and e.report.late:
+                # nobody else averaged and nobody holds a newer state: the peers the DHT still
+                # lists are gone (a killed peer's record outlives it). Our parameters become the
+                # stage's state, as for a lone peer: a peer that takes the stage next gets them
+                await self._advance_alone(n)
             return
         async with self._busy:
             await self._compute(self._apply_outer, avg)
@@ -455,7 +459,7 @@ class StageServer(Role):
         log.info("stage %d: sync %d with %d peers in %.2f s, hash %s (%d steps of the round dropped)", self.index, n, len(report.members), report.seconds, synced, dropped)
         self._report(sync=n, group=len(report.members), dropped_steps=dropped, state_hash=synced)
 
-    async def _catch_up(self) -> None:
+    async def _catch_up(self) -> bool:
         """After a failed sync: if the stage's other peers hold a newer state than ours (or, at
         the same round, the one more of them hold; a tie goes to the smaller hash), take it, so
         peers that drifted apart (a round that failed only for us, two peers that each thought
@@ -474,7 +478,7 @@ class StageServer(Role):
         await asyncio.gather(*(ask(p) for p in self._stage_peers))
         choice = choose_state((self.state_step, self.synced_hash), held)
         if choice is None:
-            return
+            return False
         for peer in [p for p, h in held.items() if h == choice]:
             try:
                 path = await download_checkpoint(self.transport, peer, self.download_dir, step=choice[0], manifest=manifests[peer], timeout_s=120.0)
@@ -491,7 +495,8 @@ class StageServer(Role):
             await self._save_state(self.state_step)
             log.info("stage %d: took the stage's state of round %d (hash %s) from %s", self.index, choice[0], choice[1], peer[-8:])
             self._report(caught_up_from=peer, sync=choice[0], state_hash=choice[1])
-            return
+            return True
+        return False
 
     def _apply_outer(self, avg: list[torch.Tensor]) -> None:
         copy_into(self.stage.parameters(), self.outer.apply(avg))

@@ -114,6 +114,16 @@ def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_pe
         assert h[-1]["loss"] < h[0]["loss"] - 0.3, [(e["micro_batches"], round(e["loss"], 3)) for e in h]
 
 
+def initial_hash(model: str, num_stages: int, stage: int) -> str:
+    """The hash of a stage's seeded initial weights (run seed 0), as a stage server reports it."""
+    from node.diloco import state_hash
+    from node.model import PRESETS
+    from node.stages import init_stage, plan_stages
+
+    cfg = PRESETS[model]
+    return state_hash(dict(init_stage(cfg, stage, plan_stages(cfg, num_stages), 0).named_parameters()))
+
+
 def start_entry(swarm, name) -> dict:
     """The history entry a stage server wrote when it took its current stage."""
     return [e for e in stats(swarm, name, "stage").get("history", []) if e.get("start")][-1]
@@ -140,7 +150,7 @@ def test_a_joiner_takes_its_stage_state_and_the_last_peer_of_a_stage_hands_it_ov
     holder = next(n for n in ("a", "b") if stats(swarm, n, "stage")["stage"] == joined)
     first = start_entry(swarm, "c")
     assert first["state_from"] == node_peer_id(nodes[holder]), first
-    assert first["state_hash"] != start_entry(swarm, holder)["state_hash"]  # what the holder trained, not the initial weights
+    assert first["state_hash"] != initial_hash("tiny", 2, joined)  # what the holder trained, not the initial weights
     wait_for(lambda: common_syncs(swarm, [holder, "c"]), 120, "c to sync with the other peer of its stage")
     assert all(len(set(h)) == 1 for h in common_syncs(swarm, [holder, "c"]).values())
 
@@ -197,3 +207,40 @@ def test_a_pipeline_swarm_stopped_and_started_again_resumes_every_stage_from_its
     # trained on from where the swarm stopped, not from the initial weights (fresh AdamW state
     # on every stage bumps the loss for a few steps: it is not in the checkpoints)
     assert h[0]["loss"] < loss_at_start - 0.3, (h[0], loss_at_start)
+
+
+def test_a_stage_left_with_one_of_four_peers_gets_a_peer_moved_to_it_and_the_mover_takes_its_state(swarm):
+    run = [
+        "--mode", "pipeline", "--num-stages", "2", "--model", "tiny", "--batch-size", "4", "--stage-step-samples", "16",
+        "--micro-batches-in-flight", "4", "--warmup-steps", "5", "--heartbeat-timeout-s", "10", "--stage-sync-every-s", "2",
+    ]  # fmt: skip
+    coord = swarm.coordinator("coordinator", None, None, *run)
+    maddr = coord.wait_ready()["maddrs"][0]
+    names = ["a", "b", "c", "d", "e"]
+    nodes = {n: swarm.node(n, [maddr], *NODE) for n in names}
+    wait_for(lambda: sum(map(len, placed(coord).values())) == 5 and len(placed(coord)) == 2, 120, "five stage peers on two stages")
+    swarm.node("t", [maddr], *NODE, "--wanted-role", "trainer")
+    wait_for(lambda: micro_batches(swarm, "t") >= 48, 300, "48 micro-batches")
+    ids = {n: node_peer_id(p) for n, p in nodes.items()}
+    groups = by_stage(swarm, names)
+    small = min(groups, key=lambda s: len(groups[s]))
+    assert sorted(len(v) for v in groups.values()) == [2, 3], groups
+    # SIGKILL one peer of the stage with two: it is left with one, the other stage has three
+    victim, survivor = groups[small]
+    nodes[victim].kill()
+    moves = len(coord.proc.log().split("rebalanced from")) - 1
+
+    def moved():
+        log = coord.proc.log()
+        lines = [line for line in log.splitlines() if f"to the slowest, stage {small}" in line]
+        return len(log.split("rebalanced from")) - 1 > moves and lines and lines[-1]
+
+    line = wait_for(moved, 120, f"the planner to move a peer to stage {small}")
+    mover = next(n for n in names if ids[n] in line)
+    wait_for(lambda: stats(swarm, mover, "stage").get("stage") == small and start_entry(swarm, mover).get("state_from"), 60, "the mover to take its new stage")
+    start = start_entry(swarm, mover)
+    assert start["state_from"] == ids[survivor], (start, ids[survivor])  # the stage's state, from the peer that kept it
+    assert start["state_hash"] != initial_hash("tiny", 2, small)  # what the stage trained, not its initial weights
+    wait_for(lambda: common_syncs(swarm, [survivor, mover]), 60, "the mover to sync with the survivor")
+    assert all(len(set(h)) == 1 for h in common_syncs(swarm, [survivor, mover]).values())
+    assert stats(swarm, "t", "trainer")["lost"] == 0
