@@ -18,20 +18,21 @@ PipeDream's weight stashing), so its backward computes the gradient of the forwa
 
 A stage server takes the calls queued at the moment it is free as one batch (forwards that keep
 no graph, recomputing backwards and train calls of the same shape, up to `MAX_BATCH_SAMPLES`),
-so several trainers share one forward; it adds no waiting of its own. Gradients of every backward accumulate; after `stage_step_samples` samples
-the server takes an AdamW step (the run's learning rate schedule, gradients clipped per stage).
+so several trainers share one forward; it adds no waiting of its own. Gradients of every
+backward accumulate; after `stage_step_samples` samples the server takes an AdamW step (the
+run's learning rate schedule, gradients clipped per stage).
 
-The peers of a stage stay in step DiLoCo-style: every `stage_sync_every_s` seconds of wall-clock
-time (the same boundaries everywhere, so they arrive together and nobody waits) each averages
-its pseudo-gradient (outer state minus its parameters) with the others of its stage, in the
-averager namespace "stage-<i>", compressed with the run's codec, and applies an outer step of
-lr 1 and momentum `stage_outer_momentum`: 0 by default, plain parameter averaging (with 2 peers
-per stage and syncs every 10 s, loss 2.69 and 2.70 at 12288 samples against 2.88 and 2.90 with
-Nesterov momentum 0.9; bench/pipeline.py arm (d)). A stage's only peer takes its parameters as
-its outer state instead: afterwards they
-hold bitwise-identical parameters (the steps a peer took while the round
-ran are dropped: calls are served meanwhile). Their AdamW state stays their own. A round's key
-carries the outer state's hash: peers whose outer states differ never mix.
+The peers of a stage stay in step: every `stage_sync_every_s` seconds of wall-clock time (the
+same boundaries everywhere, so they arrive together and nobody waits) each averages its
+pseudo-gradient (outer state minus its parameters) with the others of its stage, in the averager
+namespace "stage-<i>", compressed with the run's codec, and applies an outer step of lr 1 and
+momentum `stage_outer_momentum`. The default 0 is plain parameter averaging: with 2 peers per
+stage and syncs every 10 s, loss 2.69 and 2.70 at 12288 samples against 2.88 and 2.90 with
+Nesterov momentum 0.9 (bench/pipeline.py arm (d)). Afterwards they hold bitwise-identical
+parameters: the steps a peer took while the round ran (calls are served meanwhile) are dropped.
+Their AdamW state stays their own. A round's key carries the outer state's hash: peers whose
+outer states differ never mix; after a failed round a peer takes a newer state its peers hold.
+A stage's only peer (or one whose round found nobody) takes its parameters as its outer state.
 
 Everything a peer sends is checked before any compute: tensors' headers and payloads (codecs),
 shapes, dtypes, NaN/Inf, token ranges, the batch size. Bad input is refused with `bad_request`
