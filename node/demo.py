@@ -76,6 +76,22 @@ def get_status(port: int) -> dict | None:
         return None
 
 
+def start_coordinator(procs: Procs, run_dir: Path, http: int, p2p: int, t0: float, *run: str) -> str:
+    """Start the coordinator with the run's flags and wait for its /status; its multiaddr."""
+    procs.start(
+        "coordinator", script("swarmtrain-coordinator"),
+        "--data-dir", str(run_dir / "coordinator"), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{p2p}", "--http", f"127.0.0.1:{http}", *run,
+    )  # fmt: skip
+    status = None
+    while status is None:
+        if time.monotonic() - t0 > 120:
+            raise SystemExit(f"the coordinator did not start; see {run_dir}/coordinator.log")
+        time.sleep(0.5)
+        status = get_status(http)
+    print(f"coordinator up: status at http://127.0.0.1:{http}/status")
+    return status["maddrs"][0]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", type=int, default=3)
@@ -115,21 +131,12 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     print(f"swarmtrain demo: a coordinator and {args.replicas} replicas on this machine; logs in {run_dir}/")
     try:
-        procs.start(
-            "coordinator", script("swarmtrain-coordinator"),
-            "--data-dir", str(run_dir / "coordinator"), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{p2p}", "--http", f"127.0.0.1:{http}",
+        maddr = start_coordinator(
+            procs, run_dir, http, p2p, t0,
             "--model", args.model, "--inner-steps", str(args.inner_steps), "--max-outer-steps", str(args.outer_steps),
             "--checkpoint-every", "4", "--codec", args.codec, "--min-replicas", str(args.replicas), "--warmup-steps", "20",
             "--total-steps", str(args.outer_steps * args.inner_steps), "--join-timeout-s", "20",
-        )
-        status = None
-        while status is None:
-            if time.monotonic() - t0 > 120:
-                raise SystemExit(f"the coordinator did not start; see {run_dir}/coordinator.log")
-            time.sleep(0.5)
-            status = get_status(http)
-        maddr = status["maddrs"][0]
-        print(f"coordinator up: status at http://127.0.0.1:{http}/status")
+        )  # fmt: skip
         for i in range(args.replicas):
             procs.start(
                 f"replica{i}", script("swarmtrain-node"),
@@ -228,20 +235,11 @@ def main_pipeline(args) -> int:
     servers = args.stages * args.peers_per_stage
     print(f"swarmtrain demo: a coordinator, {servers} stage servers ({args.stages} stages of the {model} model) and {args.trainers} trainer(s); logs in {run_dir}/")
     try:
-        procs.start(
-            "coordinator", script("swarmtrain-coordinator"),
-            "--data-dir", str(run_dir / "coordinator"), "--host-maddrs", f"/ip4/127.0.0.1/tcp/{p2p}", "--http", f"127.0.0.1:{http}",
+        maddr = start_coordinator(
+            procs, run_dir, http, p2p, t0,
             "--mode", "pipeline", "--num-stages", str(args.stages), "--model", model, "--batch-size", "8", "--stage-step-samples", "32",
             "--warmup-steps", "5", "--stage-sync-every-s", "5", "--activation-codec", args.activation_codec, "--codec", args.codec,
         )  # fmt: skip
-        status = None
-        while status is None:
-            if time.monotonic() - t0 > 120:
-                raise SystemExit(f"the coordinator did not start; see {run_dir}/coordinator.log")
-            time.sleep(0.5)
-            status = get_status(http)
-        maddr = status["maddrs"][0]
-        print(f"coordinator up: status at http://127.0.0.1:{http}/status")
         node = ["--initial-peers", maddr, "--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "1"]
         for i in range(servers):
             procs.start(f"stage-server{i}", script("swarmtrain-node"), "--data-dir", str(run_dir / f"stage-server{i}"), *node)

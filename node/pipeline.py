@@ -346,18 +346,25 @@ class StageServer(Role):
 
         await asyncio.gather(*(ask(p, st) for p, st in sources))
         for step, _, peer, manifest in sorted(offers, key=lambda o: (o[0], o[1], random.random()), reverse=True):
-            stage = None if peer != self.membership.coordinator else self.index
-            try:
-                path = await download_checkpoint(self.transport, peer, self.download_dir, step=step, manifest=manifest, timeout_s=120.0, stage=stage)
-                state = await self._compute(load_checkpoint_dir, path)
+            if await self._take_state(peer, step, manifest, None if peer != self.membership.coordinator else self.index):
+                self.state_step, self.state_from = step, peer
+                return
+
+    async def _take_state(self, peer: str, step: int, manifest: dict, stage: int | None = None) -> bool:
+        """Download state `step` from `peer` (of `stage`, from the coordinator) and adopt it;
+        False, logged, when that fails."""
+        try:
+            path = await download_checkpoint(self.transport, peer, self.download_dir, step=step, manifest=manifest, timeout_s=120.0, stage=stage)
+            state = await self._compute(load_checkpoint_dir, path)
+            async with self._busy:
                 await self._compute(self._adopt, state, manifest.get("state_hash") or "")
-            except (*NETWORK_ERRORS, CheckpointDirError, ValueError, KeyError, RuntimeError) as e:
-                log.warning("stage %d: could not take the state from %s: %s", self.index, peer[-8:], _short(e))
-                continue
-            finally:
-                await asyncio.to_thread(shutil.rmtree, self.download_dir, True)
-            self.state_step, self.state_from = step, peer
-            return
+                self.hash = self._params_hash()
+        except (*NETWORK_ERRORS, CheckpointDirError, ValueError, KeyError, RuntimeError) as e:
+            log.warning("stage %d: could not take the state from %s: %s", self.index, peer[-8:], _short(e))
+            return False
+        finally:
+            await asyncio.to_thread(shutil.rmtree, self.download_dir, True)
+        return True
 
     def _adopt(self, state: dict[str, dict[str, torch.Tensor]], expected_hash: str) -> None:
         """Take a downloaded state: parameters = outer parameters; momentum; hash checked first.
@@ -481,17 +488,8 @@ class StageServer(Role):
         if choice is None:
             return False
         for peer in [p for p, h in held.items() if h == choice]:
-            try:
-                path = await download_checkpoint(self.transport, peer, self.download_dir, step=choice[0], manifest=manifests[peer], timeout_s=120.0)
-                state = await self._compute(load_checkpoint_dir, path)
-                async with self._busy:
-                    await self._compute(self._adopt, state, choice[1])
-                    self.hash = self._params_hash()
-            except (*NETWORK_ERRORS, CheckpointDirError, ValueError, KeyError, RuntimeError) as e:
-                log.warning("stage %d: could not take the state from %s: %s", self.index, peer[-8:], _short(e))
+            if not await self._take_state(peer, choice[0], manifests[peer]):  # (its manifest's hash is choice[1])
                 continue
-            finally:
-                await asyncio.to_thread(shutil.rmtree, self.download_dir, True)
             self.state_step, self.synced_hash = choice
             await self._save_state(self.state_step)
             log.info("stage %d: took the stage's state of round %d (hash %s) from %s", self.index, choice[0], choice[1], peer[-8:])

@@ -18,6 +18,11 @@ RUN = [
     "--stage-step-samples", "16", "--micro-batches-in-flight", "4", "--warmup-steps", "5", "--inner-lr", "3e-3",
     "--heartbeat-timeout-s", "10", "--stage-sync-every-s", "3",
 ]  # fmt: skip
+# two stages of the tiny model (one block each), syncs every 2 s
+TWO_STAGES = [
+    "--mode", "pipeline", "--num-stages", "2", "--model", "tiny", "--batch-size", "4", "--stage-step-samples", "16",
+    "--micro-batches-in-flight", "4", "--warmup-steps", "5", "--heartbeat-timeout-s", "10", "--stage-sync-every-s", "2",
+]  # fmt: skip
 NODE = ["--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "0.5"]
 
 
@@ -130,11 +135,7 @@ def start_entry(swarm, name) -> dict:
 
 
 def test_a_joiner_takes_its_stage_state_and_the_last_peer_of_a_stage_hands_it_over_on_sigterm(swarm):
-    run = [
-        "--mode", "pipeline", "--num-stages", "2", "--model", "tiny", "--batch-size", "4", "--stage-step-samples", "16",
-        "--micro-batches-in-flight", "4", "--warmup-steps", "5", "--heartbeat-timeout-s", "10", "--stage-sync-every-s", "2",
-    ]  # fmt: skip
-    coord = swarm.coordinator("coordinator", None, None, *run)
+    coord = swarm.coordinator("coordinator", None, None, *TWO_STAGES)
     maddr = coord.wait_ready()["maddrs"][0]
     nodes = {n: swarm.node(n, [maddr], *NODE) for n in ("a", "b")}
     wait_for(lambda: sorted(m.get("stage") for m in coord.status()["members"] if m.get("role") == "stage") == [0, 1], 120, "one peer per stage")
@@ -210,11 +211,7 @@ def test_a_pipeline_swarm_stopped_and_started_again_resumes_every_stage_from_its
 
 
 def test_a_stage_left_with_one_of_four_peers_gets_a_peer_moved_to_it_and_the_mover_takes_its_state(swarm):
-    run = [
-        "--mode", "pipeline", "--num-stages", "2", "--model", "tiny", "--batch-size", "4", "--stage-step-samples", "16",
-        "--micro-batches-in-flight", "4", "--warmup-steps", "5", "--heartbeat-timeout-s", "10", "--stage-sync-every-s", "2",
-    ]  # fmt: skip
-    coord = swarm.coordinator("coordinator", None, None, *run)
+    coord = swarm.coordinator("coordinator", None, None, *TWO_STAGES)
     maddr = coord.wait_ready()["maddrs"][0]
     names = ["a", "b", "c", "d", "e"]
     nodes = {n: swarm.node(n, [maddr], *NODE) for n in names}
