@@ -99,19 +99,32 @@ def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_pe
 
     # SIGSTOP one peer of a stage that has two: calls to it pass their deadline (from its
     # measured call times) and go to the other peer; after SIGCONT it serves calls again
-    frozen = next(names for names in by_stage(swarm, alive).values() if len(names) >= 2)[0]
+    # (one whose stage, in its own stats and in the coordinator's plan, has two live peers: not one
+    # the planner is moving)
+    ids = {n: node_peer_id(p) for n, p in alive.items()}
+
+    def settled() -> list[str]:
+        plan = placed(coord)
+        return [n for s, names in by_stage(swarm, alive).items() for n in names if len(names) >= 2 and sorted(ids[m] for m in names) == sorted(plan.get(s, []))]
+
+    frozen = wait_for(settled, 120, "a stage whose two live peers serve it and are planned there")[0]
+
+    def deadlines() -> list[float]:
+        """The deadlines of the trainers' calls to the frozen peer that timed out."""
+        return [float(w.split(" s)")[0]) for t in trainers for w in trainers[t].log().split(f"with {ids[frozen]} timed out after ")[1:]]
+
     done_before = {t: micro_batches(swarm, t) for t in trainers}
     servers[frozen].stall()
     try:
-        wait_for(lambda: all(micro_batches(swarm, t) >= done_before[t] + 32 for t in trainers), 300, "32 more micro-batches per trainer while a peer is frozen")
+        # frozen until a call to it passed its deadline and both trainers went on past it
+        wait_for(lambda: deadlines() and all(micro_batches(swarm, t) >= done_before[t] + 32 for t in trainers), 300, "a call to the frozen peer timing out and 32 more micro-batches per trainer")
     finally:
         servers[frozen].resume()
     served = sum(stats(swarm, frozen, "stage")["calls"].values())
     wait_for(lambda: sum(stats(swarm, frozen, "stage")["calls"].values()) > served + 16, 120, "the frozen peer to serve calls again after SIGCONT")
     # calls to the frozen peer passed deadlines from its measured call times, not the 10 s of a
     # peer never measured (a trainer may not have had a call on it when it froze)
-    deadlines = [float(w.split(" s)")[0]) for t in trainers for w in trainers[t].log().split("timed out after ")[1:]]
-    assert deadlines and max(deadlines) < 10.0, deadlines
+    assert max(deadlines()) < 10.0, deadlines()
     for t in trainers:
         st = stats(swarm, t, "trainer")
         assert st["lost"] == 0, st
