@@ -152,6 +152,9 @@ def rank_main(rank: int, port: int, s: Settings, out: Path) -> int:
     cfg = PRESETS[s.model]
     plan = plan_stages(cfg, s.stages)
     stage = init_stage(cfg, rank, plan, s.seed)
+    # the schedule infers shapes by running each stage on uninitialised tensors (torch.empty), which
+    # may hold NaN: the stage's own input check (for peers' activations) would refuse them
+    stage.check_input = lambda x: None
     last = rank == s.stages - 1
 
     class Logits(torch.nn.Module):  # the pipelining stage must hand on a tensor: the last one its logits

@@ -8,8 +8,7 @@ from node.cli import _Parser, run_daemon, setup_logging
 from node.config import LOG_LEVELS, ConfigError, load_config
 from node.runconfig import ACTIVATION_CODECS, CODECS
 
-from .config import CoordinatorConfig
-from .planner import MODES
+from .config import SERVED_MODES, CoordinatorConfig
 
 
 def build_parser():
@@ -24,8 +23,7 @@ def build_parser():
     p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses nodes should dial")
     p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="DHT peers to join")
     p.add_argument("--http", metavar="HOST:PORT", help=f"status/metrics address (default {c.http}; '' disables)")
-    p.add_argument("--mode", choices=MODES, help=f"how roles are planned (default {c.mode})")
-    p.add_argument("--experts", nargs="+", help="experts mode: expert names")
+    p.add_argument("--mode", choices=SERVED_MODES, help=f"how roles are planned (default {c.mode})")
     p.add_argument("--heartbeat-timeout-s", type=float, help=f"evict members silent this long (default {c.heartbeat_timeout_s})")
     p.add_argument("--keep-checkpoints", type=int, help=f"checkpoints kept on disk (default {c.keep_checkpoints})")
     p.add_argument("--owner-public-key", metavar="HEX", help="private swarm: require join tokens signed by this key")

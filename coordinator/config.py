@@ -12,7 +12,9 @@ from pathlib import Path
 from node.config import LOG_LEVELS, Check, at_least, check_fields, non_empty, one_of, positive
 from node.runconfig import RunConfig
 
-from .planner import MODES
+# the planning modes nodes serve: the planner also plans experts mode, but no node takes an
+# expert's role yet, so it is not offered
+SERVED_MODES = ("replica", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,7 @@ class CoordinatorConfig:
     announce_maddrs: tuple[str, ...] = ()  # addresses nodes should dial
     initial_peers: tuple[str, ...] = ()  # DHT peers to join (a bootstrap peer); empty: start a new DHT
     http: str = "127.0.0.1:8080"  # HOST:PORT of /status and /metrics; port 0 picks a free one; "" disables
-    mode: str = "replica"  # role planning: replica | pipeline | experts
-    experts: tuple[str, ...] = ()  # experts mode: expert names
+    mode: str = "replica"  # role planning: replica | pipeline
     heartbeat_timeout_s: float = 15.0  # seconds; members silent for longer are evicted
     keep_checkpoints: int = 3  # how many checkpoints to keep on disk
     owner_public_key: str = ""  # hex Ed25519 public key of the swarm owner; set: Register needs a join token signed by it
@@ -44,7 +45,7 @@ class CoordinatorConfig:
 
 
 _CHECKS: dict[str, Check] = {
-    "swarm_id": non_empty, "data_dir": non_empty, "host_maddrs": non_empty, "mode": one_of(*MODES),
+    "swarm_id": non_empty, "data_dir": non_empty, "host_maddrs": non_empty, "mode": one_of(*SERVED_MODES),
     "heartbeat_timeout_s": positive, "keep_checkpoints": at_least(1),
     "owner_public_key": lambda v: None if re.fullmatch(r"([0-9a-fA-F]{64})?", v) else "must be 64 hex digits (an Ed25519 public key)",
     "record_interval_s": positive, "log_level": one_of(*LOG_LEVELS),

@@ -143,7 +143,7 @@ class Coordinator:
         self._plan_lock = asyncio.Lock()
         try:
             self.planner = PlannerConfig(
-                mode=config.mode, num_stages=config.run.num_stages, experts=tuple(config.experts), heartbeat_timeout_s=config.heartbeat_timeout_s,
+                mode=config.mode, num_stages=config.run.num_stages, heartbeat_timeout_s=config.heartbeat_timeout_s,
                 stage_costs=stage_costs(config),
             )
         except ValueError as e:

@@ -79,6 +79,7 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
             "node-direct-port-in-use": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", str(busy_port)), ("cannot listen for direct connections", f"port {busy_port}", "in use")),
             "node-initial-peer-without-peer-id": Case(NODE, ("--data-dir", "{tmp}/data", "--initial-peers", "/ip4/127.0.0.1/tcp/1"), ("lacks its /p2p/<peer id>",)),
             "coordinator-bad-mode": Case(COORD, ("--mode", "anarchy"), ("--mode", "invalid choice", "anarchy"), light=True),
+            "coordinator-experts-mode": Case(COORD, ("--mode", "experts"), ("--mode", "invalid choice", "experts"), light=True),
             "coordinator-bad-http": Case(COORD, ("--data-dir", "{tmp}/data", "--http", "localhost"), ("--http must be HOST:PORT", "localhost")),
             "coordinator-http-port-in-use": Case(COORD, ("--data-dir", "{tmp}/data", "--http", f"127.0.0.1:{busy_port}"), (f"--http 127.0.0.1:{busy_port}", "address already in use")),
             "coordinator-bad-owner-key": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--owner-public-key", "not-hex"), ("--owner-public-key", "64 hex digits")),

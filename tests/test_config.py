@@ -218,6 +218,9 @@ def test_the_coordinator_nests_the_run_config(tmp_path):
         ("", {}, {"owner_public_key": "abc"}, "--owner-public-key: owner_public_key must be 64 hex digits"),
         ("", {}, {"num_stages": -1}, "--num-stages: num_stages must be ≥ 0"),
         ("run = 3\n", {}, {}, "unknown setting 'run'"),
+        # experts mode is planned but no node serves an expert yet: not offered
+        ('mode = "experts"\n', {}, {}, "c.toml: mode must be one of 'replica', 'pipeline'"),
+        ('experts = ["e0"]\n', {}, {}, "unknown setting 'experts'"),
     ],
 )
 def test_bad_coordinator_settings_are_named_with_their_source(tmp_path, toml, env, cli, expect):
