@@ -33,7 +33,12 @@ session). Compression "none" on both sides. A row:
 Every round has a deadline (`--round-timeout`); a round counts as successful only if every
 survivor in it returned success by then. Per row:
 - time_lost_s: what failed and slow rounds cost the survivors, from the round the fault hit on:
-  failed rounds whole, successful ones beyond healthy_round_s, and any wait with no round running.
+  failed rounds whole, any wait with no round running, and successful rounds beyond
+  healthy_round_s while the fault disturbs the rounds: from the fault until the survivors run 3
+  successful rounds in a row within 1.5 × healthy_round_s, and from the outage's end until they
+  do so again after the faulty peer is back. Slow rounds outside those windows (a loaded
+  machine's noise, which over a 30 s outage of 0.3 s rounds adds up to seconds in rows without
+  any disturbance) are shown as slow_rounds_steady_s, not counted.
   time_lost_net_s is the plain (wall time − successful rounds × healthy_round_s), where rounds
   faster than healthy (fewer peers; on few cores a frozen peer's CPU is free) earn time back;
 - first_round_s: how long that round took; rounds_during_outage: successful rounds the survivors
@@ -58,6 +63,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import signal
 import statistics
@@ -77,6 +83,7 @@ IMPLS = ("swarmtrain", "hivemind")
 MiB = 1 << 20
 TICK_S = 0.005  # how often answers, round deadlines and fault timers are looked at
 LEAD_S = 0.02  # a round starts this long after its command is sent (every peer at the same time)
+SETTLED = 3  # successful rounds in a row, each within 1.5 x healthy, that end the fault's disturbance
 
 
 @dataclass
@@ -363,6 +370,25 @@ class FaultRun:
         row["faulty_peer"] = {"rank": self.faulty, "peer_id": self.ids[self.faulty], "role": "leader" if self.faulty == lead else "member"}
         row["leader"] = {"rank": lead, "peer_id": leader, "reported_by_last_healthy_round": reported}
 
+    def disturbed(self, span: list[Round], healthy: float, outage_end: float):
+        """Whether a round of `span` falls while the fault disturbs the rounds: from the fault
+        until the survivors run SETTLED successful rounds in a row, each within 1.5 x healthy;
+        and (frozen, cut off) from the outage's end until, after the faulty peer is back, they
+        do so again. Outside, a slow round is the machine's noise, not the fault's cost."""
+
+        def settled_after(t: float) -> float:
+            calm = [r for r in span if r.start >= t]
+            for i in range(len(calm) - SETTLED + 1):
+                if all(r.ok and r.end - r.start <= 1.5 * healthy for r in calm[i : i + SETTLED]):
+                    return calm[i].start
+            return math.inf
+
+        start = span[0].start if span else math.inf
+        windows = [(start, settled_after(start))]
+        if self.kind != "sigkill":
+            windows.append((outage_end, settled_after(self.back_at) if self.back_at is not None else math.inf))
+        return lambda r: any(a <= r.start < b for a, b in windows)
+
     def describe_errors(self, rnd: Round) -> str:
         return "; ".join(f"peer {i}: {e}" for i, e in sorted(rnd.errors.items()))[:1000]
 
@@ -374,13 +400,18 @@ class FaultRun:
         outage_end = self.fault_start + a.outage_s
         ok = [r for r in span if r.ok]
         end = max(r.end for r in span) if span else self.fault_start
-        # failed rounds whole, successful ones beyond healthy_round_s, and time no round ran
-        # (beyond this process's usual gap between rounds). A round faster than healthy (fewer
-        # peers, a frozen peer's CPU free) earns nothing back: `time_lost_net_s` would let it.
+        # failed rounds whole, successful ones beyond healthy_round_s while the fault disturbs
+        # the rounds, and time no round ran (beyond this process's usual gap between rounds). A
+        # round faster than healthy (fewer peers, a frozen peer's CPU free) earns nothing back:
+        # `time_lost_net_s` would let it.
         gap = statistics.median(y.start - x.end for x, y in itertools.pairwise(self.healthy)) if len(self.healthy) > 1 else 0.0
         idle = sum(max(0.0, y.start - x.end - gap) for x, y in itertools.pairwise(span))
         failed_s = sum(r.end - r.start for r in span if not r.ok)
-        slow_s = sum(max(0.0, r.end - r.start - healthy) for r in ok)
+        disturbed = self.disturbed(span, healthy, outage_end)
+        slow_s = sum(max(0.0, r.end - r.start - healthy) for r in ok if disturbed(r))
+        # the rest: rounds slower than healthy once the survivors were back to steady rounds, as
+        # rounds without a fault have them on a loaded machine (shown, not counted)
+        steady_s = sum(max(0.0, r.end - r.start - healthy) for r in ok if not disturbed(r))
         lost = failed_s + slow_s + idle
         first = self.fault_round or next((r for r in span if r.start >= self.fault_start), None)
         after = next((r for r in span if r.start >= self.fault_start), None)
@@ -408,6 +439,7 @@ class FaultRun:
             rounds_failed=len(span) - len(ok),
             time_lost_s=round(lost, 3),
             time_lost_parts_s={"failed_rounds": round(failed_s, 3), "slow_rounds": round(slow_s, 3), "idle": round(idle, 3)},
+            slow_rounds_steady_s=round(steady_s, 3),
             time_lost_net_s=round((end - span_start) - len(ok) * healthy, 3),
             first_round_s=round(first.end - first.start, 3) if first else None,
             first_round_ok=first.ok if first else None,
@@ -552,7 +584,7 @@ def parse_args(argv=None):
     p.add_argument("--tensors", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="rounds before the healthy ones")
-    p.add_argument("--healthy-rounds", type=int, default=3)
+    p.add_argument("--healthy-rounds", type=int, default=5)
     p.add_argument("--fault-at", default="data", help='"data" (mid data phase, from the healthy rounds) or seconds into the round')
     p.add_argument("--round-timeout", type=float, default=60.0, help="seconds a round may take (also hivemind's allreduce_timeout)")
     p.add_argument("--back-deadline-s", type=float, default=60.0, help="after the fault's end, how long to wait for the faulty peer")

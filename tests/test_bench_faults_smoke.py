@@ -56,3 +56,37 @@ def test_faults_bench_json_swarmtrain():
     # no --netns: the link_down row says why it did not run
     assert rows["link_down"]["status"] == "skipped" and rows["link_down"]["reason"]
     assert leftovers(marker) == []
+
+
+def _rounds(durations: list[float], t0: float = 0.0) -> list:
+    from bench.faults import Round
+
+    out, t = [], t0
+    for i, d in enumerate(durations):
+        ok = d > 0
+        out.append(Round(id=i, start=t, peers=[], awaited=set(), deadline=t + 60, end=t + abs(d), ok=ok))
+        t += abs(d)
+    return out
+
+
+def _disturbed(kind: str, span: list, healthy: float, outage_end: float, back_at: float | None):
+    from bench.faults import FaultRun
+
+    run = object.__new__(FaultRun)  # only the fields `disturbed` reads
+    run.kind, run.back_at = kind, back_at
+    return run.disturbed(span, healthy, outage_end)
+
+
+def test_slow_rounds_count_while_the_fault_disturbs_the_rounds_not_after_they_settle():
+    # a failed round (negative: not ok), two slow ones, three calm ones, then a noise spike
+    span = _rounds([-1.0, 0.9, 0.6, 0.3, 0.3, 0.3, 0.3, 0.9, 0.3])
+    inside = _disturbed("sigkill", span, 0.3, outage_end=100.0, back_at=None)
+    assert [inside(r) for r in span] == [True, True, True, False, False, False, False, False, False]
+    # a frozen peer: after the outage's end (the spike's round starts there) until it is back and
+    # the rounds settle again
+    spike = span[7]
+    again = _disturbed("sigstop_member", span, 0.3, outage_end=spike.start, back_at=spike.start)
+    assert again(spike) and not again(span[4])
+    # never settling: everything from the fault on counts
+    unsettled = _rounds([0.9, 0.3, 0.9, 0.3, 0.9])
+    assert all(map(_disturbed("sigkill", unsettled, 0.3, 100.0, None), unsettled))
