@@ -71,14 +71,14 @@ def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_pe
     trainers = {f"t{i}": swarm.node(f"t{i}", [maddr], *NODE, "--wanted-role", "trainer", "--shard-index", str(i)) for i in range(2)}
 
     # both trainers push micro-batches through; every stage server holds only its own layers
-    wait_for(lambda: min(micro_batches(swarm, t) for t in trainers) >= 48, 300, "48 micro-batches per trainer")
+    wait_for(lambda: min(micro_batches(swarm, t) for t in trainers) >= 32, 300, "32 micro-batches per trainer")
     want = {0: {"wte", "wpe", "blocks.0", "blocks.1"}, 1: {"blocks.2"}, 2: {"blocks.3", "ln_f", "lm_head"}}
     for name in servers:
         st = stats(swarm, name, "stage")
         groups = {p.split(".")[0] if not p.startswith("blocks.") else ".".join(p.split(".")[:2]) for p in st["params"]}
         assert groups == want[st["stage"]], (name, st["stage"], groups)
         assert st["calls"]["refused"] == 0, st
-    assert sum(stats(swarm, n, "stage")["calls"]["train"] for n in servers) >= 96
+    assert sum(stats(swarm, n, "stage")["calls"]["train"] for n in servers) >= 64
     shown = coord.status()["stages"]  # /status per stage: its peers, their hashes, throughput
     assert sorted(shown) == ["0", "1", "2"] and all(v["peers"] and v["state_hashes"] and v["samples_per_second"] > 0 for v in shown.values()), shown
     # the peers of a stage synchronise every 3 s and hold the same parameters afterwards
@@ -93,7 +93,7 @@ def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_pe
     victim = next(names for names in by_stage(swarm, servers).values() if len(names) >= 2)[0]
     done_before = {t: micro_batches(swarm, t) for t in trainers}
     servers[victim].kill()
-    wait_for(lambda: all(micro_batches(swarm, t) >= done_before[t] + 48 for t in trainers), 300, "48 more micro-batches per trainer after the kill")
+    wait_for(lambda: all(micro_batches(swarm, t) >= done_before[t] + 32 for t in trainers), 300, "32 more micro-batches per trainer after the kill")
     assert not servers[victim].leftovers()
     alive = {n: p for n, p in servers.items() if n != victim}
 
