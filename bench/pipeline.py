@@ -50,7 +50,10 @@ class Settings:
     lr: float = 3e-3
     warmup_steps: int = 5
     seed: int = 0
-    in_flight: int = 4
+    # micro-batches each trainer keeps in the pipeline. 2: on 2 cores the swarm is CPU-bound at 2
+    # already (arm c, 6144 samples: 1 / 2 / 3 / 4 in flight gave 58 / 109 / 110 / 110 samples/s),
+    # and every one more is staleness (loss 2.50 / 2.53 / 2.63 / 2.79; arm a: 2.55)
+    in_flight: int = 2
     kill_every_s: float = 30.0
     activation_codec: str = "none"
     rate: str = "100mbit"  # (f): each process's link
