@@ -785,6 +785,7 @@ class _PeerStats:
     banned_until: float = 0.0
     backoff_s: float = 0.0
     failures: int = 0
+    last_pick: float | None = None  # when it was last chosen (monotonic)
 
 
 class StagePeers:
@@ -792,12 +793,16 @@ class StagePeers:
 
     The pick is by expected completion time: a peer's smoothed call time times the calls it
     would then have in flight from us; a peer never measured counts as instant, so new peers are
-    tried at once. A failed or timed-out peer is left alone for a backoff (1 s, doubling per
-    failure in a row, at most `max_backoff_s`); a success clears it. The deadline of a call is
-    `timeout_factor` times the peer's smoothed call time, at least `min_timeout_s`."""
+    tried at once. A measured peer not chosen for `reprobe_s` (its smoothed time, once slow, would
+    keep it out for good: it measured slow while it started, say) gets the next call, when none
+    is in flight to it: its time stays current, and so does the rate the planner sees for it. A
+    failed or timed-out peer is left alone for a backoff (1 s, doubling per failure in a row, at
+    most `max_backoff_s`); a success clears it. The deadline of a call is `timeout_factor` times
+    the peer's smoothed call time, at least `min_timeout_s`."""
 
-    def __init__(self, min_timeout_s: float = 2.0, first_timeout_s: float = 10.0, timeout_factor: float = 8.0, max_backoff_s: float = 30.0):
+    def __init__(self, min_timeout_s: float = 2.0, first_timeout_s: float = 10.0, timeout_factor: float = 8.0, max_backoff_s: float = 30.0, reprobe_s: float = 5.0):
         self.min_timeout_s, self.first_timeout_s, self.timeout_factor, self.max_backoff_s = min_timeout_s, first_timeout_s, timeout_factor, max_backoff_s
+        self.reprobe_s = reprobe_s
         self.stages: dict[int, list[str]] = {}
         self.peers: dict[str, _PeerStats] = {}
 
@@ -818,7 +823,14 @@ class StagePeers:
             st = self.peers[p]
             return ((st.ema_s or 0.0) * (st.inflight + 1), random.random())
 
-        return min(fresh, key=expected)
+        def unpicked_for(p: str) -> float:
+            st = self.peers[p]
+            return -1.0 if st.last_pick is None or st.inflight else now - st.last_pick
+
+        stalest = max(fresh, key=unpicked_for)
+        peer = stalest if unpicked_for(stalest) > self.reprobe_s else min(fresh, key=expected)
+        self.peers[peer].last_pick = now
+        return peer
 
     def timeout(self, peer: str) -> float:
         st = self.peers[peer]

@@ -257,6 +257,21 @@ def test_stage_peers_pick_by_expected_completion_and_try_new_peers_at_once():
         peers.choose(2, now=0)
 
 
+def test_a_peer_that_measured_slow_gets_a_call_again_after_reprobe_s():
+    # b measured slow once (it was starting): by expected time it would never be chosen again,
+    # its time never corrected, and the planner would never see its rate
+    peers = StagePeers(reprobe_s=5.0)
+    peers.update({0: ["a", "b"]})
+    assert [peers.choose(0, now=0.0, avoid={"b"}), peers.choose(0, now=0.0, avoid={"a"})] == ["a", "b"]
+    peers.succeeded("a", 0.01)
+    peers.succeeded("b", 2.0)
+    assert [peers.choose(0, now=t) for t in (1.0, 2.0, 4.9)] == ["a", "a", "a"]
+    assert peers.choose(0, now=5.1) == "b"  # not chosen for over 5 s: its turn, once
+    assert peers.choose(0, now=5.2) == "a"
+    peers.peers["b"].inflight = 1  # a call to it still runs: no second one
+    assert peers.choose(0, now=20.0) == "a"
+
+
 def test_stage_peers_ban_failing_peers_with_backoff_and_derive_deadlines_from_measured_times():
     peers = StagePeers(min_timeout_s=2.0, first_timeout_s=10.0, timeout_factor=8.0, max_backoff_s=30.0)
     peers.update({0: ["a", "b"]})
