@@ -109,6 +109,26 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+@torch.no_grad()
+def init_gpt_weights(model: nn.Module, n_layer: int, seed: int | None) -> None:
+    """GPT-2 init: N(0, 0.02) everywhere, zero biases, and the projections that write into the
+    residual stream scaled by 1/sqrt(2·n_layer) so its variance does not grow with depth.
+    named_modules() has a fixed order, so one seed gives the same draws every time; without a
+    seed the global RNG is used."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    resid_std = 0.02 / math.sqrt(2 * n_layer)
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0.0, resid_std if name.endswith("c_proj") else 0.02, generator=gen)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, 0.02, generator=gen)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
 class GPT(nn.Module):
     """Token + position embeddings, n_layer blocks, final LayerNorm, linear head to vocab logits.
 
@@ -127,24 +147,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self._init_weights(torch.Generator().manual_seed(seed) if seed is not None else None)
-
-    @torch.no_grad()
-    def _init_weights(self, gen: torch.Generator | None) -> None:
-        # GPT-2 init: N(0, 0.02) everywhere, zero biases, and the projections that write into the
-        # residual stream scaled by 1/sqrt(2·n_layer) so its variance does not grow with depth.
-        # named_modules() has a fixed order, so one generator gives the same draws every time.
-        resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0.0, resid_std if name.endswith("c_proj") else 0.02, generator=gen)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, 0.0, 0.02, generator=gen)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_gpt_weights(self, config.n_layer, seed)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import MLP, PRESETS, CausalSelfAttention, GPTConfig
+from .model import MLP, PRESETS, CausalSelfAttention, GPTConfig, init_gpt_weights
 
 
 @dataclass(frozen=True)
@@ -154,9 +154,9 @@ class MoEBlock(nn.Module):
         self.ln_1, self.attn = nn.LayerNorm(cfg.n_embd), CausalSelfAttention(cfg)
         self.ln_2, self.moe = nn.LayerNorm(cfg.n_embd), MoELayer(cfg, moe)
 
-    def forward(self, x: torch.Tensor, ffn: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.attn(self.ln_1(x))
-        y, aux = (ffn or self.moe)(self.ln_2(x))
+        y, aux = self.moe(self.ln_2(x))
         return x + y, aux
 
 
@@ -174,22 +174,7 @@ class MoEGPT(nn.Module):
         self.blocks = nn.ModuleList(MoEBlock(config, moe) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self._init_weights(torch.Generator().manual_seed(seed) if seed is not None else None)
-
-    @torch.no_grad()
-    def _init_weights(self, gen: torch.Generator | None) -> None:
-        # as GPT's: N(0, 0.02), residual projections scaled by 1/sqrt(2·n_layer), zero biases
-        resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0.0, resid_std if name.endswith("c_proj") else 0.02, generator=gen)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, 0.0, 0.02, generator=gen)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_gpt_weights(self, config.n_layer, seed)  # as GPT's
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
