@@ -212,7 +212,8 @@ class MoEGPT(nn.Module):
 
 
 MOE_PRESETS: dict[str, tuple[GPTConfig, MoEConfig]] = {
-    "tiny-moe": (PRESETS["tiny"], MoEConfig(num_experts=4, top_k=2)),
+    "tiny-moe": (PRESETS["tiny"], MoEConfig(num_experts=4, top_k=2)),  # 2 layers x 4 experts of width 64
+    "small-moe": (PRESETS["small"], MoEConfig(num_experts=8, top_k=2)),  # 4 layers x 8 experts of width 128
 }
 
 

@@ -69,7 +69,7 @@ from .checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manife
 from .data import Batches, DataError, load_corpus
 from .diloco import OuterOptimizer, copy_into, lr_at, state_hash
 from .membership import read_members
-from .roles import Role, RoleError
+from .roles import Role, RoleError, label_of
 from .runconfig import RunConfig, RunConfigError
 from .replica import choose_state
 from .stages import Stage, StageInputError, init_stage
@@ -159,15 +159,21 @@ class StageServer(Role):
             raise RoleError(str(e)) from None
         if index is None or not 0 <= index < len(self.plan):
             raise RoleError(f"stage {index} is not a stage of this run's cut (0..{len(self.plan) - 1})")
+        self._setup(host, transport, membership, node_config, run, index, "stage", f"stage {index}", f"stage-{index}", label_of("stage", index, None))
+
+    def _setup(self, host, transport, membership, node_config, run: RunConfig, index: int, kind: str, what: str, namespace: str, label: str) -> None:
+        """What every server of a slot of the model (a stage, a shard of experts) holds: `kind`
+        names its files, `what` its log lines, `namespace` its peers' averaging, `label` its
+        member records' role."""
         self.host, self.transport, self.membership, self.node_config, self.run_config = host, transport, membership, node_config, run
-        self.index = index
+        self.index, self.what, self.label = index, what, label
         self.model_config = run.model_config()
         self.train_config = run.train_config()
         self.codec = activation_codec(run, self.model_config.n_embd)
         self.max_numel = MAX_BATCH_SAMPLES * self.model_config.context * self.model_config.n_embd
-        self.stats_path = Path(node_config.data_dir) / "stage-stats.json"
-        self.state_dir = Path(node_config.data_dir) / "stage-state"
-        self.download_dir = Path(node_config.data_dir) / "stage-downloads"
+        self.stats_path = Path(node_config.data_dir) / f"{kind}-stats.json"
+        self.state_dir = Path(node_config.data_dir) / f"{kind}-state"
+        self.download_dir = Path(node_config.data_dir) / f"{kind}-downloads"
         self.state_server = CheckpointServer(transport, DirectorySource(self.state_dir), on_served=self._on_served)
         self.state_step = 0  # the sync round of the outer state we hold (0: the run's initial weights)
         self.synced_hash = ""  # the hash of that state
@@ -198,7 +204,7 @@ class StageServer(Role):
             host,
             transport,
             averager_config(
-                node_config, swarm_id=node_config.swarm_id, namespace=f"stage-{index}", codec=run.codec, codec_params=codec_params,
+                node_config, swarm_id=node_config.swarm_id, namespace=namespace, codec=run.codec, codec_params=codec_params,
                 join_timeout_s=min(run.join_timeout_s, run.stage_sync_every_s / 2), bandwidth=node_config.bandwidth_mbps * 1e6 / 8,
             ),
         )  # fmt: skip
@@ -227,20 +233,32 @@ class StageServer(Role):
         self.hash = self.synced_hash = self._params_hash()
         await self._save_state(self.state_step)
         try:
-            self._registration = self.transport.serve({StageCall: self._on_call}, owner=f"stage {self.index}")
+            self._registration = self.transport.serve({self.CALL: self._on_call}, owner=self.what)
         except HandlerTaken as e:
             raise RoleError(str(e)) from None
-        first, last = self.plan[self.index]
-        log.info(
-            "stage %d of %d: blocks %d..%d%s%s, %d params, activations %s, state of round %d from %s, hash %s",
-            self.index, len(self.plan), first, last - 1, " + embeddings" if self.stage.first else "", " + head" if self.stage.last else "",
-            self.stage.num_params(), self.codec.name, self.state_step, self.state_from[-8:], self.hash,
-        )  # fmt: skip
+        log.info("%s: %s, %d params, activations %s, state of round %d from %s, hash %s",
+                 self.what, self._describe(), self.stage.num_params(), self.codec.name, self.state_step, self.state_from[-8:], self.hash)  # fmt: skip
         self._report(start=True, state_from=self.state_from)
         self.membership.publish_soon()  # trainers find stage servers through the DHT
 
+    CALL = StageCall  # the message it serves
+    COORDINATOR_KEEPS = True  # the coordinator keeps checkpoints of this kind of state (and offers them)
+
+    def _step_due(self) -> bool:
+        return self._acc_samples >= self.run_config.stage_step_samples
+
+    def _describe(self) -> str:
+        first, last = self.plan[self.index]
+        return f"stage {self.index} of {len(self.plan)}: blocks {first}..{last - 1}{' + embeddings' if self.stage.first else ''}{' + head' if self.stage.last else ''}"
+
+    def _same_slot(self, label: str) -> bool:
+        """Whether a member record's role label is a peer of this stage."""
+        return stage_of_role(label) == self.index
+
     def _build(self) -> tuple[Stage, torch.optim.AdamW]:
-        stage = init_stage(self.model_config, self.index, self.plan, self.run_config.seed)
+        return self._with_optimizer(init_stage(self.model_config, self.index, self.plan, self.run_config.seed))
+
+    def _with_optimizer(self, stage):
         cfg = self.train_config
         params = list(stage.parameters())
         groups = [
@@ -281,17 +299,17 @@ class StageServer(Role):
                         p.done.set_exception(e)
                 continue
             except Exception as e:  # our bug, or the tensors together broke something: every caller hears it
-                log.exception("stage %d: a %s batch failed", self.index, batch[0].op)
+                log.exception("%s: a %s batch failed", self.what, batch[0].op)
                 for p in batch:
                     if not p.done.done():
-                        p.done.set_exception(RPCError("internal", f"stage {self.index} failed on this batch: {type(e).__name__}"))
+                        p.done.set_exception(RPCError("internal", f"{self.what} failed on this batch: {type(e).__name__}"))
                 continue
             finally:
                 self._busy.release()
             for p, r in zip(batch, results):
                 if not p.done.done():
                     p.done.set_result(r)
-            if self._acc_samples >= self.run_config.stage_step_samples:
+            if self._step_due():
                 async with self._busy:
                     await self._compute(self._step)
                 self._report()
@@ -329,7 +347,7 @@ class StageServer(Role):
         keep the seeded init."""
         offers: list[tuple[int, int, str, dict]] = []  # (round, peers first, from, manifest)
         sources = [(p, None) for p in await self._read_stage_peers()]
-        if self.membership.coordinator:
+        if self.membership.coordinator and self.COORDINATOR_KEEPS:
             sources.append((self.membership.coordinator, self.index))
 
         async def ask(peer: str, stage: int | None) -> None:
@@ -337,10 +355,10 @@ class StageServer(Role):
                 step, manifest = await fetch_manifest(self.transport, peer, timeout=5.0, stage=stage)
             except (*NETWORK_ERRORS, ValueError) as e:
                 if not (isinstance(e, RemoteError) and e.code == "not_found"):  # not_found: it has none (yet)
-                    log.warning("stage %d: could not ask %s for the stage's state: %s", self.index, peer[-8:], _short(e))
+                    log.warning("%s: could not ask %s for the stage's state: %s", self.what, peer[-8:], _short(e))
                 return
             if manifest.get("model_config") != self._meta():
-                log.warning("stage %d: %s holds a state for %s, not this stage", self.index, peer[-8:], manifest.get("model_config"))
+                log.warning("%s: %s holds a state for %s, not this stage", self.what, peer[-8:], manifest.get("model_config"))
             else:
                 offers.append((step, stage is None, peer, manifest))
 
@@ -360,7 +378,7 @@ class StageServer(Role):
                 await self._compute(self._adopt, state, manifest.get("state_hash") or "")
                 self.hash = self._params_hash()
         except (*NETWORK_ERRORS, CheckpointDirError, ValueError, KeyError, RuntimeError) as e:
-            log.warning("stage %d: could not take the state from %s: %s", self.index, peer[-8:], _short(e))
+            log.warning("%s: could not take the state from %s: %s", self.what, peer[-8:], _short(e))
             return False
         finally:
             await asyncio.to_thread(shutil.rmtree, self.download_dir, True)
@@ -410,16 +428,16 @@ class StageServer(Role):
         """State `step` to the coordinator, which keeps it once the stage's peers reported its
         hash: a stage whose every peer is gone starts again from there."""
         coordinator = self.membership.coordinator
-        if coordinator is None or self._uploads:  # the last upload is still on its way: skip this one
+        if coordinator is None or self._uploads or not self.COORDINATOR_KEEPS:  # the last upload is still on its way: skip this one
             return
 
         async def upload() -> None:
             self._uploading = step_dir_name(step)
             try:
                 await upload_checkpoint(self.transport, coordinator, self.state_dir / step_dir_name(step))
-                log.info("stage %d: the coordinator keeps state %d (hash %s)", self.index, step, self.synced_hash)
+                log.info("%s: the coordinator keeps state %d (hash %s)", self.what, step, self.synced_hash)
             except (*NETWORK_ERRORS, CheckpointDirError, OSError) as e:
-                log.warning("stage %d: checkpoint %d not kept by the coordinator: %s", self.index, step, _short(e))
+                log.warning("%s: checkpoint %d not kept by the coordinator: %s", self.what, step, _short(e))
             finally:
                 self._uploading = ""
 
@@ -431,10 +449,10 @@ class StageServer(Role):
         try:
             members = await asyncio.wait_for(read_members(self.host, self.node_config.swarm_id), 3.0)
         except Exception as e:  # the DHT may be briefly unreachable: no sync this time
-            log.debug("stage %d: could not read member records: %s", self.index, e)
+            log.debug("%s: could not read member records: %s", self.what, e)
             return []
         fresh = time.time() - self.node_config.record_ttl_s
-        return sorted(p for p, rec in members.items() if p != self.host.peer_id and stage_of_role(rec.role) == self.index and rec.issued_at > fresh)
+        return sorted(p for p, rec in members.items() if p != self.host.peer_id and self._same_slot(rec.role) and rec.issued_at > fresh)
 
     async def _sync(self, n: int) -> None:
         """One round with the stage's other peers. Calls are served while it runs (a dead or
@@ -449,7 +467,7 @@ class StageServer(Role):
         try:
             avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=self._stage_peers, state_key="outer")
         except AveragingFailed as e:
-            log.warning("stage %d: sync %d failed (%s); training on, the next one covers it", self.index, n, e.report.reason)
+            log.warning("%s: sync %d failed (%s); training on, the next one covers it", self.what, n, e.report.reason)
             if not await self._catch_up() and e.report.late:
                 # nobody else averaged and nobody holds a newer state: the peers the DHT still
                 # lists are gone (a killed peer's record outlives it). Our parameters become the
@@ -464,7 +482,7 @@ class StageServer(Role):
         await self._save_state(n)  # what a peer that takes this stage next downloads
         if self.syncs % self.run_config.checkpoint_every == 0 and self.host.peer_id == min(report.members):
             self._upload(n)
-        log.info("stage %d: sync %d with %d peers in %.2f s, hash %s (%d steps of the round dropped)", self.index, n, len(report.members), report.seconds, synced, dropped)
+        log.info("%s: sync %d with %d peers in %.2f s, hash %s (%d steps of the round dropped)", self.what, n, len(report.members), report.seconds, synced, dropped)
         self._report(sync=n, group=len(report.members), dropped_steps=dropped, state_hash=synced)
 
     async def _catch_up(self) -> bool:
@@ -492,7 +510,7 @@ class StageServer(Role):
                 continue
             self.state_step, self.synced_hash = choice
             await self._save_state(self.state_step)
-            log.info("stage %d: took the stage's state of round %d (hash %s) from %s", self.index, choice[0], choice[1], peer[-8:])
+            log.info("%s: took the stage's state of round %d (hash %s) from %s", self.what, choice[0], choice[1], peer[-8:])
             self._report(caught_up_from=peer, sync=choice[0], state_hash=choice[1])
             return True
         return False
@@ -527,7 +545,7 @@ class StageServer(Role):
         while self._queue:
             p = self._queue.popleft()
             if not p.done.done():
-                p.done.set_exception(RPCError("overloaded", f"stage {self.index} is leaving this peer"))
+                p.done.set_exception(RPCError("overloaded", f"{self.what} is leaving this peer"))
 
     async def _hand_over(self) -> None:
         """The stage's last peer does not take the stage with it: it saves its latest parameters
@@ -545,18 +563,18 @@ class StageServer(Role):
         answer = await self.membership.leave()  # the coordinator re-plans without us: a peer moves to this stage
         named = [p for p in str((answer or {}).get("stage_peers", "")).split(",") if p and p != self.host.peer_id]
         if not named:  # no coordinator, or no peer it could move: nobody will come for the state
-            log.warning("stage %d: its last peer is leaving and no peer takes the stage; its state (hash %s) stays in %s", self.index, self.hash, self.state_dir)
+            log.warning("%s: its last peer is leaving and no peer takes the stage; its state (hash %s) stays in %s", self.what, self.hash, self.state_dir)
             return
-        log.info("stage %d: its last peer is leaving; handing over its state (round %d, hash %s) to %s", self.index, step, self.hash, ", ".join(p[-8:] for p in named))
+        log.info("%s: its last peer is leaving; handing over its state (round %d, hash %s) to %s", self.what, step, self.hash, ", ".join(p[-8:] for p in named))
         deadline = time.monotonic() + HANDOVER_S
         while time.monotonic() < deadline:
             taken = sorted(p for p, got in self._served.get(step, {}).items() if got >= files)
             if taken:
-                log.info("stage %d: %s took the stage's state (hash %s); leaving", self.index, taken[0][-8:], self.hash)
+                log.info("%s: %s took the stage's state (hash %s); leaving", self.what, taken[0][-8:], self.hash)
                 self._report(handed_over_to=taken[0], handover_step=step)
                 return
             await asyncio.sleep(0.2)
-        log.warning("stage %d: no peer took the stage's state within %.0f s; it stays in %s", self.index, HANDOVER_S, self.state_dir)
+        log.warning("%s: no peer took the stage's state within %.0f s; it stays in %s", self.what, HANDOVER_S, self.state_dir)
 
     # ---- serving
 
@@ -722,7 +740,7 @@ class StageServer(Role):
             p.grad.div_(max(self._acc_calls, 1))
         norm = torch.nn.utils.clip_grad_norm_(params, self.train_config.grad_clip) if self.train_config.grad_clip > 0 else None
         if norm is not None and not torch.isfinite(norm):
-            log.warning("stage %d: non-finite gradient norm; dropping %d samples' gradients", self.index, self._acc_samples)
+            log.warning("%s: non-finite gradient norm; dropping %d samples' gradients", self.what, self._acc_samples)
         else:
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(self.steps, self.train_config)
@@ -744,18 +762,19 @@ class StageServer(Role):
         busy = sum(s for s, _ in self._rate)
         return sum(n for _, n in self._rate) / busy if busy > 0 else None
 
+    def _slot_stats(self) -> dict[str, Any]:
+        return {"stage": self.index, "num_stages": len(self.plan), "blocks": list(self.plan[self.index])}
+
     def _report(self, **entry: Any) -> None:
         p = self.membership.progress
         p.step, p.state_hash = self.state_step, self.synced_hash  # the same on every peer of the stage after a sync
         rate = self.samples_per_second()
         if rate is not None:
-            p.samples_per_second, p.measured_as = rate, f"stage:{self.index}"
+            p.samples_per_second, p.measured_as = rate, self.label
         self.history.append({"step": self.steps, "samples": self.samples, "state_hash": self.hash, "time": time.time(), **entry})
         del self.history[:-200]
         stats = {
-            "stage": self.index,
-            "num_stages": len(self.plan),
-            "blocks": list(self.plan[self.index]),
+            **self._slot_stats(),
             "params": sorted(n for n, _ in self.stage.named_parameters()),
             "num_params": self.stage.num_params(),
             "steps": self.steps,

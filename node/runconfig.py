@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 # Named here without importing torch; a test keeps them equal to node/model.py PRESETS, the
 # codecs registered in protocol/codecs.py and the int8 codec's block size range.
-MODEL_PRESETS = ("tiny", "small")
+MODEL_PRESETS = ("tiny", "small", "tiny-moe", "small-moe")  # *-moe: mixture-of-experts (node/moe.py MOE_PRESETS)
 CODECS = ("none", "fp16", "int8", "topk", "powersgd")
 ACTIVATION_CODECS = ("none", "fp16", "int8")  # element-wise codecs: an activation's every value arrives
 INT8_BLOCK_SIZES = (16, 1 << 20)
@@ -40,7 +40,7 @@ class RunConfigError(ConfigError, ValueError):
 class RunConfig:
     """The run's training settings; the coordinator hands the same ones to every member."""
 
-    model: str = "tiny"  # model preset (node/model.py): tiny | small
+    model: str = "tiny"  # model preset (node/model.py, node/moe.py): tiny | small; experts mode: tiny-moe | small-moe
     inner_steps: int = 20  # H: local AdamW steps between two averaging rounds
     batch_size: int = 16  # sequences per inner step, per replica
     inner_lr: float = 3e-3  # peak AdamW learning rate, reached after warmup
@@ -64,6 +64,9 @@ class RunConfig:
     micro_batches_in_flight: int = 4  # micro-batches (of batch_size sequences) a trainer keeps in the pipeline
     stage_sync_every_s: float = 10.0  # seconds between two synchronisations of a stage's peers (with the run's codec)
     stage_outer_momentum: float = 0.0  # Nesterov momentum of those syncs' outer step (lr 1); 0: plain parameter averaging
+    # experts mode (--mode experts): a MoE model's experts served by expert hosts; stage_step_samples,
+    # stage_sync_every_s, stage_outer_momentum and activation_codec apply to them as to stages
+    expert_shards: int = 0  # the experts split into this many shards (expert e of every layer: shard e mod expert_shards); a host serves one shard
 
     def __post_init__(self) -> None:
         check_fields(self, _CHECKS, RunConfigError)
@@ -93,10 +96,36 @@ class RunConfig:
         except RunConfigError as e:
             raise RunConfigError(f"run config: {e}", e.setting) from None
 
+    @property
+    def is_moe(self) -> bool:
+        return self.model.endswith("-moe")
+
     def model_config(self) -> GPTConfig:
         from .model import PRESETS
 
+        if self.is_moe:
+            return self.moe_preset()[0]
         return PRESETS[self.model]
+
+    def moe_preset(self):
+        """(GPTConfig, MoEConfig) of a MoE model; RunConfigError for a dense one."""
+        from .moe import MOE_PRESETS
+
+        if not self.is_moe:
+            raise RunConfigError(f"model {self.model!r} has no experts (experts mode takes a -moe model: tiny-moe | small-moe)", "model")
+        return MOE_PRESETS[self.model]
+
+    def expert_shard(self, shard: int) -> tuple[str, ...]:
+        """The experts shard `shard` holds: expert e of every layer with e mod expert_shards == shard;
+        RunConfigError when the shards do not fit the model."""
+        from .moe import expert_name
+
+        gpt, moe = self.moe_preset()
+        if not 1 <= self.expert_shards <= moe.num_experts:
+            raise RunConfigError(f"expert_shards must be in 1..{moe.num_experts} (the experts per layer of {self.model}), got {self.expert_shards}", "expert_shards")
+        if not 0 <= shard < self.expert_shards:
+            raise RunConfigError(f"expert shard {shard} is not a shard of this run (0..{self.expert_shards - 1})", "expert_shards")
+        return tuple(expert_name(layer, e) for layer in range(gpt.n_layer) for e in range(shard, moe.num_experts, self.expert_shards))
 
     def stage_plan(self) -> tuple[tuple[int, int], ...]:
         """[start, end) blocks of each stage (node/stages.py plan_stages); RunConfigError when
@@ -124,7 +153,7 @@ _CHECKS: dict[str, Check] = {
     "eval_batches": at_least(1), "seed": at_least(0), "join_timeout_s": positive, "min_replicas": at_least(1),
     "num_stages": at_least(0), "stage_blocks": lambda v: None if re.fullmatch(r"(\d+(,\d+)*)?", v.replace(" ", "")) else "must be block counts separated by commas, e.g. 2,1,1",
     "activation_codec": one_of(*ACTIVATION_CODECS), "stage_step_samples": at_least(1), "micro_batches_in_flight": at_least(1),
-    "stage_sync_every_s": positive, "stage_outer_momentum": below_one,
+    "stage_sync_every_s": positive, "stage_outer_momentum": below_one, "expert_shards": at_least(0),
 }  # fmt: skip
 
 

@@ -587,11 +587,11 @@ STAGE_OPS = ("forward", "backward", "train")
 MAX_BUNDLE_TENSORS = 4
 
 
-def _check_bundle(msg: Message) -> None:
+def _check_bundle(msg: Message, max_tensors: int = MAX_BUNDLE_TENSORS) -> None:
     """A few encoded tensors in one message: a header per tensor (name, dtype, codec, nbytes, and
     the codec's params as `p.<name>`), its shape, and the payloads one after another in `data`."""
     n = len(msg.tensors)
-    _require(n <= MAX_BUNDLE_TENSORS, "tensors", f"at most {MAX_BUNDLE_TENSORS}")
+    _require(n <= max_tensors, "tensors", f"at most {max_tensors}")
     _require(len(msg.shapes) == n, "shapes", "one per tensor")
     total, names = 0, set()
     for i, (head, shape) in enumerate(zip(msg.tensors, msg.shapes)):
@@ -646,3 +646,47 @@ class StageResult(Message):
     def validate(self) -> None:
         _require(_finite(self.loss), "loss", "must be finite")
         _check_bundle(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts (a trainer's calls to an expert host)
+
+EXPERT_OPS = ("forward", "backward")
+MAX_CALL_EXPERTS = 64  # experts one call may address (tensors: two per expert at most)
+
+
+@message(52)
+class ExpertCall(Message):
+    """A trainer's call to an expert host for one micro-batch of one MoE layer: every expert of
+    the host that tokens were routed to, in one call. Tensors are named by expert:
+    - forward: `x:<expert>` (its tokens, (n, C)) in; `y:<expert>` back. The host keeps the graph.
+    - backward: `grad:<expert>` (of its output) in, and `x:<expert>` again when the host may not
+      hold the forward's graph (it recomputes); `grad:<expert>` of the input back. The host
+      accumulates its experts' gradients and steps its own optimizer."""
+
+    BULK_FIELDS = ("data",)
+
+    op: str
+    micro_batch: str = ""  # the trainer's name for the micro-batch and layer (keys a kept graph)
+    tensors: tuple[Params, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+    data: bytes = b""
+
+    def validate(self) -> None:
+        _require(self.op in EXPERT_OPS, "op", f"must be one of {', '.join(EXPERT_OPS)}")
+        _require(0 < len(self.micro_batch) <= MAX_ID_LEN, "micro_batch", "1..256 characters")
+        _check_bundle(self, 2 * MAX_CALL_EXPERTS)
+
+
+@message(53)
+class ExpertResult(Message):
+    """An expert host's answer to an ExpertCall: `y:<expert>` or `grad:<expert>` per expert."""
+
+    BULK_FIELDS = ("data",)
+
+    tensors: tuple[Params, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+    data: bytes = b""
+
+    def validate(self) -> None:
+        _check_bundle(self, 2 * MAX_CALL_EXPERTS)

@@ -85,9 +85,10 @@ def test_every_run_field_has_a_bounds_check():
 
 def test_run_config_names_match_the_registries():
     from node.model import PRESETS
+    from node.moe import MOE_PRESETS
     from protocol.codecs import Codec, Int8Codec
 
-    assert MODEL_PRESETS == tuple(PRESETS)
+    assert MODEL_PRESETS == (*PRESETS, *MOE_PRESETS)
     assert set(CODECS) == set(Codec.codecs)
     assert INT8_BLOCK_SIZES == (Int8Codec.MIN_BLOCK, Int8Codec.MAX_BLOCK)
 

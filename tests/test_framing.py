@@ -41,6 +41,11 @@ SAMPLES = [
         tensors=({"name": "x", "dtype": "float32", "codec": "none", "nbytes": 8}, {"name": "grad", "dtype": "float32", "codec": "int8", "nbytes": 16, "p.block_size": 64}),
     ),  # fmt: skip
     m.StageResult(loss=2.5),
+    m.ExpertCall(
+        op="forward", micro_batch="t-3.layer1", shapes=((3, 2),), data=bytes(24),
+        tensors=({"name": "x:layer1.expert0", "dtype": "float32", "codec": "none", "nbytes": 24},),
+    ),  # fmt: skip
+    m.ExpertResult(),
 ]
 
 

@@ -1,0 +1,227 @@
+"""Expert hosts on real libp2p transports: a MoE model whose experts run on them computes the
+one-process model's loss and gradients; a host that dies or stalls costs a deadline and its
+experts are routed around; malformed calls are refused with the problem named and the host
+keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from node.config import NodeConfig
+from node.experts import ExpertClient, ExpertHost, forward_loss, shard_of_label
+from node.moe import init_moe_model
+from node.roles import RoleError
+from node.runconfig import RunConfig, RunConfigError
+from node.transport import RemoteError, Transport, TransportConfig
+from protocol import make_codec, pack_tensors, unpack_tensors
+from protocol.messages import ExpertCall
+from tests.swarm import start_hosts
+from tests.test_pipeline import NO_SYNC, _Membership
+
+pytestmark = pytest.mark.timeout(120)
+
+RUN = RunConfig(model="tiny-moe", expert_shards=2, stage_step_samples=10**6, seed=3, stage_sync_every_s=NO_SYNC)
+NONE = make_codec("none")
+
+
+@contextlib.asynccontextmanager
+async def expert_hosts(tmp_path, run: RunConfig, shards: list[int], config: TransportConfig = TransportConfig()):
+    """One started ExpertHost per entry of `shards` (its shard), each on its own real host, and
+    a client transport."""
+    hosts = await start_hosts(len(shards) + 1)
+    transports = [Transport(h, config) for h in hosts]
+    servers, tasks = [], []
+    try:
+        for t in transports:
+            await t.start()
+        for i, shard in enumerate(shards):
+            d = tmp_path / f"h{i}"
+            d.mkdir()
+            s = ExpertHost(hosts[i], transports[i], _Membership(), NodeConfig(data_dir=str(d), threads=1), run, f"shard{shard}")
+            await s.start()
+            servers.append(s)
+            tasks.append(asyncio.create_task(s.run()))
+        yield servers, transports[-1]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in servers:
+            await s.stop(planned=False)
+        for t in transports:
+            await t.close()
+        for h in hosts:
+            await h.shutdown()
+
+
+def client_for(transport, servers, run=RUN) -> ExpertClient:
+    client = ExpertClient(transport, asyncio.get_running_loop(), run, NONE, 1 << 24)
+    shards: dict[int, list[str]] = {}
+    for s in servers:
+        shards.setdefault(s.index, []).append(s.transport.peer_id)
+    client.peers.update(shards)
+    return client
+
+
+def batch(seed=0, b=3, t=16):
+    gen = torch.Generator().manual_seed(seed)
+    cfg = RUN.model_config()
+    return torch.randint(0, cfg.vocab_size, (b, t), generator=gen), torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
+
+
+def test_remote_experts_give_the_one_process_models_loss_and_gradients(tmp_path):
+    gpt, moe = RUN.moe_preset()
+    reference = init_moe_model(gpt, moe, RUN.seed)
+    x, y = batch()
+    _, want_loss, _ = reference(x, y)
+    want_loss.backward()
+    dense = init_moe_model(gpt, moe, RUN.seed)  # the trainer's copy: its experts unused
+
+    async def main():
+        async with expert_hosts(tmp_path, RUN, [0, 1]) as (servers, transport):
+            client = client_for(transport, servers)
+
+            def step():
+                ce, loss, skipped = forward_loss(dense, client, "mb-0", x, y)
+                loss.backward()
+                return loss.item(), skipped
+
+            loss, skipped = await asyncio.to_thread(step)
+            hosts_grads = {}
+            for s in servers:
+                for name in s.names:  # "layer1.expert2" -> the model's blocks.1.moe.experts.2
+                    layer, expert = (int(part.rstrip("0123456789") and part[len(part.rstrip("0123456789")):]) for part in name.split("."))
+                    for pn, p in s.stage[name].named_parameters():
+                        hosts_grads[f"blocks.{layer}.moe.experts.{expert}.{pn}"] = p.grad.clone()
+            return loss, skipped, hosts_grads, client.calls, [s.calls for s in servers]
+
+    loss, skipped, hosts_grads, calls, server_calls = asyncio.run(main())
+    assert skipped == 0
+    assert math.isclose(loss, want_loss.item(), rel_tol=1e-5)
+    # the dense parts' gradients (embeddings, attention, routers, head) are the one-process model's
+    ref = dict(reference.named_parameters())
+    for n, p in dense.named_parameters():
+        if ".experts." in n:
+            assert p.grad is None  # never used: the experts ran on the hosts
+            continue
+        torch.testing.assert_close(p.grad, ref[n].grad, rtol=1e-4, atol=1e-6, msg=n)
+    # every expert's gradient arrived on the host that serves it
+    assert len(hosts_grads) == sum(1 for n in ref if ".experts." in n)
+    for key, g in hosts_grads.items():
+        torch.testing.assert_close(g, ref[key].grad, rtol=1e-4, atol=1e-6, msg=key)
+    # one call per (layer, shard) each way: 2 layers x 2 shards x (forward + backward)
+    assert calls == 8
+    assert all(c["forward"] == 2 and c["backward"] == 2 for c in server_calls)
+
+
+def test_a_stalled_host_costs_one_deadline_and_its_experts_are_routed_around_until_it_answers(tmp_path):
+    gpt, moe = RUN.moe_preset()
+    dense = init_moe_model(gpt, moe, RUN.seed)
+    x, y = batch(1)
+
+    async def main():
+        async with expert_hosts(tmp_path, RUN, [0, 1]) as (servers, transport):
+            client = client_for(transport, servers)
+            client.peers.min_timeout_s = 1.0
+            run = lambda mb: asyncio.to_thread(lambda: forward_loss(dense, client, mb, x, y))  # noqa: E731
+            for i in range(3):  # measured: deadlines from the hosts' call times
+                _, loss, skipped = await run(f"warm-{i}")
+                assert skipped == 0
+            stalled = servers[1]
+            # its one compute thread stalls (swap, a stuck driver): calls reach it, no answer comes
+            release = threading.Event()
+            stalled._pool.submit(release.wait)
+            try:
+                t0 = time.monotonic()
+                _, loss, skipped = await run("frozen-0")
+                first = time.monotonic() - t0
+                assert math.isfinite(loss.item()) and skipped > 0  # its experts skipped, gates renormalised
+                assert client.alive(time.monotonic()) == [True, False, True, False]  # shard 1: experts 1 and 3
+                t0 = time.monotonic()
+                _, loss, skipped = await run("frozen-1")
+                routed_around = time.monotonic() - t0
+                assert skipped == 0 and math.isfinite(loss.item())  # the router gave shard 1 no tokens
+            finally:
+                release.set()
+            deadline = client.peers.timeout(stalled.transport.peer_id)
+            # after its ban the host is called again and answers
+            await asyncio.sleep(client.peers.peers[stalled.transport.peer_id].banned_until - time.monotonic() + 0.1)
+            answered = False
+            for i in range(20):
+                _, loss, skipped = await run(f"back-{i}")
+                if skipped == 0 and client.alive(time.monotonic())[1]:
+                    answered = stalled.calls["forward"] > 0
+                    break
+                await asyncio.sleep(0.5)
+            return first, routed_around, deadline, answered
+
+    first, routed_around, deadline, answered = asyncio.run(main())
+    assert first < 2 * (deadline + 1.0)  # one deadline (forward), not a wait on the frozen host
+    assert routed_around < first
+    assert answered
+
+
+def test_bad_calls_are_refused_naming_the_problem_and_the_host_keeps_serving(tmp_path):
+    bad_requests = 6  # each scores the sender down by 2 at the host; a 7th would ban it
+    config = TransportConfig(ban_score=-2.0 * (bad_requests + 1))
+
+    async def main():
+        async with expert_hosts(tmp_path, RUN, [0], config) as ((host,), client):
+            pid = host.transport.peer_id
+            good = torch.randn(5, RUN.model_config().n_embd)
+
+            async def send(op, **tensors):
+                enc = {k: NONE.encode(v) for k, v in tensors.items()}
+                return await client.send(pid, ExpertCall(op=op, micro_batch="m/0", **pack_tensors(enc)), timeout=20, reuse=True)
+
+            errors = {}
+            for case, op, tensors in [
+                ("unknown expert", "forward", {"x:layer9.expert0": good}),
+                ("other shard", "forward", {"x:layer0.expert1": good}),
+                ("NaN", "forward", {"x:layer0.expert0": torch.full((5, good.size(1)), float("nan"))}),
+                ("wrong width", "forward", {"x:layer0.expert0": torch.randn(5, 7)}),
+                ("wrong dtype", "forward", {"x:layer0.expert0": torch.ones(5, good.size(1), dtype=torch.int64)}),
+                ("grad in a forward", "forward", {"grad:layer0.expert0": good}),
+                ("backward without a forward", "backward", {"grad:layer0.expert2": good}),
+                ("no tensors", "forward", {}),
+            ]:
+                with pytest.raises(RemoteError) as e:
+                    await send(op, **tensors)
+                errors[case] = (e.value.code, e.value.message)
+            reply = await send("forward", **{"x:layer0.expert0": good, "x:layer1.expert2": good[:2]})
+            outs = unpack_tensors(reply)
+            return errors, sorted(outs), host.calls, host.transport.scores.score(client.peer_id)
+
+    errors, names, calls, score = asyncio.run(main())
+    assert score == -2.0 * bad_requests  # scored down for garbage, not for asking the wrong host
+
+    assert errors["unknown expert"][0] == "bad_request" and "no expert 'layer9.expert0'" in errors["unknown expert"][1]
+    assert errors["other shard"][0] == "not_found" and "does not serve expert layer0.expert1" in errors["other shard"][1]
+    assert errors["NaN"][0] == "bad_request" and "NaN" in errors["NaN"][1]
+    assert errors["wrong width"][0] == "bad_request" and "(5, 7)" in errors["wrong width"][1]
+    assert errors["wrong dtype"][0] == "bad_request" and "int64" in errors["wrong dtype"][1]
+    assert errors["grad in a forward"][0] == "bad_request"
+    assert errors["backward without a forward"][0] == "not_found" and "send its tokens" in errors["backward without a forward"][1]
+    assert errors["no tensors"][0] == "bad_request"
+    assert names == ["y:layer0.expert0", "y:layer1.expert2"]  # still serving
+    assert calls["refused"] == bad_requests and calls["forward"] == 1
+
+
+def test_a_shard_holds_expert_e_of_every_layer_with_e_mod_shards_equal_to_it():
+    run = RunConfig(model="tiny-moe", expert_shards=2)
+    assert run.expert_shard(0) == ("layer0.expert0", "layer0.expert2", "layer1.expert0", "layer1.expert2")
+    assert run.expert_shard(1) == ("layer0.expert1", "layer0.expert3", "layer1.expert1", "layer1.expert3")
+    assert shard_of_label("expert:shard1") == 1 and shard_of_label("stage:1") is None and shard_of_label("expert:x") is None
+    with pytest.raises(RunConfigError, match="expert_shards must be in 1..4"):
+        RunConfig(model="tiny-moe", expert_shards=5).expert_shard(0)
+    with pytest.raises(RunConfigError, match="has no experts"):
+        RunConfig(model="tiny", expert_shards=1).expert_shard(0)
+    with pytest.raises(RoleError, match="not a shard"):
+        ExpertHost(None, None, None, NodeConfig(), run, "layer0")
