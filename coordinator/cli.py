@@ -61,11 +61,14 @@ def main(argv=None) -> int:
     cli = {k: v for k, v in vars(args).items() if k != "config"}
     try:
         config = load_config(cli, args.config, cls=CoordinatorConfig, env_prefix="SWARMTRAIN_COORDINATOR_")
+        from node.preflight import check_coordinator
+
+        check_coordinator(config)  # files, addresses, ports: before torch and hivemind load (seconds)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     setup_logging(config.log_level)
-    # heavy imports (torch, hivemind) only once the flags and the config file are good
+    # heavy imports (torch, hivemind) only once the flags, the config file and the checks above are good
     from .checkpoints import CheckpointError
     from .registry import RegistryError
     from .service import Coordinator

@@ -31,7 +31,7 @@ from protocol import (
 from protocol.records import CoordinatorRecord, coordinator_key
 
 from node.config import ConfigError
-from node.daemon import check_data_dir, load_identity
+from node.preflight import check_coordinator
 from node.p2p import Host, HostConfig
 from node.roles import label_of
 from node.state_server import CheckpointServer
@@ -153,15 +153,7 @@ class Coordinator:
 
     def validate(self):
         c = self.config
-        if c.http:
-            from .http import parse_http
-
-            try:
-                parse_http(c.http)  # before anything starts, not after p2pd is up
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        data = check_data_dir(c.data_dir)
-        key = load_identity(c.resolved_identity())
+        data, key = check_coordinator(c)  # --http, data dir, identity, multiaddrs (the CLI ran them first)
         if c.owner_public_key:
             try:
                 self.owner_key = bytes.fromhex(c.owner_public_key)

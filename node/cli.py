@@ -101,6 +101,9 @@ def main(argv=None) -> int:
     cli = {k: v for k, v in vars(args).items() if k != "config"}
     try:
         config = load_config(cli, args.config)
+        from .preflight import check_node
+
+        check_node(config)  # files, addresses, ports: before torch and hivemind load (seconds)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,46 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from pathlib import Path
 
 import torch
 
-from protocol import Hello, JoinToken, KeyFileError, LocalProtocolError, RemoteProtocolError, RoleAssignment, SigningKey
-from protocol.messages import ROLES
+from protocol import Hello, LocalProtocolError, RoleAssignment, SigningKey
 
 from . import capabilities
 from .config import ConfigError, NodeConfig, averager_config, transport_config
 from .membership import Membership
-from .p2p import Host, HostConfig, split_peer_maddr
+from .p2p import Host, HostConfig
+from .preflight import check_data_dir, check_node, load_identity  # noqa: F401 (check_data_dir, load_identity: imported from here too)
 from .roles import Role, RoleError, RoleRunner
 from .transport import CallContext, Transport
 
 log = logging.getLogger(__name__)
 
 SOFTWARE = "swarmtrain/0.1"
-
-
-def check_data_dir(path: str | os.PathLike) -> Path:
-    """Create the data dir if needed and prove it is writable; ConfigError otherwise."""
-    p = Path(path)
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"data dir {p} is not writable: {e.strerror}") from None
-    return p
-
-
-def load_identity(path: Path) -> SigningKey:
-    try:
-        return SigningKey.load_or_create(path)
-    except KeyFileError as e:
-        raise ConfigError(f"identity: {e}") from None
-    except OSError as e:
-        raise ConfigError(f"identity: cannot create {path}: {e.strerror}") from None
 
 
 class Node:
@@ -62,13 +38,13 @@ class Node:
 
     def validate(self) -> tuple[SigningKey, bytes | None]:
         """Everything checkable before starting: raises ConfigError with one clear line. (Each
-        value's type and bounds were checked when the NodeConfig was made.)"""
+        value's type and bounds were checked when the NodeConfig was made; the checks that need
+        neither torch nor hivemind are node/preflight.py's, which the CLI runs first.)"""
         c = self.config
+        key, token = check_node(c)
         reason = capabilities.check_device(c.device)
         if reason:
             raise ConfigError(reason)
-        if c.wanted_role and c.wanted_role not in ROLES:
-            raise ConfigError(f"--wanted-role must be one of {', '.join(ROLES)}, got {c.wanted_role!r}")
         if c.data:
             from .data import DataError, load_corpus
 
@@ -81,19 +57,6 @@ class Node:
             averager_config(c)
         except (ValueError, LocalProtocolError) as e:  # AveragerConfig's own checks, should they refuse what ours let through
             raise ConfigError(f"[averager] settings: {e}") from None
-        check_data_dir(c.data_dir)
-        key = load_identity(c.resolved_identity())
-        if c.coordinator:
-            try:
-                split_peer_maddr(c.coordinator)
-            except ValueError as e:
-                raise ConfigError(f"--coordinator: {e}") from None
-        token = None
-        if c.token:
-            try:
-                token = JoinToken.from_text(c.token).to_bytes()
-            except RemoteProtocolError as e:
-                raise ConfigError(f"--token is not a join token: {e}") from None
         return key, token
 
     async def start(self) -> None:

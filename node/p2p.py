@@ -34,6 +34,7 @@ from protocol.signatures import SigningKey, libp2p_private_key, peer_id_from_pub
 
 from . import compat
 from .osutil import children_of
+from .preflight import split_peer_maddr, tcp_ip4s  # here too: other modules import them from here
 
 log = logging.getLogger(__name__)
 
@@ -283,14 +284,6 @@ class Host:
         _remove_dir(self._keyfile_dir)
 
 
-def split_peer_maddr(maddr: str) -> tuple[str, str]:
-    """'/ip4/../p2p/<id>' -> (transport part, peer id)."""
-    head, sep, peer_id = maddr.rpartition("/p2p/")
-    if not sep or not peer_id or "/" in peer_id:
-        raise ValueError(f"{maddr} lacks a /p2p/<peer id> suffix")
-    return head, peer_id
-
-
 async def _routing_table_size(_dht, node) -> int:  # runs in the DHT's process
     return len(node.protocol.routing_table.uid_to_peer_id)
 
@@ -305,16 +298,6 @@ async def _rejoin(_dht, node, peers: list[str], timeout: float) -> int:  # runs 
     if answered:  # the routing table has them again; fill it further from theirs
         await asyncio.wait([asyncio.ensure_future(node.find_nearest_nodes([node.node_id]))], timeout=timeout)
     return answered
-
-
-def tcp_ip4s(maddrs: Sequence[str]) -> list[str]:
-    """The IPv4 addresses of the /ip4/<ip>/tcp/... multiaddrs among `maddrs`, first seen first."""
-    out: list[str] = []
-    for maddr in maddrs:
-        parts = str(maddr).split("/")
-        if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp" and parts[2] not in out:
-            out.append(parts[2])
-    return out
 
 
 def _stop_dht(dht: hivemind.DHT) -> None:

@@ -13,40 +13,39 @@ Files:
     sealing.py     AES-GCM sealed records for direct connections (the bulk data plane)
 """
 
-from .codecs import Codec, ErrorFeedback, decode_tensor, make_codec
-from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from .framing import DEFAULT_MAX_FRAME_SIZE, PROTOCOL_VERSION, Decoder, encode
-from .messages import (
-    REGISTRY,
-    Ack,
-    AvgDecision,
-    AvgDecisionQuery,
-    AvgGroup,
-    AvgJoin,
-    AvgReport,
-    CheckpointManifest,
-    CheckpointOffer,
-    CheckpointQuery,
-    Deregister,
-    DirectAddress,
-    DirectOpen,
-    Error,
-    Heartbeat,
-    Hello,
-    Message,
-    Ping,
-    Pong,
-    Probe,
-    Register,
-    RoleAssignment,
-    StageCall,
-    StageResult,
-    StateChunk,
-    StateRequest,
-    TensorPart,
-)
-from .signatures import KeyFileError, SigningKey, canonical, verify
-from .tensors import EncodedTensor, TensorAssembler, pack_tensors, split, unpack_tensors
-from .tokens import JoinToken, TokenCheck, issue_token, verify_token
+import importlib
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+# Each submodule loads when one of its names is first used (`from protocol import Hello`), not
+# when the package does: keys, tokens and messages then come without numpy and torch (which
+# framing, tensors and codecs import), as the CLIs' checks before the daemons load need.
+_EXPORTS = {
+    "errors": ("LocalProtocolError", "ProtocolError", "RemoteProtocolError"),
+    "framing": ("DEFAULT_MAX_FRAME_SIZE", "PROTOCOL_VERSION", "Decoder", "encode"),
+    "messages": (
+        "REGISTRY", "Ack", "AvgDecision", "AvgDecisionQuery", "AvgGroup", "AvgJoin", "AvgReport", "CheckpointManifest",
+        "CheckpointOffer", "CheckpointQuery", "Deregister", "DirectAddress", "DirectOpen", "Error", "Heartbeat", "Hello",
+        "Message", "Ping", "Pong", "Probe", "Register", "RoleAssignment", "StageCall", "StageResult", "StateChunk",
+        "StateRequest", "TensorPart",
+    ),
+    "signatures": ("KeyFileError", "SigningKey", "canonical", "verify"),
+    "tokens": ("JoinToken", "TokenCheck", "issue_token", "verify_token"),
+    "codecs": ("Codec", "ErrorFeedback", "decode_tensor", "make_codec"),
+    "tensors": ("EncodedTensor", "TensorAssembler", "pack_tensors", "split", "unpack_tensors"),
+}  # fmt: skip
+_LAZY = {name: module for module, names in _EXPORTS.items() for name in (module, *names)}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name]}", __name__)
+    value = module if name == _LAZY[name] else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = sorted(_LAZY)

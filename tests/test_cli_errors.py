@@ -1,7 +1,7 @@
 """Bad input to the console scripts: exactly one line on stderr that names the problem, no
 traceback, a non-zero exit, and no process left behind.
 
-The real scripts run (from the venv's bin dir). Most cases import torch and hivemind before
+The real scripts run (from the venv's bin dir). A few cases import torch and hivemind before
 they can fail, seconds each on a small machine, so all cases run at once in one module
 fixture and each test checks its own case's result.
 """
@@ -59,11 +59,11 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
                     script, ("--heartbeat-timeout-s" if script == COORD else "--heartbeat-interval-s", "soon"), ("invalid float value", "soon"), light=True
                 ),
                 f"{short}-bad-log-level": Case(script, ("--log-level", "LOUD"), ("--log-level", "LOUD"), light=True),
-                f"{short}-missing-identity-dir": Case(script, (*data, *extra, "--identity", "{tmp}/no/such/dir/id.pem"), ("identity", "no/such/dir/id.pem", "No such file or directory")),
-                f"{short}-corrupt-identity": Case(script, (*data, *extra, "--identity", "{tmp}/garbage.pem"), ("garbage.pem", "not a PEM private key")),
-                f"{short}-data-dir-not-writable": Case(script, ("--data-dir", "{tmp}/a-file/data", *extra), ("data dir", "a-file/data", "not writable")),
+                f"{short}-missing-identity-dir": Case(script, (*data, *extra, "--identity", "{tmp}/no/such/dir/id.pem"), ("identity", "no/such/dir/id.pem", "No such file or directory"), light=True),
+                f"{short}-corrupt-identity": Case(script, (*data, *extra, "--identity", "{tmp}/garbage.pem"), ("garbage.pem", "not a PEM private key"), light=True),
+                f"{short}-data-dir-not-writable": Case(script, ("--data-dir", "{tmp}/a-file/data", *extra), ("data dir", "a-file/data", "not writable"), light=True),
                 f"{short}-unreachable-initial-peers": Case(script, (*data, *extra, "--initial-peers", unreachable), ("none of the initial peers answered", unreachable)),
-                f"{short}-malformed-multiaddr": Case(script, (*data, *extra, "--initial-peers", "/ip4/not-an-ip/tcp/1"), ("not a multiaddr", "/ip4/not-an-ip/tcp/1")),
+                f"{short}-malformed-multiaddr": Case(script, (*data, *extra, "--initial-peers", "/ip4/not-an-ip/tcp/1"), ("not a multiaddr", "/ip4/not-an-ip/tcp/1"), light=True),
                 f"{short}-config-missing": Case(script, ("--config", "{tmp}/missing.toml"), ("missing.toml", "does not exist"), light=True),
                 f"{short}-config-invalid-toml": Case(script, ("--config", "{tmp}/invalid.toml"), ("invalid.toml", "not valid TOML"), light=True),
                 f"{short}-config-unknown-key": Case(script, ("--config", "{tmp}/unknown.toml"), ("unknown.toml", "unknown setting 'colour'"), light=True),
@@ -75,15 +75,15 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
         {
             "node-bad-env-var": Case(NODE, (), (env_var, "must be float", "soon"), env=((env_var, "soon"),), light=True),
             "node-device-cuda-missing": Case(NODE, ("--data-dir", "{tmp}/data", "--device", "cuda:99"), ("cuda:99",)),
-            "node-bad-direct-port": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", "70000"), ("--direct-port", "70000")),
-            "node-direct-port-in-use": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", str(busy_port)), ("cannot listen for direct connections", f"port {busy_port}", "in use")),
-            "node-initial-peer-without-peer-id": Case(NODE, ("--data-dir", "{tmp}/data", "--initial-peers", "/ip4/127.0.0.1/tcp/1"), ("lacks its /p2p/<peer id>",)),
+            "node-bad-direct-port": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", "70000"), ("--direct-port", "70000"), light=True),
+            "node-direct-port-in-use": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", str(busy_port)), ("cannot listen for direct connections", f"port {busy_port}", "in use"), light=True),
+            "node-initial-peer-without-peer-id": Case(NODE, ("--data-dir", "{tmp}/data", "--initial-peers", "/ip4/127.0.0.1/tcp/1"), ("lacks its /p2p/<peer id>",), light=True),
             "coordinator-bad-mode": Case(COORD, ("--mode", "anarchy"), ("--mode", "invalid choice", "anarchy"), light=True),
             "coordinator-experts-mode": Case(COORD, ("--mode", "experts"), ("--mode", "invalid choice", "experts"), light=True),
-            "coordinator-bad-http": Case(COORD, ("--data-dir", "{tmp}/data", "--http", "localhost"), ("--http must be HOST:PORT", "localhost")),
-            "coordinator-http-port-in-use": Case(COORD, ("--data-dir", "{tmp}/data", "--http", f"127.0.0.1:{busy_port}"), (f"--http 127.0.0.1:{busy_port}", "address already in use")),
-            "coordinator-bad-owner-key": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--owner-public-key", "not-hex"), ("--owner-public-key", "64 hex digits")),
-            "coordinator-pipeline-without-stages": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline"), ("num_stages", "pipeline mode needs at least 1 stage")),
+            "coordinator-bad-http": Case(COORD, ("--data-dir", "{tmp}/data", "--http", "localhost"), ("--http must be HOST:PORT", "localhost"), light=True),
+            "coordinator-http-port-in-use": Case(COORD, ("--data-dir", "{tmp}/data", "--http", f"127.0.0.1:{busy_port}"), (f"--http 127.0.0.1:{busy_port}", "address already in use"), light=True),
+            "coordinator-bad-owner-key": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--owner-public-key", "not-hex"), ("--owner-public-key", "64 hex digits"), light=True),
+            "coordinator-pipeline-without-stages": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline"), ("num_stages", "pipeline mode needs at least 1 stage"), light=True),
         }
     )
     # Out of bounds: refused at start, before anything registers. Those `light` are refused
@@ -92,13 +92,13 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
     cases.update(
         {
             "node-negative-bandwidth": Case(NODE, ("--bandwidth-mbps", "-5"), ("--bandwidth-mbps", "bandwidth_mbps", "≥ 0", "-5"), light=True),
-            "node-missing-data": Case(NODE, (*data, "--data", "{tmp}/missing/dir"), ("--data", "missing/dir", "does not exist")),
+            "node-missing-data": Case(NODE, (*data, "--data", "{tmp}/missing/dir"), ("--data", "missing/dir", "does not exist"), light=True),
             "node-negative-threads": Case(NODE, ("--threads", "-2"), ("--threads", "threads", "-2"), light=True),
             "node-shard-index-too-large": Case(NODE, ("--shard-index", "4", "--num-shards", "4"), ("--shard-index", "num_shards (4)", "4"), light=True),
             "node-zero-heartbeat-interval": Case(NODE, ("--heartbeat-interval-s", "0"), ("--heartbeat-interval-s", "heartbeat_interval_s", "> 0"), light=True),
             "node-nan-rpc-timeout": Case(NODE, (), ("SWARMTRAIN_RPC_TIMEOUT_S", "rpc_timeout_s", "nan"), env=(("SWARMTRAIN_RPC_TIMEOUT_S", "nan"),), light=True),
             "node-bad-log-level-env": Case(NODE, (), ("SWARMTRAIN_LOG_LEVEL", "log_level", "LOUD"), env=(("SWARMTRAIN_LOG_LEVEL", "LOUD"),), light=True),
-            "node-bad-wanted-role": Case(NODE, (*data, "--wanted-role", "boss"), ("--wanted-role", "boss")),
+            "node-bad-wanted-role": Case(NODE, (*data, "--wanted-role", "boss"), ("--wanted-role", "boss"), light=True),
             "node-bad-aggregator-flag": Case(NODE, ("--aggregator", "median"), ("--aggregator", "invalid choice", "median"), light=True),
             "node-averager-bad-in-file": Case(NODE, ("--config", "{tmp}/averager.toml"), ("averager.toml", "[averager]", "min_group_size", "≥ 1", "0"), light=True),
             "node-averager-unknown-in-file": Case(NODE, ("--config", "{tmp}/averager-unknown.toml"), ("averager-unknown.toml", "unknown setting 'colour'", "[averager]"), light=True),
@@ -107,7 +107,7 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
             "node-averager-bad-bool-env": Case(NODE, (), ("SWARMTRAIN_AVERAGER_PACE", "must be bool", "maybe"), env=(("SWARMTRAIN_AVERAGER_PACE", "maybe"),), light=True),
             "node-transport-bad-env": Case(NODE, (), ("SWARMTRAIN_TRANSPORT_CALL_TIMEOUT_S", "call_timeout_s", "-1"), env=(("SWARMTRAIN_TRANSPORT_CALL_TIMEOUT_S", "-1"),), light=True),
             "node-transport-bad-in-file": Case(NODE, ("--config", "{tmp}/transport.toml"), ("transport.toml", "[transport]", "ban_score", "< 0"), light=True),
-            "node-transport-in-flight-below-frame": Case(NODE, (*data, "--config", "{tmp}/in-flight.toml"), ("max_bytes_in_flight_per_peer", "frame size", "1000")),
+            "node-transport-in-flight-below-frame": Case(NODE, (*data, "--config", "{tmp}/in-flight.toml"), ("max_bytes_in_flight_per_peer", "frame size", "1000"), light=True),
             "coordinator-zero-inner-steps": Case(COORD, ("--inner-steps", "0"), ("--inner-steps", "inner_steps", "≥ 1", "0"), light=True),
             "coordinator-bad-run-env": Case(COORD, (), ("SWARMTRAIN_COORDINATOR_OUTER_MOMENTUM", "outer_momentum", "1.5"), env=(("SWARMTRAIN_COORDINATOR_OUTER_MOMENTUM", "1.5"),), light=True),
             "coordinator-bad-run-in-file": Case(COORD, ("--config", "{tmp}/run.toml"), ("run.toml", "join_timeout_s", "> 0", "-1"), light=True),
