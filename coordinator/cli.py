@@ -29,7 +29,7 @@ def build_parser():
     p.add_argument("--owner-public-key", metavar="HEX", help="private swarm: require join tokens signed by this key")
     p.add_argument("--log-level", choices=LOG_LEVELS)
     run = p.add_argument_group("the training run (handed to every member)")
-    run.add_argument("--model", help=f"model preset: tiny | small (default {d.model})")
+    run.add_argument("--model", help=f"model preset: tiny | small; experts mode: tiny-moe | small-moe (default {d.model})")
     run.add_argument("--inner-steps", type=int, help=f"H: inner steps per outer step (default {d.inner_steps})")
     run.add_argument("--batch-size", type=int, help=f"sequences per inner step per replica (default {d.batch_size})")
     run.add_argument("--inner-lr", type=float, help=f"peak AdamW learning rate (default {d.inner_lr})")
@@ -53,6 +53,8 @@ def build_parser():
     pipe.add_argument("--micro-batches-in-flight", type=int, help=f"micro-batches a trainer keeps in the pipeline (default {d.micro_batches_in_flight})")
     pipe.add_argument("--stage-sync-every-s", type=float, help=f"seconds between two synchronisations of a stage's peers (default {d.stage_sync_every_s})")
     pipe.add_argument("--stage-outer-momentum", type=float, help="outer momentum of those syncs (default 0: plain parameter averaging)")
+    moe = p.add_argument_group("the experts (--mode experts, a -moe model); the stage settings above apply to expert hosts too")
+    moe.add_argument("--expert-shards", type=int, help="shards the experts are split into; a host serves one (expert e of every layer: shard e mod N)")
     return p
 
 

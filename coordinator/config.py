@@ -10,11 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.config import LOG_LEVELS, Check, at_least, check_fields, non_empty, one_of, positive
-from node.runconfig import RunConfig
+from node.runconfig import RunConfig, RunConfigError
 
-# the planning modes nodes serve: the planner also plans experts mode, but no node takes an
-# expert's role yet, so it is not offered
-SERVED_MODES = ("replica", "pipeline")
+# the planning modes nodes serve
+SERVED_MODES = ("replica", "pipeline", "experts")
 
 
 @dataclass(frozen=True)
@@ -26,7 +25,7 @@ class CoordinatorConfig:
     announce_maddrs: tuple[str, ...] = ()  # addresses nodes should dial
     initial_peers: tuple[str, ...] = ()  # DHT peers to join (a bootstrap peer); empty: start a new DHT
     http: str = "127.0.0.1:8080"  # HOST:PORT of /status and /metrics; port 0 picks a free one; "" disables
-    mode: str = "replica"  # role planning: replica | pipeline
+    mode: str = "replica"  # role planning: replica | pipeline | experts
     heartbeat_timeout_s: float = 15.0  # seconds; members silent for longer are evicted
     keep_checkpoints: int = 3  # how many checkpoints to keep on disk
     owner_public_key: str = ""  # hex Ed25519 public key of the swarm owner; set: Register needs a join token signed by it
@@ -50,3 +49,17 @@ _CHECKS: dict[str, Check] = {
     "owner_public_key": lambda v: None if re.fullmatch(r"([0-9a-fA-F]{64})?", v) else "must be 64 hex digits (an Ed25519 public key)",
     "record_interval_s": positive, "log_level": one_of(*LOG_LEVELS),
 }  # fmt: skip
+
+
+def expert_slots(config: CoordinatorConfig) -> tuple[str, ...]:
+    """The planner's slots: experts mode, the shards of the experts ("shard0", ...); a model
+    that does not fit its mode is a RunConfigError (a ConfigError) naming it."""
+    run = config.run
+    if config.mode != "experts":
+        if run.is_moe:
+            raise RunConfigError(f"model {run.model!r} is a mixture of experts: it trains in experts mode (--mode experts), not {config.mode} mode", "model")
+        return ()
+    if run.expert_shards < 1:
+        raise RunConfigError("experts mode needs --expert-shards (how many shards the experts are split into; a host serves one)", "expert_shards")
+    run.check_experts()
+    return tuple(f"shard{i}" for i in range(run.expert_shards))

@@ -38,7 +38,7 @@ from node.state_server import CheckpointServer
 from node.transport import CallContext, RPCError, Transport
 
 from .checkpoints import CheckpointError, CheckpointStore
-from .config import CoordinatorConfig
+from .config import CoordinatorConfig, expert_slots
 from .planner import Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
 from .registry import AsyncRegistry, Member, ProgressPoint, Registry, RegistryError
 
@@ -144,7 +144,7 @@ class Coordinator:
         try:
             self.planner = PlannerConfig(
                 mode=config.mode, num_stages=config.run.num_stages, heartbeat_timeout_s=config.heartbeat_timeout_s,
-                stage_costs=stage_costs(config),
+                stage_costs=stage_costs(config), experts=expert_slots(config),
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -327,9 +327,11 @@ class Coordinator:
             self.reasons.pop(req.peer_id, None)
             log.info("deregistered %s (%s)", req.peer_id, req.reason or "no reason given")
             await self._replan()
-            if leaving is not None and leaving.role == "stage":
-                # who serves its stage now: the last peer of a stage hands its state to them
-                info["stage_peers"] = ",".join(sorted(m.peer_id for m in await self.registry.members() if m.role == "stage" and m.stage == leaving.stage))
+            if leaving is not None and leaving.role in ("stage", "expert"):
+                # who serves its stage (or shard of experts) now: the last peer of one hands its state to them
+                info["stage_peers"] = ",".join(
+                    sorted(m.peer_id for m in await self.registry.members() if (m.role, m.stage, m.expert) == (leaving.role, leaving.stage, leaving.expert))
+                )
         return Ack(info=info)
 
     # ---- checkpoints ----------------------------------------------------------------------------
@@ -415,9 +417,18 @@ class Coordinator:
                     "checkpoints": [{"step": c.step, "state_hash": c.manifest.get("state_hash")} for c in self.stage_stores[i].list()] if i in self.stage_stores else [],
                     "samples_per_second": sum(m.samples_per_second or 0.0 for m in peers),
                 }
+        shards = {}
+        for slot in self.planner.experts:  # experts mode: per shard, its hosts, their hashes (one after a sync), throughput
+            peers = [m for m in registered if m.role == "expert" and m.expert == slot]
+            shards[slot] = {
+                "peers": sorted(m.peer_id for m in peers),
+                "state_hashes": sorted({m.state_hash for m in peers if m.state_hash}),
+                "samples_per_second": sum(m.samples_per_second or 0.0 for m in peers),
+            }
         return {
             "swarm_id": self.config.swarm_id,
             "stages": stages,
+            "expert_shards": shards,
             "peer_id": self.host.peer_id if self.host else None,
             "maddrs": await self.host.visible_maddrs() if self.host else [],
             "now": time.time(),

@@ -91,16 +91,27 @@ class Node:
             except RunConfigError as e:
                 raise RoleError(str(e)) from None
             return Replica(self.host, self.transport, self.membership, self.config, run)
-        if assignment.role in ("stage", "trainer"):
-            from .pipeline import StageServer, Trainer
+        if assignment.role in ("stage", "expert", "trainer"):
             from .runconfig import RunConfigError, run_config_of
 
             try:
                 run = run_config_of(assignment)
             except RunConfigError as e:
                 raise RoleError(str(e)) from None
+            if run.is_moe:  # experts mode: expert hosts and the trainers that call them
+                from .experts import ExpertHost, ExpertTrainer
+
+                if assignment.role == "trainer":
+                    return ExpertTrainer(self.host, self.transport, self.membership, self.config, run)
+                if assignment.role == "expert":
+                    return ExpertHost(self.host, self.transport, self.membership, self.config, run, assignment.expert)
+                raise RoleError(f"a run of the mixture-of-experts model {run.model} has no {assignment.role} role")
+            from .pipeline import StageServer, Trainer
+
             if assignment.role == "trainer":
                 return Trainer(self.host, self.transport, self.membership, self.config, run)
+            if assignment.role == "expert":
+                raise RoleError(f"the model {run.model} has no experts")
             return StageServer(self.host, self.transport, self.membership, self.config, run, assignment.stage)
         raise RoleError(f"this node does not serve the {assignment.role} role")
 

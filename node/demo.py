@@ -1,7 +1,9 @@
 """`python -m node.demo`: a whole local swarm on this machine — a coordinator and N replica nodes
 training the built-in model on the built-in corpus on CPU — that shows validation loss falling
 and stops by itself. `--mode pipeline`: the model cut into stages instead, stage servers and
-trainers; it shows the training loss falling and each stage's hash.
+trainers; it shows the training loss falling and each stage's hash. `--mode experts`: the
+mixture-of-experts model, its experts in shards on expert hosts, trainers calling them; it shows
+the training loss falling and each shard's hash.
 
 Every process is a real daemon started from its console script, talking over real libp2p on
 loopback; this script only starts them, watches the coordinator's /status, and stops them
@@ -97,23 +99,37 @@ def main(argv=None) -> int:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--outer-steps", type=int, default=12, help="outer steps to train before stopping")
     ap.add_argument("--inner-steps", type=int, default=25, help="H: inner steps per outer step")
-    ap.add_argument("--model", default="", choices=["", "tiny", "small"], help="default: tiny (replicas), small (pipeline)")
+    ap.add_argument("--model", default="", choices=["", "tiny", "small", "tiny-moe", "small-moe"], help="default: tiny (replicas), small (pipeline), tiny-moe (experts)")
     ap.add_argument("--codec", default="int8")
     ap.add_argument("--run-dir", default="", help="where logs and data go (default runs/demo-<time>)")
     ap.add_argument("--timeout-s", type=float, default=900, help="give up after this long")
     pipe = ap.add_argument_group("--mode pipeline")
-    ap.add_argument("--mode", default="replica", choices=["replica", "pipeline"], help="replicas (DiLoCo) or a pipeline of stages")
-    pipe.add_argument("--stages", type=int, default=3, help="stages the model is cut into")
-    pipe.add_argument("--peers-per-stage", type=int, default=1)
+    ap.add_argument("--mode", default="replica", choices=["replica", "pipeline", "experts"], help="replicas (DiLoCo), a pipeline of stages, or expert hosts")
+    pipe.add_argument("--stages", type=int, default=3, help="stages the model is cut into (--mode experts: shards of the experts, default 2)")
+    pipe.add_argument("--peers-per-stage", type=int, default=1, help="peers per stage (--mode experts: hosts per shard)")
     pipe.add_argument("--trainers", type=int, default=1)
     pipe.add_argument("--micro-batches", type=int, default=320, help="micro-batches (of 8 sequences) each trainer sends before stopping")
     pipe.add_argument("--activation-codec", default="none", choices=["none", "fp16", "int8"])
     args = ap.parse_args(argv)
     if args.replicas < 1 or args.outer_steps < 1:
         ap.error("--replicas and --outer-steps must be at least 1")
+    if args.mode == "experts":
+        args.model = args.model or "tiny-moe"
+        if not args.model.endswith("-moe"):
+            ap.error(f"--mode experts trains a mixture-of-experts model (tiny-moe | small-moe), not {args.model}")
+        if "--stages" not in (argv if argv is not None else sys.argv):
+            args.stages = 2
+        from node.moe import MOE_PRESETS
+
+        experts = MOE_PRESETS[args.model][1].num_experts
+        if not 1 <= args.stages <= experts or min(args.peers_per_stage, args.trainers, args.micro_batches) < 1:
+            ap.error(f"--stages (shards) must be in 1..{experts}; --peers-per-stage, --trainers and --micro-batches at least 1")
+        return main_pipeline(args)
     if args.mode == "pipeline":
         if min(args.stages, args.peers_per_stage, args.trainers, args.micro_batches) < 1:
             ap.error("--stages, --peers-per-stage, --trainers and --micro-batches must be at least 1")
+        if args.model.endswith("-moe"):
+            ap.error(f"--model {args.model} is a mixture of experts: run it with --mode experts")
         from node.model import PRESETS
 
         blocks = PRESETS[args.model or "small"].n_layer
@@ -222,9 +238,9 @@ def watch(http: int, args, run_dir: Path, t0: float, procs: Procs) -> int:
 
 
 def main_pipeline(args) -> int:
-    """Coordinator, stage servers (placed by the coordinator), then trainers; stops once every
-    trainer sent its micro-batches."""
-    run_dir = Path(args.run_dir or f"runs/demo-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
+    """Coordinator, stage servers or expert hosts (placed by the coordinator), then trainers;
+    stops once every trainer sent its micro-batches."""
+    run_dir = Path(args.run_dir or f"runs/demo-{args.mode}-{time.strftime('%Y%m%d-%H%M%S')}")
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -233,19 +249,23 @@ def main_pipeline(args) -> int:
     t0 = time.monotonic()
     model = args.model or "small"
     servers = args.stages * args.peers_per_stage
-    print(f"swarmtrain demo: a coordinator, {servers} stage servers ({args.stages} stages of the {model} model) and {args.trainers} trainer(s); logs in {run_dir}/")
+    experts = args.mode == "experts"
+    kind, slots = ("expert-host", "expert_shards") if experts else ("stage-server", "stages")
+    what = f"{args.stages} shards of the {model} model's experts" if experts else f"{args.stages} stages of the {model} model"
+    print(f"swarmtrain demo: a coordinator, {servers} {kind}s ({what}) and {args.trainers} trainer(s); logs in {run_dir}/")
+    split = ["--mode", "experts", "--expert-shards", str(args.stages)] if experts else ["--mode", "pipeline", "--num-stages", str(args.stages)]
     try:
         maddr = start_coordinator(
             procs, run_dir, http, p2p, t0,
-            "--mode", "pipeline", "--num-stages", str(args.stages), "--model", model, "--batch-size", "8", "--stage-step-samples", "32",
+            *split, "--model", model, "--batch-size", "8", "--stage-step-samples", "32",
             "--warmup-steps", "5", "--stage-sync-every-s", "5", "--activation-codec", args.activation_codec, "--codec", args.codec,
         )  # fmt: skip
         node = ["--initial-peers", maddr, "--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "1"]
         for i in range(servers):
-            procs.start(f"stage-server{i}", script("swarmtrain-node"), "--data-dir", str(run_dir / f"stage-server{i}"), *node)
-        while sum(len(v["peers"]) for v in (get_status(http) or {}).get("stages", {}).values()) < servers:
+            procs.start(f"{kind}{i}", script("swarmtrain-node"), "--data-dir", str(run_dir / f"{kind}{i}"), *node)
+        while sum(len(v["peers"]) for v in (get_status(http) or {}).get(slots, {}).values()) < servers:
             if time.monotonic() - t0 > 180:
-                raise SystemExit(f"the stage servers did not all get a stage; see {run_dir}/")
+                raise SystemExit(f"the {kind}s did not all get a {'shard' if experts else 'stage'}; see {run_dir}/")
             time.sleep(0.5)
         for i in range(args.trainers):
             procs.start(
@@ -271,7 +291,8 @@ def watch_pipeline(http: int, args, run_dir: Path, t0: float, procs: Procs) -> i
                 out.append({})
         return out
 
-    print(f"{'micro-batches':>13} {'train loss':>10} {'samples/s':>9}  stages (peers: hashes)")
+    slots = "expert_shards" if args.mode == "experts" else "stages"
+    print(f"{'micro-batches':>13} {'train loss':>10} {'samples/s':>9}  {'shards' if args.mode == 'experts' else 'stages'} (peers: hashes)")
     shown, first_loss, every = 0, None, max(8, args.micro_batches // 10 // 8 * 8)
     while time.monotonic() - t0 < args.timeout_s:
         for name, p in procs.procs:
@@ -290,12 +311,14 @@ def watch_pipeline(http: int, args, run_dir: Path, t0: float, procs: Procs) -> i
         first_loss = first_loss if first_loss is not None else loss
         rate = sum(st.get("samples_per_second") or 0 for st in stats)
         stages = "  ".join(
-            f"{s}: {len(v['peers'])} {'/'.join(h[:8] for h in v['state_hashes']) or '-'}" for s, v in sorted(status["stages"].items(), key=lambda kv: int(kv[0]))
+            f"{s}: {len(v['peers'])} {'/'.join(h[:8] for h in v['state_hashes']) or '-'}"
+            for s, v in sorted(status[slots].items(), key=lambda kv: int(kv[0].removeprefix("shard")))
         )
         print(f"{done:>13} {loss:>10.4f} {rate:>9.1f}  {stages}", flush=True)
         if done >= args.micro_batches:
             lost = sum(st.get("lost", 0) for st in stats)
-            print(f"done: training loss {first_loss:.3f} -> {loss:.3f} after {done} micro-batches per trainer ({lost} lost, {time.monotonic() - t0:.0f} s)")
+            gone = f"{lost} lost" if args.mode == "pipeline" else f"{sum(st.get('skipped_experts', 0) for st in stats)} experts skipped"
+            print(f"done: training loss {first_loss:.3f} -> {loss:.3f} after {done} micro-batches per trainer ({gone}, {time.monotonic() - t0:.0f} s)")
             return 0
     print(f"gave up after {args.timeout_s:.0f} s; see the logs in {run_dir}/")
     return 1

@@ -250,6 +250,9 @@ def check_coordinator(c) -> tuple[Path, SigningKey]:
             PlannerConfig(mode=c.mode, num_stages=c.run.num_stages, heartbeat_timeout_s=c.heartbeat_timeout_s)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    from coordinator.config import expert_slots
+
+    expert_slots(c)  # a MoE model in experts mode, split into shards that fit it
     if c.http:
         check_http(c.http)  # before anything starts, not after p2pd is up
     data = check_data_dir(c.data_dir)

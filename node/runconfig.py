@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 # Named here without importing torch; a test keeps them equal to node/model.py PRESETS, the
 # codecs registered in protocol/codecs.py and the int8 codec's block size range.
 MODEL_PRESETS = ("tiny", "small", "tiny-moe", "small-moe")  # *-moe: mixture-of-experts (node/moe.py MOE_PRESETS)
+MOE_EXPERTS = {"tiny-moe": 4, "small-moe": 8}  # experts per layer of each MoE preset
 CODECS = ("none", "fp16", "int8", "topk", "powersgd")
 ACTIVATION_CODECS = ("none", "fp16", "int8")  # element-wise codecs: an activation's every value arrives
 INT8_BLOCK_SIZES = (16, 1 << 20)
@@ -115,14 +116,21 @@ class RunConfig:
             raise RunConfigError(f"model {self.model!r} has no experts (experts mode takes a -moe model: tiny-moe | small-moe)", "model")
         return MOE_PRESETS[self.model]
 
+    def check_experts(self) -> None:
+        """RunConfigError unless the model has experts and expert_shards fits them (no torch)."""
+        if not self.is_moe:
+            raise RunConfigError(f"model {self.model!r} has no experts (experts mode takes a -moe model: tiny-moe | small-moe)", "model")
+        experts = MOE_EXPERTS[self.model]
+        if not 1 <= self.expert_shards <= experts:
+            raise RunConfigError(f"expert_shards must be in 1..{experts} (the experts per layer of {self.model}), got {self.expert_shards}", "expert_shards")
+
     def expert_shard(self, shard: int) -> tuple[str, ...]:
         """The experts shard `shard` holds: expert e of every layer with e mod expert_shards == shard;
         RunConfigError when the shards do not fit the model."""
         from .moe import expert_name
 
+        self.check_experts()
         gpt, moe = self.moe_preset()
-        if not 1 <= self.expert_shards <= moe.num_experts:
-            raise RunConfigError(f"expert_shards must be in 1..{moe.num_experts} (the experts per layer of {self.model}), got {self.expert_shards}", "expert_shards")
         if not 0 <= shard < self.expert_shards:
             raise RunConfigError(f"expert shard {shard} is not a shard of this run (0..{self.expert_shards - 1})", "expert_shards")
         return tuple(expert_name(layer, e) for layer in range(gpt.n_layer) for e in range(shard, moe.num_experts, self.expert_shards))

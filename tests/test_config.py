@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from node.config import AGGREGATORS, GATHER_CODECS, AveragerSettings, ConfigError, NodeConfig, TransportSettings, averager_config, load_config, transport_config
-from node.runconfig import CODECS, INT8_BLOCK_SIZES, MODEL_PRESETS, RunConfig, RunConfigError
+from node.runconfig import CODECS, INT8_BLOCK_SIZES, MODEL_PRESETS, MOE_EXPERTS, RunConfig, RunConfigError
 
 
 def _load(tmp_path, toml: str = "", env: dict[str, str] | None = None, cli: dict | None = None, **kw):
@@ -89,6 +89,7 @@ def test_run_config_names_match_the_registries():
     from protocol.codecs import Codec, Int8Codec
 
     assert MODEL_PRESETS == (*PRESETS, *MOE_PRESETS)
+    assert MOE_EXPERTS == {name: moe.num_experts for name, (_, moe) in MOE_PRESETS.items()}
     assert set(CODECS) == set(Codec.codecs)
     assert INT8_BLOCK_SIZES == (Int8Codec.MIN_BLOCK, Int8Codec.MAX_BLOCK)
 
@@ -219,9 +220,9 @@ def test_the_coordinator_nests_the_run_config(tmp_path):
         ("", {}, {"owner_public_key": "abc"}, "--owner-public-key: owner_public_key must be 64 hex digits"),
         ("", {}, {"num_stages": -1}, "--num-stages: num_stages must be ≥ 0"),
         ("run = 3\n", {}, {}, "unknown setting 'run'"),
-        # experts mode is planned but no node serves an expert yet: not offered
-        ('mode = "experts"\n', {}, {}, "c.toml: mode must be one of 'replica', 'pipeline'"),
-        ('experts = ["e0"]\n', {}, {}, "unknown setting 'experts'"),
+        ('mode = "anarchy"\n', {}, {}, "c.toml: mode must be one of 'replica', 'pipeline', 'experts'"),
+        ('experts = ["e0"]\n', {}, {}, "unknown setting 'experts'"),  # the shards come from --expert-shards
+        ("", {}, {"expert_shards": -1}, "--expert-shards: expert_shards must be ≥ 0"),
     ],
 )
 def test_bad_coordinator_settings_are_named_with_their_source(tmp_path, toml, env, cli, expect):

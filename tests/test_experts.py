@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 import threading
 import time
 
@@ -225,3 +226,21 @@ def test_a_shard_holds_expert_e_of_every_layer_with_e_mod_shards_equal_to_it():
         RunConfig(model="tiny", expert_shards=1).expert_shard(0)
     with pytest.raises(RoleError, match="not a shard"):
         ExpertHost(None, None, None, NodeConfig(), run, "layer0")
+
+
+def test_the_coordinator_plans_experts_mode_only_for_a_moe_model_split_into_shards():
+    from coordinator.config import CoordinatorConfig
+    from coordinator.service import Coordinator
+    from node.config import ConfigError
+
+    c = Coordinator(CoordinatorConfig(mode="experts", run=RunConfig(model="tiny-moe", expert_shards=2)))
+    assert c.planner.mode == "experts" and c.planner.experts == ("shard0", "shard1")
+    for mode, run, why in [
+        ("experts", RunConfig(model="tiny-moe"), "experts mode needs --expert-shards"),
+        ("experts", RunConfig(model="tiny", expert_shards=2), "model 'tiny' has no experts"),
+        ("experts", RunConfig(model="tiny-moe", expert_shards=5), "expert_shards must be in 1..4"),
+        ("replica", RunConfig(model="tiny-moe"), "it trains in experts mode (--mode experts), not replica mode"),
+        ("pipeline", RunConfig(model="small-moe", num_stages=2), "not pipeline mode"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            Coordinator(CoordinatorConfig(mode=mode, run=run))
