@@ -14,7 +14,8 @@ Planning rules, in order (pipeline and experts modes; replica mode makes everyon
      experts, the expert with the fewest hosts (an expert with one host dies with it), then the
      least throughput.
   4. A slot still empty is filled by moving one peer from the slot with the most peers (>= 2).
-  5. Only if step 4 moved nobody, at most one move per call towards the weakest slot:
+  5. Only if step 4 moved nobody, and only once every slot's peers have a measured throughput,
+     at most one move per call towards the weakest slot:
      experts, when a slot has more than `rebalance_ratio` times the throughput of the weakest
      (each such move strictly lowers the sum of squared slot loads); pipeline, when the move
      raises the slowest stage's throughput (the pipeline's) by at least `rebalance_margin`
@@ -375,6 +376,8 @@ class _SlotPlanner:
         Only peers with 0 < t < (heavy - weak) are moved: then the sum of squared loads strictly
         drops, which is what rules out ping-pong between calls.
         """
+        if not all(_positive_number(self.by_id[p].throughput) for p in self.slot_of):
+            return  # a host not measured yet counts as the default rate: its slot looks weak; wait
         ratio = self.config.rebalance_ratio
         weak = min(self.slots, key=lambda s: (self.load[s], len(self.hosts[s]), self.index[s]))
         donors = sorted(

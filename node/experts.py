@@ -403,11 +403,18 @@ class _RemoteExperts(torch.autograd.Function):
         return grad_flat, None, None, None, None, None
 
 
+class NoExpertAlive(Exception):
+    """Every expert host is down or left alone for its backoff: the micro-batch waits."""
+
+
 def remote_moe(flat: torch.Tensor, router, client: ExpertClient, mb: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A MoE layer whose experts are remote: (output (N, C), balance loss, experts skipped).
     With every expert answering it computes what `moe.combine` computes; the tokens of an expert
     that did not answer get the other chosen experts' gates, renormalised."""
-    routing = router(flat, client.alive(time.monotonic()))
+    alive = client.alive(time.monotonic())
+    if not any(alive):
+        raise NoExpertAlive(f"no host of any expert of layer {layer} can be called now")
+    routing = router(flat, alive)
     answered: list[int] = []
     cat = _RemoteExperts.apply(flat, client, mb, layer, routing, answered)
     sizes = [t.numel() for t in routing.tokens]
@@ -533,12 +540,19 @@ class ExpertTrainer(Role):
                      self.gpt_config.n_layer, self.moe_config.num_experts, self.moe_config.top_k, self.run_config.expert_shards,
                      self.run_config.batch_size, self.codec.name, shard, nshards)  # fmt: skip
             self._t0 = time.monotonic()
-            n = 0
+            n, waiting = 0, False
             while True:
                 x, y = batches.next()
                 async with self._lock:
                     loss, skipped = await self._compute(self._train_step, f"{self.host.peer_id[-6:]}-{n}", x, y)
                 n += 1
+                if skipped < 0:  # no expert can be called now: the batch waits for a host (never a crash)
+                    if not waiting:
+                        log.warning("trainer: no expert host can be called; waiting for one")
+                    waiting = True
+                    await asyncio.sleep(0.2)
+                    continue
+                waiting = False
                 self.skipped_experts += skipped
                 if loss is not None:
                     self._record(loss)
@@ -549,7 +563,10 @@ class ExpertTrainer(Role):
 
     def _train_step(self, mb: str, x: torch.Tensor, y: torch.Tensor) -> tuple[float | None, int]:
         """One micro-batch: forward (the experts remote), backward, an AdamW step. On the compute thread."""
-        ce, loss, skipped = forward_loss(self.model, self.client, mb, x, y)
+        try:
+            ce, loss, skipped = forward_loss(self.model, self.client, mb, x, y)
+        except NoExpertAlive:
+            return None, -1
         if not torch.isfinite(loss):
             log.warning("micro-batch %s: non-finite loss; skipped", mb)
             return None, skipped

@@ -267,6 +267,15 @@ def test_rebalance_moves_one_peer_per_call_towards_the_weakest():
     assert sorted(loads(settled, cfg).values()) == [20.0, 30.0]
 
 
+def test_experts_are_not_rebalanced_before_every_host_is_measured():
+    # a host that has not reported a rate yet counts as 1 sample/s: its shard looks 40x weaker
+    cfg = PlannerConfig(mode="experts", experts=("e0", "e1"), rebalance_ratio=2.0)
+    ms = [member("a", tp=40, role="expert", expert="e0"), member("b", tp=40, role="expert", expert="e0"), member("c", tp=None, role="expert", expert="e1")]
+    assert plan_roles(ms, cfg).changes == []
+    ms[2] = member("c", tp=10, role="expert", expert="e1")  # measured: 80 vs 10
+    assert plan_roles(ms, cfg).changes in (["a"], ["b"])
+
+
 def test_rebalance_picks_the_peer_that_best_halves_the_gap():
     cfg = PlannerConfig(mode="experts", experts=("e0", "e1"), rebalance_ratio=1.5)
     ms = [

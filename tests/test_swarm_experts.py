@@ -3,6 +3,8 @@ the tiny MoE model's experts, two replicas each) and two trainers on loopback.""
 
 from __future__ import annotations
 
+import time
+
 from tests.swarm import Swarm, node_peer_id, wait_for
 from tests.test_swarm_pipeline import NODE, stats
 
@@ -58,8 +60,17 @@ def test_expert_hosts_and_trainers_train_through_a_killed_a_frozen_and_a_restart
         for n, hashes in common_syncs(swarm, pair).items():
             assert len(set(hashes)) == 1, (pair, n, hashes)
 
-    # SIGKILL a host of shard 0: its calls fail once and go to its replica; training goes on
-    victim, replica = pairs[0]
+    # SIGKILL a host of a shard with two (in its own stats and in the coordinator's plan): its
+    # calls fail once and go to its replica; training goes on
+    def settled() -> list[str]:
+        plan = hosts_of(coord)
+        for s in (0, 1):
+            names = [n for n in hosts if stats(swarm, n, "expert").get("expert_shard") == s]
+            if len(names) == 2 and sorted(ids[n] for n in names) == sorted(plan.get(f"shard{s}", [])):
+                return names
+        return []
+
+    victim, replica = wait_for(settled, 60, "a shard whose two hosts serve it and are planned there")
     before = {t: micro_batches(swarm, t) for t in trainers}
     hosts[victim].kill()
     wait_for(lambda: all(micro_batches(swarm, t) >= before[t] + 16 for t in trainers), 120, "16 more micro-batches per trainer after the kill")
@@ -82,10 +93,22 @@ def test_expert_hosts_and_trainers_train_through_a_killed_a_frozen_and_a_restart
 
     # the killed host comes back (same data dir, same identity): it takes its shard's state from
     # the replica, hash-verified, not the initial weights
+    restarted = time.time()
     again = swarm.start("h-again", "swarmtrain-node", "--data-dir", str(swarm.tmp / victim), "--initial-peers", maddr, *NODE)
-    wait_for(lambda: [e for e in stats(swarm, victim, "expert").get("history", []) if e.get("start")] and again.alive(), 120, "the restarted host to take a shard")
-    start = [e for e in stats(swarm, victim, "expert")["history"] if e.get("start")][-1]
+
+    def started() -> dict | None:
+        entries = [e for e in stats(swarm, victim, "expert").get("history", []) if e.get("start") and e["time"] > restarted]
+        return entries[-1] if entries else None
+
+    start = wait_for(started, 120, "the restarted host to take a shard")
+    assert again.alive()
     assert start["state_from"] in {ids[n] for n in hosts if n != victim}, (start, ids)
+    mine = stats(swarm, victim, "expert")["expert_shard"]
+    holders = [n for n in hosts if n != victim and stats(swarm, n, "expert").get("expert_shard") == mine]
+    assert start["state_hash"] in {e["state_hash"] for n in holders for e in stats(swarm, n, "expert")["history"] if "sync" in e}, start
+    # no exception reached a trainer's training loop
+    for t, proc in trainers.items():
+        assert "Traceback" not in proc.log() and "role failed" not in proc.log(), proc.log()[-3000:]
     for t in trainers:
         h = stats(swarm, t, "trainer")["history"]
         assert h[-1]["loss"] < h[0]["loss"] - 0.3, [(e["micro_batches"], round(e["loss"], 3)) for e in h]
