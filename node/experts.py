@@ -166,6 +166,7 @@ class ExpertHost(StageServer):
         p = _Pending(req.op, x, grad, (ctx.peer_id, req.micro_batch))
         self._queue.append(p)
         self._wake.set()
+        self.membership.progress.extra["load"] = len(self._queue)  # announced with our record
         _, outs = await p.done
         self.calls[req.op] += 1
         prefix = "y" if req.op == "forward" else "grad"
@@ -591,6 +592,7 @@ class ExpertTrainer(Role):
                 members = {}
             shards: dict[int, list[str]] = {}
             trainers = []
+            self.client.peers.announced = {peer: rec.load for peer, rec in members.items()}
             for peer, rec in members.items():
                 if time.time() - rec.issued_at >= self.node_config.record_ttl_s:
                     continue

@@ -207,6 +207,8 @@ class Membership:
             role=role_label(self.assignment),
             step=self.progress.step,
             issued_at=now,
+            throughput=float(self.progress.samples_per_second or 0.0),
+            load=float(self.progress.extra.get("load", 0.0)),
         ).sign(self.host.key)
         try:
             await self.host.dht_store(members_key(self.config.swarm_id), rec.to_bytes(), now + self.config.record_ttl_s, subkey=self.host.peer_id)

@@ -824,6 +824,7 @@ class StagePeers:
         self.reprobe_s = reprobe_s
         self.stages: dict[int, list[str]] = {}
         self.peers: dict[str, _PeerStats] = {}
+        self.announced: dict[str, float] = {}  # the load a peer announced in its record: breaks ties between peers never measured
 
     def update(self, stages: dict[int, list[str]]) -> None:
         self.stages = {s: sorted(ps) for s, ps in stages.items()}
@@ -838,9 +839,9 @@ class StagePeers:
             raise NoStagePeer(f"no peer serves stage {stage}" if not self.stages.get(stage) else f"every peer of stage {stage} failed lately")
         fresh = [p for p in candidates if p not in avoid] or candidates
 
-        def expected(p: str) -> tuple[float, float]:
+        def expected(p: str) -> tuple[float, float, float]:
             st = self.peers[p]
-            return ((st.ema_s or 0.0) * (st.inflight + 1), random.random())
+            return ((st.ema_s or 0.0) * (st.inflight + 1), self.announced.get(p, 0.0), random.random())
 
         def unpicked_for(p: str) -> float:
             st = self.peers[p]

@@ -114,7 +114,7 @@ class CoordinatorRecord(_SignedRecord):
 
 @dataclass(frozen=True)
 class MemberRecord(_SignedRecord):
-    """A node's own announcement: who it is, where, in what role, at what step."""
+    """A node's own announcement: who it is, where, in what role, at what step, how fast and how busy."""
 
     swarm_id: str
     peer_id: str
@@ -122,8 +122,10 @@ class MemberRecord(_SignedRecord):
     role: str
     step: int
     issued_at: float
+    throughput: float = 0.0  # samples/s it measured at its role (an expert host: tokens/s of compute); 0: not yet
+    load: float = 0.0  # calls waiting on it when it published (an expert host's queue)
     public_key: bytes = b""
     signature: bytes = b""
 
-    DOMAIN = "swarmtrain/member-record/v1"
-    CHECKS = (_str, _str, _strs, _str, _int, _time, _bytes, _bytes)
+    DOMAIN = "swarmtrain/member-record/v2"
+    CHECKS = (_str, _str, _strs, _str, _int, _time, _time, _time, _bytes, _bytes)
