@@ -163,7 +163,7 @@ class Opener:
         """Take bytes as they arrived; return the records they completed, opened."""
         view, out = memoryview(data).cast("B"), []
         while True:
-            while (size := self.next_size()) is not None:
+            while self.next_size() is not None:
                 out.append(self.open())
             if not view:
                 return out
