@@ -44,9 +44,9 @@ def test_expert_hosts_and_trainers_train_through_a_killed_a_frozen_and_a_restart
     coord = swarm.coordinator("coordinator", None, None, *RUN)
     maddr = coord.wait_ready()["maddrs"][0]
     hosts = {f"h{i}": swarm.node(f"h{i}", [maddr], *NODE) for i in range(4)}
-    wait_for(lambda: sorted(map(len, hosts_of(coord).values())) == [2, 2], 120, "two hosts on each of two shards")
     trainers = {f"t{i}": swarm.node(f"t{i}", [maddr], *NODE, "--wanted-role", "trainer", "--shard-index", str(i)) for i in range(2)}
-    wait_for(lambda: min(micro_batches(swarm, t) for t in trainers) >= 24, 300, "24 micro-batches per trainer")
+    wait_for(lambda: sorted(map(len, hosts_of(coord).values())) == [2, 2], 120, "two hosts on each of two shards")
+    wait_for(lambda: min(micro_batches(swarm, t) for t in trainers) >= 16, 300, "16 micro-batches per trainer")
     ids = {n: node_peer_id(p) for n, p in hosts.items()}
     shard = {n: stats(swarm, n, "expert")["expert_shard"] for n in hosts}
     for n in hosts:  # each host holds its shard's experts only, and refused nothing
@@ -73,16 +73,16 @@ def test_expert_hosts_and_trainers_train_through_a_killed_a_frozen_and_a_restart
     victim, replica = wait_for(settled, 60, "a shard whose two hosts serve it and are planned there")
     before = {t: micro_batches(swarm, t) for t in trainers}
     hosts[victim].kill()
-    wait_for(lambda: all(micro_batches(swarm, t) >= before[t] + 16 for t in trainers), 120, "16 more micro-batches per trainer after the kill")
+    wait_for(lambda: all(micro_batches(swarm, t) >= before[t] + 8 for t in trainers), 120, "8 more micro-batches per trainer after the kill")
     assert not hosts[victim].leftovers()
 
-    # SIGSTOP the other host of shard 0, now its only one: its calls pass their deadline, then the
-    # routers give shard 0's experts no tokens while it is frozen; training goes on
+    # SIGSTOP the other host of that shard, now its only one: its calls pass their deadline, then the
+    # routers give its experts no tokens while it is frozen; training goes on
     skipped = {t: stats(swarm, t, "trainer")["skipped_experts"] for t in trainers}
     before = {t: micro_batches(swarm, t) for t in trainers}
     hosts[replica].stall()
     try:
-        wait_for(lambda: all(micro_batches(swarm, t) >= before[t] + 16 for t in trainers), 120, "16 more micro-batches per trainer with shard 0 frozen")
+        wait_for(lambda: all(micro_batches(swarm, t) >= before[t] + 8 for t in trainers), 120, "8 more micro-batches per trainer with the shard frozen")
         assert any(stats(swarm, t, "trainer")["skipped_experts"] > skipped[t] for t in trainers)
         timed_out = [w for t in trainers for w in trainers[t].log().split(f"with {ids[replica]} timed out after ")[1:]]
         assert timed_out and max(float(w.split(" s)")[0]) for w in timed_out) < 10.0, timed_out  # deadlines from measured times
