@@ -24,7 +24,8 @@ for a host never measured). A host that fails, times out or answers garbage is l
 backoff (1 s, doubling); its experts' tokens that micro-batch get the other chosen experts'
 share (gates renormalised), and while no host of a shard can be called, the router gives its
 experts no tokens at all. The trainers average their dense parts among themselves every
-`stage_sync_every_s`, in namespace "dense".
+`stage_sync_every_s`, in namespace "dense", weighted by the steps each has trained (a trainer
+that joins late takes the others' dense parts at its first sync).
 """
 
 from __future__ import annotations
@@ -612,8 +613,9 @@ class ExpertTrainer(Role):
 
     async def _sync_forever(self) -> None:
         """Average the dense parts with the other trainers every stage_sync_every_s (the same
-        wall-clock boundaries everywhere). What a trainer learned while the round ran is kept:
-        its parameters become the average plus its own progress since the snapshot."""
+        wall-clock boundaries everywhere), each weighted by the steps it has trained. What a
+        trainer learned while the round ran is kept: its parameters become the average plus its
+        own progress since the snapshot."""
         period = self.run_config.stage_sync_every_s
         while True:
             n = math.floor(time.time() / period) + 1
@@ -623,7 +625,9 @@ class ExpertTrainer(Role):
             async with self._lock:
                 snap = [p.detach().clone() for p in self.model.parameters()]
             try:
-                avg, report = await self.averager.average(f"dense-{n}", snap, weight=1.0, expected_peers=self._trainers)
+                # weighted by the steps each has trained: a trainer that just joined (its dense
+                # parts at their initial values) takes the others' instead of pulling them back
+                avg, report = await self.averager.average(f"dense-{n}", snap, weight=float(max(1, self.steps)), expected_peers=self._trainers)
             except AveragingFailed as e:
                 log.warning("dense sync %d failed (%s); training on", n, e.report.reason)
                 continue
