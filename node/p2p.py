@@ -11,9 +11,11 @@ SIGKILL) and takes p2pd down with it, so a killed node leaves no orphan daemons.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -22,9 +24,38 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Awaitable, Callable, Sequence
 
+
+def _register_hivemind_lightly() -> None:
+    """hivemind's package __init__ imports its averaging (with scipy), MoE and optimizer code:
+    about 0.75 s of CPU in every process, which needs only its DHT and p2p modules. Register the
+    package without running its __init__ (its submodules import as usual); the first time
+    anything asks the package for a name (`hivemind.DHT`, `hivemind.moe`...), __init__ runs."""
+    if "hivemind" in sys.modules:
+        return
+    spec = importlib.util.find_spec("hivemind")
+    if spec is None or spec.loader is None or not spec.submodule_search_locations:
+        return
+    pkg = importlib.util.module_from_spec(spec)
+    loaded = False
+
+    def __getattr__(name: str):
+        nonlocal loaded
+        if f"hivemind.{name}" in sys.modules:  # a submodule being imported (`import hivemind.p2p.x as y`)
+            return sys.modules[f"hivemind.{name}"]
+        if loaded or name.startswith("__"):
+            raise AttributeError(f"module 'hivemind' has no attribute {name!r}")
+        loaded = True
+        spec.loader.exec_module(pkg)
+        return getattr(pkg, name)
+
+    pkg.__getattr__ = __getattr__
+    sys.modules["hivemind"] = pkg
+
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    import hivemind
+    _register_hivemind_lightly()
+    from hivemind.dht import DHT as _HivemindDHT
     from hivemind.p2p import P2P, PeerID
     from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, DispatchFailure
     from hivemind.utils import get_dht_time
@@ -75,7 +106,7 @@ def _kill_children_and_exit() -> None:
 SECURITY = ("tls", "noise+tls")
 
 
-class _DHT(hivemind.DHT):
+class _DHT(_HivemindDHT):
     """hivemind.DHT whose process dies with its parent and takes p2pd along."""
 
     security = "tls"  # see HostConfig.security
@@ -118,7 +149,7 @@ class HostConfig:
 class Host:
     """A running libp2p host: DHT access and binary streams to peers."""
 
-    def __init__(self, key: SigningKey, dht: hivemind.DHT, p2p: P2P, keyfile_dir: str, config: HostConfig = HostConfig()):
+    def __init__(self, key: SigningKey, dht: _HivemindDHT, p2p: P2P, keyfile_dir: str, config: HostConfig = HostConfig()):
         self.key = key
         self.dht = dht
         self.p2p = p2p
@@ -300,7 +331,7 @@ async def _rejoin(_dht, node, peers: list[str], timeout: float) -> int:  # runs 
     return answered
 
 
-def _stop_dht(dht: hivemind.DHT) -> None:
+def _stop_dht(dht: _HivemindDHT) -> None:
     if dht.is_alive():
         dht.shutdown()
     if dht.is_alive():
