@@ -1,0 +1,849 @@
+"""Expert-parallel (MoE) layers side by side: one process, hivemind.moe, and the swarm.
+
+    python -m bench.experts --json [--model tiny-moe] [--tokens 128] [--steps 30] [--arms a,b,c,d,b-kill]
+
+Every layer arm runs the same MoE layer: the E experts of layer 0 of `model` (tiny-moe: 4
+experts of width 64, top-2), each an MLP Linear(d, 4d) GELU Linear(4d, d) (node/model.py), the
+experts split over `hosts` host processes (expert e on host e mod hosts, as the swarm's shards
+are), on the same token batches: `steps` batches of `tokens` random vectors of width d (one
+seeded sequence, the same in every arm), called in order after `warmup` calls, and again in the
+same order until the arm has run `min_seconds` (the fast arms' statistics need more than a few
+calls; each row says how many it made). A call is a forward and a backward (loss: the output's
+mean square; the input's gradient is computed too: a layer inside a model hands it on) and the
+experts' optimizer step where the arm's system takes one:
+
+  (a) the MoE layer in one process (router + experts, node/moe.py MoELayer), AdamW on the
+      experts every call;
+  (b) hivemind.moe: `hosts` hivemind Servers (real processes, `Server.create`, each with its own
+      DHT, a DHT bootstrap process as the swarm has its coordinator), the client a
+      `RemoteMixtureOfExperts(grid_size=(E,), k_best=k)` in its own process: its own gating (a
+      Linear, top-k by beam search over the experts declared in the DHT, no capacity limit), one
+      RPC per (token, expert) pair each way. Its experts are ours, with (a)'s initial weights,
+      registered with hivemind (`--hm-expert mlp`; `ffn`: hivemind's own FeedforwardBlock, the
+      same two Linears with a tanh-GELU plus a residual and a LayerNorm). Adam on the servers at
+      every backward batch (hivemind's default optimizer); hivemind's defaults otherwise (k_min 1,
+      8 connection handler processes per expert) but for the deadlines, which hivemind leaves
+      unbounded: forward/backward timeout `hm_timeout_s`, `hm_after_k_min_s` for the stragglers
+      once every token has one answer (ours: 10 s for a host never measured, 8 x its call time
+      and at least 2 s after);
+  (c) the swarm: a coordinator (--mode experts, --expert-shards `hosts`), `hosts` expert hosts
+      (`swarmtrain-node`), the client an ExpertClient on its own libp2p host in its own process,
+      calling `remote_moe` with the router of (a); the hosts take an AdamW step every call
+      (--stage-step-samples = --batch-size, each call its own micro-batch);
+  (d) (c) for `kill_run_s` seconds with one expert host (its whole session: node, DHT, p2pd)
+      SIGKILLed every `kill_every_s` seconds, in turn, and started again at once (same data dir);
+      with one host per shard, no replica holds the shard's state: the host comes back with the
+      run's initial experts (each kill's `state_from`);
+  (b-kill) (b) under the same schedule (the server restarted with the same expert uids; its
+      experts' training is lost too). hivemind gives a token whose chosen experts all failed a
+      NaN output, without an exception: those calls count as `nonfinite_calls`, their tokens not
+      as samples.
+
+A "sample" is a token (a vector of width d) through the layer, forward and backward. Reported
+per layer arm: samples/s (tokens of the calls that returned finite values / wall time of the
+measured calls), token-expert pairs/s (the work behind them), p50/p99 of one call's latency
+(forward + backward + optimizer step of the layer, wall clock), token-expert pairs per call,
+tokens sent to no expert (ours: the router's capacity, 1.25 x a fair share of the E experts,
+drops tokens when fewer experts take them, e.g. while a shard's host is down), exceptions that
+reached the loop (the loop catches, counts and goes on), calls whose output or input gradient
+was not finite, experts skipped (ours) or expert calls failed (hivemind's log), the machine's
+1-minute load average before and after. The kill arms add samples/s per kill period and when
+each restarted host served again.
+
+Training loss at equal tokens, (a) and (c): the whole tiny-moe model trained on the same
+micro-batches of the built-in corpus (`train_micro_batches` of `batch_size` sequences, data
+shard 0 of 1, the run's seed) from the same initial weights with AdamW, the run's lr schedule
+(node/diloco.py TrainConfig, lr_at) and a step every micro-batch: (a) in one process, (c) a
+trainer (`--wanted-role trainer --shard-index 0 --num-shards 1`) with the experts on the hosts of
+(c) (trained before (c)'s layer calls). final_loss: the mean cross-entropy of the last WINDOW
+micro-batches (without the balance loss, which the trainer does not report).
+
+Every process gets one torch thread. Prints one JSON object (settings, arms, ratios c/b, d/c,
+c's loss over a's); exits 1 if an arm failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = 8  # micro-batches per loss report of a trainer (node/experts.py REPORT_EVERY)
+WINDOW = 32  # micro-batches the final loss is the mean of (a multiple of REPORT)
+HM_PREFIX = "expert."  # hivemind expert uids: expert.0 .. expert.{E-1}
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = "tiny-moe"
+    hosts: int = 2  # expert host processes (every arm but (a)); the swarm's --expert-shards
+    tokens: int = 128  # tokens per forward+backward of the layer (2 sequences of 64)
+    steps: int = 30  # measured calls per layer arm (the batches; repeated in order while under min_seconds)
+    min_seconds: float = 20.0  # a layer arm's calls last at least this long (more calls of the same batches)
+    warmup: int = 5  # calls before the measured ones
+    kill_every_s: float = 30.0  # (d), (b-kill): a host SIGKILLed and restarted this often
+    kill_run_s: float = 95.0  # (d), (b-kill): seconds of calls (kills at 30, 60, 90 s)
+    train_micro_batches: int = 256  # (a), (c): micro-batches trained; 0: no training
+    batch_size: int = 8  # sequences per micro-batch
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    seed: int = 0
+    hm_expert: str = "mlp"  # mlp: our expert registered with hivemind; ffn: hivemind's FeedforwardBlock
+    hm_handlers: int = 0  # hivemind connection handler processes per server; 0: hivemind's default (8 per expert)
+    hm_timeout_s: float = 10.0  # hivemind forward_timeout / backward_timeout (ours: 10 s for a host never measured)
+    hm_after_k_min_s: float = 2.0  # hivemind timeout_after_k_min (ours: at least 2 s per call)
+
+
+def _env() -> dict:
+    return {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def _presets(s: Settings):
+    from node.moe import MOE_PRESETS
+
+    return MOE_PRESETS[s.model]
+
+
+def token_batches(s: Settings, n: int):
+    """The layer arms' inputs: n batches of `tokens` vectors of width d, from one seed."""
+    import torch
+
+    gpt, _ = _presets(s)
+    gen = torch.Generator().manual_seed(s.seed + 1)
+    return [torch.randn(s.tokens, gpt.n_embd, generator=gen) for _ in range(n)]
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, int(len(v) * q))]
+
+
+class LayerLoop:
+    """Runs a layer's calls after `warmup` ones: the `steps` batches in order, again and again
+    until at least `steps` calls and `min_seconds` (a fast arm's statistics need more than a few
+    calls); or, for a kill arm, for `seconds`. Catches what a call raises (counted, the loop goes
+    on, as a training loop that survives would have to)."""
+
+    def __init__(self, s: Settings, call, seconds: float | None = None, started: Path | None = None, log: bool = False):
+        self.s, self.call, self.seconds, self.started, self.log = s, call, seconds, started, log
+
+    def _more(self, i: int, elapsed: float) -> bool:
+        if self.seconds is not None:
+            return elapsed < self.seconds
+        return i < self.s.steps or elapsed < self.s.min_seconds
+
+    def run(self) -> dict:
+        s = self.s
+        batches = token_batches(s, s.warmup + s.steps)
+        for i in range(s.warmup):
+            try:
+                self.call(f"w{i}", batches[i])
+            except Exception as e:
+                print(f"warm-up call {i}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if self.started is not None:
+            self.started.write_text(str(time.time()))
+        lat, tokens, pairs, pairs_ok, unrouted, skipped, exceptions, nonfinite, errors = [], 0, 0, 0, 0, 0, 0, 0, []
+        timeline = []  # (seconds since start, tokens) of each call that returned finite values
+        load_before = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        i = 0
+        while self._more(i, time.perf_counter() - t0):
+            x = batches[s.warmup + i % s.steps]
+            c0 = time.perf_counter()
+            try:
+                out = self.call(f"m{i}", x)
+            except Exception as e:  # must never happen in the swarm's arms; hivemind's may raise
+                exceptions += 1
+                if len(errors) < 3:
+                    errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+                i += 1
+                continue
+            lat.append(time.perf_counter() - c0)
+            if self.log:
+                print(f"call {i}: {lat[-1]:.3f} s {out}", file=sys.stderr, flush=True)
+            pairs += out["pairs"]
+            unrouted += out.get("unrouted", 0)
+            skipped += out.get("skipped", 0)
+            if not out["finite"]:
+                nonfinite += 1
+            else:
+                tokens += x.size(0)
+                pairs_ok += out["pairs"]
+                timeline.append((time.perf_counter() - t0, x.size(0)))
+            i += 1
+        seconds = time.perf_counter() - t0
+        row = {
+            "samples_per_s": tokens / seconds if seconds > 0 else 0.0, "latency_p50_s": _pct(lat, 0.5), "latency_p99_s": _pct(lat, 0.99),
+            "token_expert_pairs_per_s": pairs_ok / seconds if seconds > 0 else 0.0,
+            "calls": i, "calls_ok": len(lat) - nonfinite, "seconds": seconds, "token_expert_pairs_per_call": pairs / max(len(lat), 1),
+            "tokens_without_expert": unrouted, "exceptions": exceptions, "nonfinite_calls": nonfinite, "skipped_experts": skipped,
+            "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # the machine's, before and after: 2 cores
+        }  # fmt: skip
+        if errors:
+            row["errors"] = errors
+        if self.seconds is not None:  # per kill period: what the calls did between two kills
+            period = self.s.kill_every_s
+            n = max(1, math.ceil(seconds / period))
+            row["samples_per_s_by_period"] = [
+                round(sum(k for t, k in timeline if j * period <= t < (j + 1) * period) / max(1e-9, min(period, seconds - j * period)), 1) for j in range(n)
+            ]
+        return row
+
+
+def _routed(routing, n: int) -> dict:
+    """Token-expert pairs a routing sent, and tokens it sent to no expert (over capacity)."""
+    import torch
+
+    idx = [t for t in routing.tokens if t.numel()]
+    reached = int(torch.cat(idx).unique().numel()) if idx else 0
+    return {"pairs": sum(int(t.numel()) for t in routing.tokens), "unrouted": n - reached}
+
+
+def _finite(*ts) -> bool:
+    import torch
+
+    return all(t is None or bool(torch.isfinite(t).all()) for t in ts)
+
+
+# ---- (a) one process -----------------------------------------------------------------------------
+
+
+def run_single_layer(s: Settings) -> dict:
+    import torch
+
+    from node.moe import combine, init_moe_model
+
+    torch.set_num_threads(1)
+    gpt, moe = _presets(s)
+    layer = init_moe_model(gpt, moe, s.seed).blocks[0].moe
+    opt = torch.optim.AdamW(layer.experts.parameters(), lr=s.lr)
+
+    def call(tag, x):
+        x = x.clone().requires_grad_(True)
+        routing = layer.router(x)
+        outs = [layer.experts[e](x[idx]) if idx.numel() else None for e, idx in enumerate(routing.tokens)]
+        y = combine(outs, routing, x)
+        y.pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(layer.experts.parameters(), 1.0)  # the hosts clip too (grad_clip 1)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return {"finite": _finite(y, x.grad), **_routed(routing, x.size(0))}
+
+    return LayerLoop(s, call).run()
+
+
+def _train_config(s: Settings):
+    from node.runconfig import RunConfig
+
+    return RunConfig(model=s.model, batch_size=s.batch_size, inner_lr=s.lr, warmup_steps=s.warmup_steps, seed=s.seed).train_config()
+
+
+def run_single_train(s: Settings) -> dict:
+    """(a)'s training: the whole MoE model, AdamW every micro-batch (node/experts.py
+    ExpertTrainer's settings), the trainer's micro-batches (data shard 0 of 1, seed + 0)."""
+    import torch
+
+    from node.data import Batches, load_corpus
+    from node.diloco import lr_at
+    from node.moe import init_moe_model
+
+    torch.set_num_threads(1)
+    gpt, moe = _presets(s)
+    model = init_moe_model(gpt, moe, s.seed)
+    tc = _train_config(s)
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay}, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=lr_at(0, tc), betas=(tc.beta1, tc.beta2))
+    batches = Batches(load_corpus().train, 0, 1, s.batch_size, gpt.context, s.seed)
+    losses = []
+    t0 = time.perf_counter()
+    for step in range(s.train_micro_batches):
+        x, y = batches.next()
+        _, loss, aux = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, tc)
+        opt.step()
+        losses.append(loss.item() - moe.aux_loss_weight * aux.item())  # the cross-entropy, as the trainer reports it
+    seconds = time.perf_counter() - t0
+    return {"final_loss": sum(losses[-WINDOW:]) / WINDOW, "train_samples_per_s": s.train_micro_batches * s.batch_size / seconds, "train_micro_batches": s.train_micro_batches}
+
+
+# ---- clients in their own processes ---------------------------------------------------------------
+
+
+def client_main(kind: str, s: Settings, out: Path, where: dict) -> int:
+    """One layer arm's client: `kind` "b" (hivemind) or "c" (the swarm). `where`: how to reach the
+    hosts; seconds (run for that long, cycling the batches) or none (`steps` calls)."""
+    import torch
+
+    torch.set_num_threads(1)
+    started = Path(where["started"]) if where.get("started") else None
+    if kind == "b":
+        row = _hivemind_client(s, where, started)
+    else:
+        import asyncio
+
+        row = asyncio.run(_swarm_client(s, where, started))
+    out.write_text(json.dumps(row))
+    return 0
+
+
+def _hivemind_client(s: Settings, where: dict, started: Path | None) -> dict:
+    import logging
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import hivemind
+        from hivemind.moe import RemoteMixtureOfExperts
+
+    gpt, moe = _presets(s)
+    failed = {"n": 0}
+
+    class Count(logging.Handler):  # hivemind logs each expert call that failed ("Task ... failed: ...")
+        def emit(self, record):
+            if "failed" in record.getMessage():
+                failed["n"] += 1
+
+    logging.getLogger("hivemind.moe.client.moe").addHandler(Count())
+    dht = hivemind.DHT(initial_peers=where["initial_peers"], host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=False, start=True)
+    try:
+        torch.manual_seed(s.seed)
+        dmoe = RemoteMixtureOfExperts(
+            in_features=gpt.n_embd, grid_size=(moe.num_experts,), dht=dht, uid_prefix=HM_PREFIX, k_best=moe.top_k,
+            forward_timeout=s.hm_timeout_s, backward_timeout=s.hm_timeout_s, timeout_after_k_min=s.hm_after_k_min_s,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:  # every expert declared in the DHT
+            found = hivemind.moe.get_experts(dht, [f"{HM_PREFIX}{e}" for e in range(moe.num_experts)])
+            if all(found) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+
+        def call(tag, x):
+            x = x.clone().requires_grad_(True)
+            before = failed["n"]
+            y = dmoe(x)
+            y.pow(2).mean().backward()
+            return {"finite": _finite(y, x.grad), "pairs": x.size(0) * moe.top_k, "skipped": failed["n"] - before}
+
+        row = LayerLoop(s, call, where.get("seconds"), started, log=True).run()
+        row["failed_expert_calls"] = row.pop("skipped_experts")
+        return row
+    finally:
+        dht.shutdown()
+
+
+async def _swarm_client(s: Settings, where: dict, started: Path | None) -> dict:
+    import asyncio
+
+    import torch
+
+    from node.config import NodeConfig
+    from node.experts import MAX_CALL_TOKENS, ExpertClient, remote_moe, shard_of_label
+    from node.membership import read_members
+    from node.moe import init_moe_model
+    from node.p2p import Host, HostConfig
+    from node.pipeline import activation_codec
+    from node.runconfig import RunConfig
+    from node.transport import Transport
+    from protocol import SigningKey
+
+    gpt, moe = _presets(s)
+    run = RunConfig(model=s.model, expert_shards=s.hosts, batch_size=s.batch_size, stage_step_samples=s.batch_size, seed=s.seed)
+    node = NodeConfig()
+    host = await Host.start(SigningKey.generate(), HostConfig(initial_peers=(where["maddr"],)))
+    transport = Transport(host)
+    await transport.start()
+    client = ExpertClient(transport, asyncio.get_running_loop(), run, activation_codec(run, gpt.n_embd), MAX_CALL_TOKENS * gpt.n_embd)
+    known = asyncio.Event()
+
+    fallback: dict = {}
+    t_start = time.monotonic()
+
+    def from_coordinator() -> dict[int, list[str]]:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{where['http']}/status", timeout=5) as r:
+            status = json.loads(r.read())
+        return {int(k.removeprefix("shard")): v["peers"] for k, v in status["expert_shards"].items() if v["peers"]}
+
+    async def refresh():  # as ExpertTrainer._refresh_peers: the hosts of each shard from their member records
+        while True:
+            try:
+                members = await read_members(host, node.swarm_id)
+            except Exception as e:  # the DHT may be briefly unreachable
+                print(f"reading member records: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                members = {}
+            shards: dict[int, list[str]] = {}
+            for peer, rec in members.items():
+                sh = shard_of_label(rec.role)
+                if sh is not None and sh < s.hosts and time.time() - rec.issued_at < node.record_ttl_s:
+                    shards.setdefault(sh, []).append(peer)
+            if len(shards) < s.hosts and (fallback or time.monotonic() - t_start > 20):
+                # the DHT named no host of some shard: ask the coordinator (said in the row)
+                try:
+                    told = await asyncio.to_thread(from_coordinator)
+                    if not fallback:
+                        seen = [(p[-6:], r.role, round(time.time() - r.issued_at, 1)) for p, r in members.items()]
+                        print(f"member records after 20 s (peer, role, age s): {seen}; the coordinator: { {k: [p[-6:] for p in v] for k, v in told.items()} }", file=sys.stderr, flush=True)
+                    for sh, peers in told.items():
+                        shards.setdefault(sh, peers)
+                        fallback[sh] = fallback.get(sh, 0) + 1
+                except OSError as e:
+                    print(f"coordinator /status: {e}", file=sys.stderr, flush=True)
+            if shards:
+                client.peers.update(shards)
+            if len(shards) == s.hosts:
+                known.set()
+            await asyncio.sleep(2.0 if known.is_set() else 0.5)
+
+    task = asyncio.create_task(refresh())
+    try:
+        await asyncio.wait_for(known.wait(), 60)
+        router = _Capturing(init_moe_model(gpt, moe, s.seed).blocks[0].moe.router)  # (a)'s
+
+        def call(tag, x):
+            x = x.clone().requires_grad_(True)
+            y, _, skipped = remote_moe(x, router, client, tag, 0)
+            y.pow(2).mean().backward()
+            return {"finite": _finite(y, x.grad), **_routed(router.last, x.size(0)), "skipped": skipped}
+
+        torch.set_num_threads(1)
+        row = await asyncio.to_thread(LayerLoop(s, call, where.get("seconds"), started, log=True).run)
+        row["expert_rpcs"] = client.calls
+        if fallback:
+            row["hosts_from_coordinator"] = f"the DHT's member records named no host of shard(s) {sorted(fallback)} for 20 s or more: their hosts were taken from the coordinator's /status ({sum(fallback.values())} times)"
+        row["rpc_latency_p50_s"] = _pct(list(client.latencies), 0.5)  # one layer's forward (or backward) calls, together
+        row["rpc_latency_p99_s"] = _pct(list(client.latencies), 0.99)
+        return row
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await transport.close()
+        await host.shutdown()
+
+
+class _Capturing:
+    """A router that keeps its last routing (to count the token-expert pairs it sent)."""
+
+    def __init__(self, router):
+        self.router, self.last = router, None
+
+    def __call__(self, x, alive=None):
+        self.last = self.router(x, alive)
+        return self.last
+
+
+# ---- hivemind's server and DHT bootstrap, in their own processes -----------------------------------
+
+
+def _register_mlp(s: Settings, experts: list[int]) -> str:
+    """Our expert (node/model.py MLP) as a hivemind expert class, "swarm_mlp": the i-th one built
+    holds the initial weights of layer 0's expert experts[i] of (a)'s model."""
+    import torch
+    from hivemind.moe.server.layers import name_to_block, register_expert_class
+
+    from node.model import MLP
+    from node.moe import init_moe_model
+
+    gpt, moe = _presets(s)
+    layer = init_moe_model(gpt, moe, s.seed).blocks[0].moe
+    order = iter(experts)
+
+    if "swarm_mlp" not in name_to_block:
+
+        @register_expert_class("swarm_mlp", lambda batch_size, hid_dim: torch.empty((batch_size, hid_dim)))
+        class SwarmMLP(MLP):
+            def __init__(self, hid_dim):
+                assert hid_dim == gpt.n_embd
+                super().__init__(gpt)
+                self.load_state_dict(layer.experts[next(order)].state_dict())
+
+    return "swarm_mlp"
+
+
+def _wait_for_sigterm() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        signal.pause()
+
+
+def hm_dht_main(out: Path) -> int:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import hivemind
+
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    out.write_text(json.dumps([str(a) for a in dht.get_visible_maddrs()]))
+    try:
+        _wait_for_sigterm()
+    finally:
+        dht.shutdown()
+    return 0
+
+
+def hm_server_main(index: int, s: Settings, initial_peers: list[str], out: Path) -> int:
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from hivemind.moe import Server
+
+    torch.set_num_threads(1)
+    gpt, moe = _presets(s)
+    experts = list(range(index, moe.num_experts, s.hosts))  # as the swarm's shard `index`
+    cls = _register_mlp(s, experts) if s.hm_expert == "mlp" else "ffn"
+    uids = [f"{HM_PREFIX}{e}" for e in experts]
+    torch.manual_seed(s.seed + index)
+    kwargs = {"num_handlers": s.hm_handlers} if s.hm_handlers > 0 else {}
+    server = Server.create(
+        expert_uids=uids, expert_cls=cls, hidden_dim=gpt.n_embd, device="cpu", initial_peers=initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, **kwargs,
+    )  # fmt: skip
+    out.write_text(json.dumps({"uids": uids, "maddrs": [str(a) for a in server.dht.get_visible_maddrs()]}))
+    try:
+        _wait_for_sigterm()
+    finally:
+        server.shutdown()
+    return 0
+
+
+# ---- the arms that start processes -----------------------------------------------------------------
+
+
+class _Arms:
+    """Starts and stops the processes of (b)/(b-kill) and (c)/(d) (tests/swarm.py Swarm: every
+    process in its own session, all of each session killed on close)."""
+
+    def __init__(self, s: Settings, work: Path, timeout: float):
+        from tests.swarm import Swarm
+
+        self.s, self.work, self.timeout = s, work, timeout
+        work.mkdir(parents=True, exist_ok=True)
+        self.sw = Swarm(work)
+
+    def close(self) -> None:
+        self.sw.close()
+
+    def py(self, name: str, *args: str):
+        return self.sw.start(name, "python", "-m", "bench.experts", *args, env=_env())
+
+    def client(self, kind: str, name: str, where: dict, kill=None) -> dict:
+        """Runs a client process to its end; `kill(i)` the i-th kill, every kill_every_s once it
+        measures. Returns its row (with `kills`)."""
+        from bench.workers import kill_session
+
+        out = self.work / f"{name}.json"
+        started = self.work / f"{name}.started"
+        out.unlink(missing_ok=True)
+        started.unlink(missing_ok=True)
+        where = {**where, "started": str(started)}
+        proc = self.py(name, "--client", kind, "--settings", json.dumps(asdict(self.s)), "--where", json.dumps(where), "--out", str(out))
+        deadline = time.monotonic() + self.timeout
+        kills, next_kill, kill_log = 0, None, []
+        try:
+            while proc.alive():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"client {name} did not finish in {self.timeout:.0f} s:\n{_tail(proc.log_path)}")
+                if kill is not None and started.exists():
+                    if next_kill is None:
+                        first = time.monotonic()
+                        next_kill = first + self.s.kill_every_s
+                    elif time.monotonic() >= next_kill:
+                        kill_log.append({"at_s": round(time.monotonic() - first, 1), **kill(kills)})
+                        kills += 1
+                        next_kill += self.s.kill_every_s
+                time.sleep(0.2)
+        finally:
+            kill_session(proc.sid)
+        if proc.wait(10) != 0 or not out.exists():
+            raise RuntimeError(f"client {name} failed ({proc.popen.returncode}):\n{_tail(proc.log_path)}")
+        row = json.loads(out.read_text())
+        row["wall_s"] = time.monotonic() - (deadline - self.timeout)
+        if kill is not None:
+            row["kills"] = kills
+            row["kill_log"] = kill_log
+        return row
+
+    # -- (b), (b-kill)
+
+    def hivemind(self, which: list[str]) -> dict[str, dict]:
+        from tests.swarm import wait_for
+
+        s = self.s
+        dht_out = self.work / "hm-dht.json"
+        self.py("hm-dht", "--hm-dht", "--out", str(dht_out))
+        boot = wait_for(lambda: json.loads(dht_out.read_text()), 60, "hivemind's DHT bootstrap")
+        servers = {}
+
+        def start(i: int):
+            out = self.work / f"hm{i}.json"
+            out.unlink(missing_ok=True)
+            servers[i] = self.py(f"hm{i}", "--hm-server", str(i), "--settings", json.dumps(asdict(s)), "--where", json.dumps({"initial_peers": boot}), "--out", str(out))
+            return out
+
+        outs = [start(i) for i in range(s.hosts)]
+        for i, out in enumerate(outs):
+            wait_for(lambda out=out, i=i: out.exists() or (not servers[i].alive() and _raise(f"hivemind server {i} exited:\n{_tail(servers[i].log_path)}")), 120, f"hivemind server {i}")
+
+        def kill(k: int) -> dict:
+            from bench.workers import kill_session
+
+            i = k % s.hosts
+            kill_session(servers[i].sid)
+            servers[i].wait(10)
+            t = time.monotonic()
+            out = start(i)
+            wait_for(lambda: out.exists(), 120, f"hivemind server {i} back")
+            return {"host": i, "up_after_s": round(time.monotonic() - t, 2)}
+
+        rows = {}
+        where = {"initial_peers": boot}
+        for key in which:
+            if key == "b":
+                rows[key] = self.client("b", "client-b", where)
+            elif key == "b-kill":
+                rows[key] = self.client("b", "client-b-kill", {**where, "seconds": s.kill_run_s}, kill)
+        return rows
+
+    # -- (c), (d)
+
+    def swarm(self, which: list[str]) -> dict[str, dict]:
+        from tests.swarm import wait_for
+
+        s = self.s
+        run = [
+            "--mode", "experts", "--model", s.model, "--expert-shards", str(s.hosts), "--batch-size", str(s.batch_size),
+            "--stage-step-samples", str(s.batch_size), "--inner-lr", str(s.lr), "--warmup-steps", str(s.warmup_steps), "--seed", str(s.seed),
+            "--heartbeat-timeout-s", "10", "--stage-sync-every-s", "3600",  # one host per shard: nothing to sync
+        ]  # fmt: skip
+        node = ["--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "1", "--log-level", "WARNING"]
+        coord = self.sw.coordinator("coordinator", None, None, *run)
+        maddr = coord.wait_ready()["maddrs"][0]
+        hosts = {f"h{i}": self.sw.node(f"h{i}", [maddr], *node) for i in range(s.hosts)}
+
+        def stats(name: str, kind: str) -> dict:
+            try:
+                return json.loads((self.work / name / f"{kind}-stats.json").read_text())
+            except (OSError, ValueError):
+                return {}
+
+        def shards() -> dict:
+            return {k: v["peers"] for k, v in coord.status()["expert_shards"].items()}
+
+        wait_for(lambda: all(len(p) >= 1 for p in shards().values()) and all(stats(n, "expert") for n in hosts), 120, "every shard served")
+        rows: dict[str, dict] = {}
+        if "c" in which and s.train_micro_batches > 0:
+            t = self.sw.node("t0", [maddr], *node, "--wanted-role", "trainer", "--shard-index", "0", "--num-shards", "1")
+            deadline = time.monotonic() + self.timeout
+            while stats("t0", "trainer").get("micro_batches", 0) < s.train_micro_batches:
+                if time.monotonic() > deadline or not t.alive():
+                    raise RuntimeError(f"the trainer did not reach {s.train_micro_batches} micro-batches in {self.timeout:.0f} s: {stats('t0', 'trainer').get('micro_batches')}\n{_tail(t.log_path)}")
+                time.sleep(0.5)
+            t.kill()
+            st = stats("t0", "trainer")
+            h = [e for e in st["history"] if e["micro_batches"] <= s.train_micro_batches]
+            tail = h[-(WINDOW // REPORT) :]
+            first, end = h[0], h[-1]
+            span = end["time"] - first["time"]
+            rows["c-train"] = {
+                "train_wall_s": time.monotonic() - (deadline - self.timeout),
+                "final_loss": sum(e["loss"] for e in tail) / len(tail),
+                "train_samples_per_s": (end["micro_batches"] - first["micro_batches"]) * s.batch_size / span if span > 0 else 0.0,
+                "train_micro_batches": end["micro_batches"], "train_skipped_experts": end["skipped_experts"],
+                "trainer_layer_latency_p50_s": st.get("layer_latency_p50_s"), "trainer_layer_latency_p99_s": st.get("layer_latency_p99_s"),
+                "trainer_micro_batches_at_stop": st["micro_batches"],  # its last report before it was stopped
+                "host_optimizer_steps": {n: stats(n, "expert").get("steps") for n in hosts},  # at stop: one per micro-batch expected
+            }  # fmt: skip
+
+        def kill(k: int) -> dict:
+            from bench.workers import kill_session
+
+            name = f"h{k % s.hosts}"
+            kill_session(hosts[name].sid)  # the node, its DHT child and p2pd at once: the machine is gone
+            hosts[name].wait(10)
+            t, wall = time.monotonic(), time.time()
+            hosts[name] = self.sw.node(name, [maddr], *node)  # the same data dir, the same identity
+
+            def back():  # its new process reported its start (its experts loaded, serving)
+                h = stats(name, "expert").get("history") or [{}]
+                return h[0] if h[0].get("start") and h[0].get("time", 0) > wall else None
+
+            entry = wait_for(back, 120, f"{name} back")
+            return {"host": name, "up_after_s": round(time.monotonic() - t, 2), "state_from": entry.get("state_from")}
+
+        where = {"maddr": maddr, "http": f"127.0.0.1:{coord.http_port}"}
+        for key in which:
+            if key == "c":
+                rows["c"] = self.client("c", "client-c", where)
+            elif key == "d":
+                rows["d"] = self.client("c", "client-d", {**where, "seconds": s.kill_run_s}, kill)
+        return rows
+
+
+def _timed(fn, s: Settings, field: str = "wall_s") -> dict:
+    t0 = time.monotonic()
+    row = fn(s)
+    row[field] = time.monotonic() - t0
+    return row
+
+
+def _raise(msg: str):
+    raise RuntimeError(msg)
+
+
+# ---- main ---------------------------------------------------------------------------------------
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+ARM_NAMES = {
+    "a": "the MoE layer in one process (and the MoE model trained in one process)",
+    "b": "hivemind.moe: RemoteMixtureOfExperts, hivemind Servers in {hosts} processes",
+    "c": "swarm: remote_moe over an ExpertClient, {hosts} expert hosts (swarmtrain-node) (and a trainer on them)",
+    "d": "(c), one host SIGKILLed and restarted every {kill_every_s:g} s",
+    "b-kill": "(b), one server SIGKILLed and restarted every {kill_every_s:g} s",
+}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (the default output)")
+    p.add_argument("--arms", default="a,b,c,d,b-kill", help="which arms to run: a,b,c,d,b-kill")
+    p.add_argument("--work-dir", default="", help="where the arms' logs go (default: a temporary directory)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds each client or trainer may take")
+    for f in Settings.__dataclass_fields__.values():
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    p.add_argument("--client", help=argparse.SUPPRESS)
+    p.add_argument("--hm-server", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--hm-dht", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--settings", help=argparse.SUPPRESS)
+    p.add_argument("--where", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.client:
+        return client_main(args.client, Settings(**json.loads(args.settings)), Path(args.out), json.loads(args.where))
+    if args.hm_dht:
+        return hm_dht_main(Path(args.out))
+    if args.hm_server is not None:
+        return hm_server_main(args.hm_server, Settings(**json.loads(args.settings)), json.loads(args.where)["initial_peers"], Path(args.out))
+
+    s = Settings(**{k: getattr(args, k) for k in Settings.__dataclass_fields__})
+    from node.moe import MOE_PRESETS
+
+    wanted = [a for a in args.arms.split(",") if a]
+    problems = []
+    if s.model not in MOE_PRESETS:
+        problems.append(f"--model must be one of {', '.join(MOE_PRESETS)}")
+    elif not 1 <= s.hosts <= MOE_PRESETS[s.model][1].num_experts:
+        problems.append(f"--hosts must be in 1..{MOE_PRESETS[s.model][1].num_experts} (the experts per layer)")
+    if s.train_micro_batches and (s.train_micro_batches % REPORT or s.train_micro_batches < WINDOW):
+        problems.append(f"--train-micro-batches must be 0 or a multiple of {REPORT} of at least {WINDOW}")
+    if s.hm_expert not in ("mlp", "ffn"):
+        problems.append("--hm-expert must be mlp or ffn")
+    if s.tokens < 1 or s.steps < 1:
+        problems.append("--tokens and --steps must be positive")
+    if unknown := [a for a in wanted if a not in ARM_NAMES]:
+        problems.append(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARM_NAMES)}")
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    import tempfile
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-experts-"))
+    def interrupted(*_):
+        raise KeyboardInterrupt  # a SIGTERM cleans up as Ctrl-C does: every arm's `finally` closes its processes
+
+    signal.signal(signal.SIGTERM, interrupted)
+    rows: dict[str, dict] = {}
+
+    def record(keys: list[str], fn) -> None:
+        """Runs `fn` (rows by key; "<arm>-train": more fields of that arm); every arm of `keys`
+        is marked failed if it raises."""
+        t0 = time.monotonic()
+        try:
+            got = fn()
+        except Exception as e:  # one arm failing must not hide the others' results
+            got = {k: {"status": "failed", "error": f"{type(e).__name__}: {e}"[:3000]} for k in keys if k not in rows}
+        for k, r in got.items():
+            arm = k.removesuffix("-train")
+            row = rows.setdefault(arm, {"arm": arm, "name": ARM_NAMES[arm].format(**asdict(s)), "status": "ok"})
+            row.update(r)
+            print(json.dumps(_rounded({**row, "since_start_s": round(time.monotonic() - t0, 1)})), file=sys.stderr)
+
+    if "a" in wanted:
+        record(["a"], lambda: {"a": _timed(run_single_layer, s), **({"a-train": _timed(run_single_train, s, "train_wall_s")} if s.train_micro_batches else {})})
+    for group, start in ((["b", "b-kill"], "hivemind"), (["c", "d"], "swarm")):
+        keys = [k for k in group if k in wanted]
+        if not keys:
+            continue
+        arms = _Arms(s, work / start, args.timeout)
+        try:
+            record(keys, lambda arms=arms, keys=keys, start=start: getattr(arms, start)(keys))
+        finally:
+            arms.close()
+
+    out = [_rounded(rows[k]) for k in ARM_NAMES if k in rows]
+    by = {r["arm"]: r for r in out if r["status"] == "ok"}
+    ratios = {}
+
+    def ratio(name, num, den, field="samples_per_s", digits=3):
+        if num in by and den in by and by[den].get(field):
+            ratios[name] = round(by[num][field] / by[den][field], digits)
+
+    ratio("c_over_b_samples_per_s", "c", "b")
+    ratio("d_over_c_samples_per_s", "d", "c")
+    ratio("b_kill_over_b_samples_per_s", "b-kill", "b")
+    ratio("d_over_c_token_expert_pairs_per_s", "d", "c", "token_expert_pairs_per_s")
+    ratio("c_over_a_samples_per_s", "c", "a")
+    ratio("c_loss_over_a", "c", "a", "final_loss", 4)
+    targets = {}
+    if "c_over_b_samples_per_s" in ratios:
+        targets["c_at_least_5x_b"] = ratios["c_over_b_samples_per_s"] >= 5
+    if "d_over_c_samples_per_s" in ratios:
+        targets["d_at_least_0.7x_c_no_exception"] = ratios["d_over_c_samples_per_s"] >= 0.7 and by["d"]["exceptions"] == 0
+    if "c_loss_over_a" in ratios:
+        targets["c_loss_within_2pct_of_a"] = abs(ratios["c_loss_over_a"] - 1) <= 0.02
+    print(json.dumps({"settings": asdict(s), "arms": out, "ratios": ratios, "targets_met": targets, "work_dir": str(work)}, indent=1))
+    return 0 if all(r["status"] == "ok" for r in out) else 1
+
+
+def _rounded(row: dict) -> dict:
+    def r(v):
+        if isinstance(v, float):
+            return round(v, 4)
+        if isinstance(v, dict):
+            return {k: r(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [r(x) for x in v]
+        return v
+
+    return r(row)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
