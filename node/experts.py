@@ -126,6 +126,10 @@ class ExpertHost(StageServer):
         self.all_experts = {expert_name(li, e) for li in range(self.gpt_config.n_layer) for e in range(self.moe_config.num_experts)}
         self.max_numel = MAX_CALL_TOKENS * self.model_config.n_embd
         self._acc_mbs: set[tuple[str, str]] = set()  # (caller, micro-batch) of the gradients accumulated since the last step
+        # (caller, micro-batch) -> (when its first forward came, the layers whose backward is still to come):
+        # a micro-batch counts towards a step once every layer it ran here has had its backward
+        self._open_mbs: dict[tuple[str, str], tuple[float, set[str]]] = {}
+        self._done_mbs = 0
         self.calls["tokens"] = 0
 
     def _describe(self) -> str:
@@ -145,12 +149,12 @@ class ExpertHost(StageServer):
         return {"expert_shard": self.index, "experts": list(self.names)}
 
     def _step_due(self) -> bool:
-        return len(self._acc_mbs) * self.run_config.batch_size >= self.run_config.stage_step_samples
+        return self._done_mbs * self.run_config.batch_size >= self.run_config.stage_step_samples
 
     def _step(self) -> None:
-        self._acc_calls = len(self._acc_mbs)  # gradients are averaged over micro-batches
+        self._acc_calls = len(self._acc_mbs)  # gradients are averaged over the micro-batches they came from
         super()._step()
-        self._acc_mbs = set()
+        self._acc_mbs, self._done_mbs = set(), 0
 
     def _take_batch(self) -> list[_Pending]:
         return [self._queue.popleft()]  # a call is its own batch: its graph is kept per expert
@@ -209,10 +213,15 @@ class ExpertHost(StageServer):
         p = batch[0]
         t0 = time.thread_time()
         caller, mb = p.key
+        batch_mb, _, layer = mb.rpartition("/")
+        batch_mb = (caller, batch_mb or mb)  # the micro-batch, whichever layer
         if p.op == "forward":
             now = time.monotonic()
             for key in [k for k, (when, _, _) in self._saved.items() if now - when > SAVED_S]:
                 del self._saved[key]
+            for key in [k for k, (when, _) in self._open_mbs.items() if now - when > SAVED_S]:
+                del self._open_mbs[key]  # its backward went elsewhere, or never came
+            self._open_mbs.setdefault(batch_mb, (now, set()))[1].add(layer)
             limit = MAX_SAVED * max(1, len(self.names))
             self._param_storages = {q.untyped_storage().data_ptr() for q in self.stage.parameters()}
             outs = {}
@@ -243,10 +252,14 @@ class ExpertHost(StageServer):
             y.backward(g)
             outs[name] = x.grad
             tokens += x.size(0)
-        batch_mb = (caller, mb.rpartition("/")[0] or mb)  # the micro-batch, whichever layer
         new = batch_mb not in self._acc_mbs
         self._acc_mbs.add(batch_mb)
         self._accumulated(tokens, int(new), t0)
+        _, layers = self._open_mbs.get(batch_mb, (0.0, set()))
+        layers.discard(layer)
+        if not layers:  # every layer of it that ran here has had its backward (or it ran no forward here)
+            self._open_mbs.pop(batch_mb, None)
+            self._done_mbs += 1
         return [(None, outs)]
 
     def samples_per_second(self) -> float | None:

@@ -53,9 +53,11 @@ class MoEConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def capacity(self, tokens: int) -> int:
-        """The most tokens one expert takes from a batch of `tokens` tokens."""
-        return max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts))
+    def capacity(self, tokens: int, live: int | None = None) -> int:
+        """The most tokens one expert takes from a batch of `tokens` tokens, when `live` experts
+        (default: all) take tokens: the same share of the batch's token-expert pairs each."""
+        live = self.num_experts if live is None else live
+        return max(1, math.ceil(self.capacity_factor * tokens * min(self.top_k, live) / max(1, live)))
 
 
 def expert_name(layer: int, expert: int) -> str:
@@ -96,10 +98,11 @@ class Router(nn.Module):
             mask = torch.tensor([not a for a in alive], device=x.device)
             logits = logits.masked_fill(mask, float("-inf"))
         probs = F.softmax(logits, dim=-1)  # (N, E); dead experts 0
-        k = min(moe.top_k, moe.num_experts if alive is None else sum(map(bool, alive)))
+        live = moe.num_experts if alive is None else sum(map(bool, alive))
+        k = min(moe.top_k, live)
         top_p, top_e = probs.topk(k, dim=-1)  # (N, k)
         gates = top_p / top_p.sum(dim=-1, keepdim=True)
-        cap = moe.capacity(n)
+        cap = moe.capacity(n, live)  # the live experts share the batch: a dead one's tokens are not dropped for it
         tokens, weights, dropped = [], [], 0
         for e in range(moe.num_experts):
             hit = top_e == e  # (N, k): at most one True per row
@@ -111,7 +114,6 @@ class Router(nn.Module):
             weights.append((gates * hit).sum(dim=-1)[idx])
         # Switch Transformer's balance loss over the experts that could take tokens: E' x sum of
         # (share of token-expert assignments) x (mean router probability); 1 when uniform
-        live = moe.num_experts if alive is None else sum(map(bool, alive))
         share = torch.stack([(top_e == e).any(dim=-1).float().mean() for e in range(moe.num_experts)]) / k
         aux = live * (share.detach() * probs.mean(dim=0)).sum()
         return Routing(tokens, weights, aux, dropped, n)

@@ -182,6 +182,7 @@ class StageServer(Role):
         self.state_from = "init"  # where it came from: "init" or the peer id it was downloaded from
         self._served: dict[int, dict[str, set[str]]] = {}  # state step -> peer -> files it fetched in full
         self._leaving = False
+        self._own: tuple[int, Path, dict] | None = None
         self.stage: Stage | None = None
         self.opt: torch.optim.AdamW | None = None
         self.steps = 0  # optimizer steps taken
@@ -220,7 +221,9 @@ class StageServer(Role):
     # ---- lifecycle
 
     async def start(self) -> None:
-        await asyncio.to_thread(shutil.rmtree, self.state_dir, True)  # another stage's, from an earlier role
+        self._own = await asyncio.to_thread(self._own_state)  # what this node saved of this slot before it restarted
+        if self._own is None:
+            await asyncio.to_thread(shutil.rmtree, self.state_dir, True)  # another stage's, from an earlier role
         self.membership.progress.samples_per_second, self.membership.progress.measured_as = None, ""  # measured anew at this stage
         self.stage, self.opt = await self._compute(self._build)
         self.outer = OuterOptimizer(self.stage.parameters(), 1.0, self.run_config.stage_outer_momentum)
@@ -341,10 +344,46 @@ class StageServer(Role):
     def _on_served(self, peer: str, step: int, name: str) -> None:
         self._served.setdefault(step, {}).setdefault(peer, set()).add(name)
 
+    def _own_state(self) -> tuple[int, Path, dict] | None:
+        """The newest state of this slot this node saved before (it restarted): (round, dir,
+        manifest), None when there is none (or it is of another stage or model)."""
+        for d in sorted(self.state_dir.glob("step-*"), reverse=True):
+            try:
+                manifest = read_manifest(d)
+            except (CheckpointDirError, OSError):
+                continue
+            if manifest.get("model_config") == json.loads(json.dumps(self._meta())) and manifest.get("state_hash"):
+                return int(manifest["step"]), d, manifest
+        return None
+
     async def _obtain_state(self) -> None:
-        """The newest state of the stage: from a peer of the stage or the coordinator's
-        checkpoint of it, whichever is at the later sync round (peers first on a tie); else
-        keep the seeded init."""
+        """The newest state of the stage: from a peer of the stage, the coordinator's checkpoint
+        of it, or what this node saved before it restarted, whichever is at the later sync round
+        (peers first on a tie, our own disk last); else keep the seeded init."""
+        offers = await self._offers()
+        if self._own is not None:  # a host that was the only one of its slot loses nothing by a restart
+            own_step, own_dir, own_manifest = self._own
+            if not any(step >= own_step for step, *_ in offers) and await self._take_own(own_step, own_dir, own_manifest):
+                return
+        for step, _, peer, manifest in sorted(offers, key=lambda o: (o[0], o[1], random.random()), reverse=True):
+            if await self._take_state(peer, step, manifest, None if peer != self.membership.coordinator else self.index):
+                self.state_step, self.state_from = step, peer
+                return
+
+    async def _take_own(self, step: int, path: Path, manifest: dict) -> bool:
+        try:
+            state = await self._compute(load_checkpoint_dir, path)
+            async with self._busy:
+                await self._compute(self._adopt, state, manifest.get("state_hash") or "")
+                self.hash = self._params_hash()
+        except (CheckpointDirError, ValueError, KeyError, RuntimeError, OSError) as e:
+            log.warning("%s: could not take the state it saved before (%s): %s", self.what, path, _short(e))
+            return False
+        self.state_step, self.state_from = step, "disk"
+        return True
+
+    async def _offers(self) -> list[tuple[int, int, str, dict]]:
+        """The states of the stage its peers and the coordinator hold: (round, peers first, from, manifest)."""
         offers: list[tuple[int, int, str, dict]] = []  # (round, peers first, from, manifest)
         sources = [(p, None) for p in await self._read_stage_peers()]
         if self.membership.coordinator and self.COORDINATOR_KEEPS:
@@ -363,10 +402,7 @@ class StageServer(Role):
                 offers.append((step, stage is None, peer, manifest))
 
         await asyncio.gather(*(ask(p, st) for p, st in sources))
-        for step, _, peer, manifest in sorted(offers, key=lambda o: (o[0], o[1], random.random()), reverse=True):
-            if await self._take_state(peer, step, manifest, None if peer != self.membership.coordinator else self.index):
-                self.state_step, self.state_from = step, peer
-                return
+        return offers
 
     async def _take_state(self, peer: str, step: int, manifest: dict, stage: int | None = None) -> bool:
         """Download state `step` from `peer` (of `stage`, from the coordinator) and adopt it;

@@ -33,7 +33,7 @@ NONE = make_codec("none")
 
 
 @contextlib.asynccontextmanager
-async def expert_hosts(tmp_path, run: RunConfig, shards: list[int], config: TransportConfig = TransportConfig()):
+async def expert_hosts(tmp_path, run: RunConfig, shards: list[int], config: TransportConfig = TransportConfig(), data_dirs: dict | None = None):
     """One started ExpertHost per entry of `shards` (its shard), each on its own real host, and
     a client transport."""
     hosts = await start_hosts(len(shards) + 1)
@@ -43,8 +43,8 @@ async def expert_hosts(tmp_path, run: RunConfig, shards: list[int], config: Tran
         for t in transports:
             await t.start()
         for i, shard in enumerate(shards):
-            d = tmp_path / f"h{i}"
-            d.mkdir()
+            d = (data_dirs or {}).get(i) or tmp_path / f"h{i}"
+            d.mkdir(exist_ok=True)
             s = ExpertHost(hosts[i], transports[i], _Membership(), NodeConfig(data_dir=str(d), threads=1), run, f"shard{shard}")
             await s.start()
             servers.append(s)
@@ -120,6 +120,27 @@ def test_remote_experts_give_the_one_process_models_loss_and_gradients(tmp_path)
     # one call per (layer, shard) each way: 2 layers x 2 shards x (forward + backward)
     assert calls == 8
     assert all(c["forward"] == 2 and c["backward"] == 2 for c in server_calls)
+
+
+def test_a_host_steps_once_per_micro_batch_whatever_the_layers_it_serves(tmp_path):
+    # stage_step_samples = batch size: a step after each micro-batch, when the backward of every
+    # layer it ran has come (one backward call per layer: counted per call, it stepped twice)
+    run = RunConfig(model="tiny-moe", expert_shards=2, stage_step_samples=3, seed=3, stage_sync_every_s=NO_SYNC, batch_size=3)
+    gpt, moe = run.moe_preset()
+    dense = init_moe_model(gpt, moe, run.seed)
+
+    async def main():
+        async with expert_hosts(tmp_path, run, [0, 1]) as (servers, transport):
+            client = client_for(transport, servers, run)
+            for i in range(3):
+                x, y = batch(i)
+                await asyncio.to_thread(lambda: forward_loss(dense, client, f"mb-{i}", x, y)[1].backward())
+                await asyncio.sleep(0.2)  # the host's step comes after the backward call's answer
+            return [s.steps for s in servers], [s.calls["backward"] for s in servers]
+
+    steps, backwards = asyncio.run(main())
+    assert backwards == [6, 6]  # 3 micro-batches x 2 layers
+    assert steps == [3, 3]
 
 
 def test_a_stalled_host_costs_one_deadline_and_its_experts_are_routed_around_until_it_answers(tmp_path):
@@ -244,3 +265,31 @@ def test_the_coordinator_plans_experts_mode_only_for_a_moe_model_split_into_shar
     ]:
         with pytest.raises(ConfigError, match=re.escape(why)):
             Coordinator(CoordinatorConfig(mode=mode, run=run))
+
+
+def test_a_restarted_host_with_no_replica_takes_the_state_it_saved_not_the_initial_one(tmp_path):
+    run = RunConfig(model="tiny-moe", expert_shards=1, stage_step_samples=3, seed=3, stage_sync_every_s=1.0, batch_size=3)
+    gpt, moe = run.moe_preset()
+    dense = init_moe_model(gpt, moe, run.seed)
+
+    async def first():
+        async with expert_hosts(tmp_path, run, [0]) as ((host,), transport):
+            client = client_for(transport, [host], run)
+            initial = host.hash
+            for i in range(2):
+                x, y = batch(i)
+                await asyncio.to_thread(lambda: forward_loss(dense, client, f"mb-{i}", x, y)[1].backward())
+            deadline = time.monotonic() + 30
+            while not (host.steps >= 2 and host.state_step > 0 and host.synced_hash == host.hash) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)  # its next sync (alone) makes the trained experts its saved state
+            return initial, host.synced_hash, host.state_step
+
+    async def again():
+        (tmp_path / "h0").rename(tmp_path / "keep")  # the same data dir, started again
+        async with expert_hosts(tmp_path, run, [0], data_dirs={0: tmp_path / "keep"}) as ((host,), _):
+            return host.state_from, host.state_step, [e for e in host.history if e.get("start")][-1]["state_hash"]
+
+    initial, saved, step = asyncio.run(first())
+    assert saved != initial and step > 0
+    state_from, state_step, started = asyncio.run(again())
+    assert (state_from, state_step, started) == ("disk", step, saved)

@@ -65,6 +65,16 @@ def test_an_expert_over_capacity_drops_the_tokens_that_chose_it_last():
     assert r.tokens[0].tolist() == [0, 1] and r.tokens[1].numel() == 0 and r.dropped == 6
 
 
+def test_the_live_experts_share_the_batch_when_some_are_dead():
+    # 4 experts, top 2, capacity factor 1.25: 1.25 x 64 x 2 / 4 = 40 tokens each when all live.
+    # With 2 dead, every token goes to both live ones: 64 each, within 1.25 x 64 x 2 / 2 = 80 (a
+    # capacity over all 4 experts would drop 24 of each one's 64 tokens)
+    moe = MoEConfig(num_experts=4, top_k=2, capacity_factor=1.25)
+    assert (moe.capacity(64), moe.capacity(64, live=2), moe.capacity(64, live=1)) == (40, 80, 80)
+    r = Router(8, moe)(torch.randn(64, 8), alive=[True, False, True, False])
+    assert r.dropped == 0 and r.tokens[0].numel() == r.tokens[2].numel() == 64 and r.tokens[1].numel() == r.tokens[3].numel() == 0
+
+
 def test_balance_loss_is_one_when_uniform_and_grows_when_one_expert_takes_all():
     moe = MoEConfig(num_experts=4, top_k=1, capacity_factor=100.0)
     router = Router(4, moe)
