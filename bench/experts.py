@@ -253,16 +253,14 @@ def run_single_train(s: Settings) -> dict:
     import torch
 
     from node.data import Batches, load_corpus
-    from node.diloco import lr_at
+    from node.diloco import adamw, lr_at
     from node.moe import init_moe_model
 
     torch.set_num_threads(1)
     gpt, moe = _presets(s)
     model = init_moe_model(gpt, moe, s.seed)
     tc = _train_config(s)
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay}, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr_at(0, tc), betas=(tc.beta1, tc.beta2))
+    opt = adamw(model.parameters(), tc)
     batches = Batches(load_corpus().train, 0, 1, s.batch_size, gpt.context, s.seed)
     losses = []
     t0 = time.perf_counter()

@@ -102,19 +102,24 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.inner_lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
+    """The run's AdamW over `params`: decay on matrices (weights, embeddings) only, since
+    decaying biases and LayerNorm gains toward 0 hurts; the schedule's first learning rate."""
+    params = [p for p in params if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
+
+
 class InnerTrainer:
     """AdamW on the local replica. Its state stays local across outer steps (DiLoCo does not
     average it); `state_dict()` carries it into a checkpoint of this node."""
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, batches: Batches):
         self.model, self.cfg, self.batches = model, cfg, batches
-        # Decay matrices (weights, embeddings) only: decaying biases and LayerNorm gains toward 0 hurts.
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        self.opt = torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
+        self.opt = adamw(model.parameters(), cfg)
         self.step_count = 0  # inner steps taken, drives the lr schedule
 
     @property

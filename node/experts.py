@@ -31,10 +31,8 @@ that joins late takes the others' dense parts at its first sync).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
-import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -48,11 +46,10 @@ from torch import nn
 from protocol import RemoteProtocolError, pack_tensors, unpack_tensors
 from protocol.messages import ExpertCall, ExpertResult
 
-from .averaging import Averager, AveragingFailed, NamespaceTaken
-from .config import averager_config
-from .data import Batches, DataError, load_corpus
-from .diloco import lr_at, state_hash
+from .averaging import AveragingFailed, NamespaceTaken
+from .diloco import adamw, lr_at, state_hash
 from .membership import read_members
+from .osutil import write_json
 from .moe import MoEGPT, Routing, expert_name, init_moe_model
 from .pipeline import (
     MAX_SAVED,
@@ -61,9 +58,12 @@ from .pipeline import (
     StagePeers,
     StageServer,
     _Pending,
+    _same,
     _short,
     decode_checked,
     encode_floats,
+    sync_averager,
+    trainer_batches,
 )
 from .roles import Role, RoleError, label_of
 from .runconfig import RunConfig, RunConfigError
@@ -217,8 +217,7 @@ class ExpertHost(StageServer):
         batch_mb = (caller, batch_mb or mb)  # the micro-batch, whichever layer
         if p.op == "forward":
             now = time.monotonic()
-            for key in [k for k, (when, _, _) in self._saved.items() if now - when > SAVED_S]:
-                del self._saved[key]
+            self._expire_saved(now)
             for key in [k for k, (when, _) in self._open_mbs.items() if now - when > SAVED_S]:
                 del self._open_mbs[key]  # its backward went elsewhere, or never came
             self._open_mbs.setdefault(batch_mb, (now, set()))[1].add(layer)
@@ -226,10 +225,9 @@ class ExpertHost(StageServer):
             self._param_storages = {q.untyped_storage().data_ptr() for q in self.stage.parameters()}
             outs = {}
             for name, x in p.x.items():
-                while len(self._saved) >= limit:
-                    del self._saved[next(iter(self._saved))]
+                self._make_room(limit)
                 x = x.detach().requires_grad_(True)
-                with torch.autograd.graph.saved_tensors_hooks(self._stash_weights, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(self._stash_weights, _same):
                     y = self.stage[name](x)
                 self._saved[(caller, mb, name)] = (now, x, y)
                 outs[name] = y.detach()
@@ -261,10 +259,6 @@ class ExpertHost(StageServer):
             self._open_mbs.pop(batch_mb, None)
             self._done_mbs += 1
         return [(None, outs)]
-
-    def samples_per_second(self) -> float | None:
-        """Tokens through forward and backward per second of compute (see StageServer)."""
-        return super().samples_per_second()
 
 
 # ---- the trainer's side ----------------------------------------------------------------------
@@ -298,8 +292,20 @@ class ExpertClient:
                 ok.append(False)
         return [ok[self.shard(e)] for e in range(self.moe_config.num_experts)]
 
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+    def _all(self, calls) -> list:
+        """The calls' results, run together on the event loop (from the compute thread); the
+        time they took together is the layer's latency."""
+        calls = list(calls)
+        if not calls:
+            return []
+
+        async def together():
+            return await asyncio.gather(*calls)
+
+        t0 = time.monotonic()
+        results = asyncio.run_coroutine_threadsafe(together(), self.loop).result()
+        self.latencies.append(time.monotonic() - t0)
+        return results
 
     async def _call(self, peer: str, request: ExpertCall, want: dict[str, tuple[int, ...]], prefix: str) -> dict[str, torch.Tensor] | None:
         st = self.peers.peers[peer]
@@ -350,12 +356,7 @@ class ExpertClient:
             want = {n: (t.size(0), t.size(1)) for n, t in named.items()}
             calls.append((experts, peer, self._call(peer, request, want, "y")))
 
-        async def together():
-            return await asyncio.gather(*(c for _, _, c in calls))
-
-        t0 = time.monotonic()
-        results = self._run(together()) if calls else []
-        self.latencies.append(time.monotonic() - t0)
+        results = self._all(c for _, _, c in calls)
         outs, hosts = {}, {}
         for (experts, peer, _), got in zip(calls, results):
             if got is None:
@@ -378,12 +379,7 @@ class ExpertClient:
             want = {n: tuple(g.shape) for n, g in named.items()}
             calls.append((experts, self._call(peer, request, want, "grad")))
 
-        async def together():
-            return await asyncio.gather(*(c for _, c in calls))
-
-        t0 = time.monotonic()
-        results = self._run(together()) if calls else []
-        self.latencies.append(time.monotonic() - t0)
+        results = self._all(c for _, c in calls)
         out = {}
         for (experts, _), got in zip(calls, results):
             if got is not None:
@@ -502,12 +498,7 @@ class ExpertTrainer(Role):
         self._t0 = time.monotonic()
         self._lock = asyncio.Lock()  # held while a micro-batch or a sync uses the dense parameters
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="trainer", initializer=torch.set_num_threads, initargs=(node_config.torch_threads(),))
-        codec_params = {"block_size": run.block_size} if run.codec == "int8" else {}
-        self.averager = Averager(
-            host, transport,
-            averager_config(node_config, swarm_id=node_config.swarm_id, namespace="dense", codec=run.codec, codec_params=codec_params,
-                            join_timeout_s=min(run.join_timeout_s, run.stage_sync_every_s / 2), bandwidth=node_config.bandwidth_mbps * 1e6 / 8),
-        )  # fmt: skip
+        self.averager = sync_averager(host, transport, node_config, run, "dense")
 
     async def _compute(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -516,14 +507,8 @@ class ExpertTrainer(Role):
         model = init_moe_model(self.gpt_config, self.moe_config, self.run_config.seed)
         for block in model.blocks:
             block.moe.experts = nn.ModuleList()  # they live on the expert hosts
-        cfg = self.train_config
-        params = list(model.parameters())
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
         self.model = model
-        self.opt = torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
+        self.opt = adamw(model.parameters(), self.train_config)
 
     async def start(self) -> None:
         await self._compute(self._build)
@@ -538,16 +523,7 @@ class ExpertTrainer(Role):
         self._pool.shutdown(wait=False)
 
     async def run(self) -> None:
-        try:
-            corpus = await asyncio.to_thread(load_corpus, self.node_config.data or None)
-        except DataError as e:
-            log.error("cannot train: %s", e)
-            raise
-        from .replica import shard_of
-
-        nshards = self.node_config.num_shards
-        shard = self.node_config.shard_index if self.node_config.shard_index >= 0 else shard_of(self.host.peer_id, nshards)
-        batches = Batches(corpus.train, shard, nshards, self.run_config.batch_size, self.gpt_config.context, self.run_config.seed + shard)
+        batches, shard, nshards = await trainer_batches(self.host, self.node_config, self.run_config, self.gpt_config.context)
         tasks = [asyncio.create_task(self._refresh_peers(), name="expert-hosts"), asyncio.create_task(self._sync_forever(), name="dense-sync")]
         try:
             await self._known.wait()
@@ -677,7 +653,5 @@ class ExpertTrainer(Role):
             "skipped_experts": self.skipped_experts, "syncs": self.syncs, "layer_latency_p50_s": p50, "layer_latency_p99_s": p99,
             "bytes_sent": self.client.bytes_sent, "bytes_received": self.client.bytes_received, "history": self.history,
         }  # fmt: skip
-        tmp = self.stats_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(stats))
-        os.replace(tmp, self.stats_path)
+        write_json(self.stats_path, stats)
 

@@ -4,11 +4,19 @@ durable files (fsync, hashing, removal) and process bookkeeping through /proc (L
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
 
 HASH_BLOCK = 4 << 20  # bytes read at a time when hashing a file
+
+
+def write_json(path: Path, value) -> None:
+    """`value` as JSON in `path`, replaced at once: a reader never sees half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
 
 
 def fsync_path(path: str | os.PathLike) -> None:

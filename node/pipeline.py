@@ -45,7 +45,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import random
 import shutil
 import time
@@ -67,8 +66,9 @@ from .config import averager_config
 from .checkpoint_client import download_checkpoint, fetch_manifest, upload_checkpoint
 from .checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manifest, write_checkpoint_dir
 from .data import Batches, DataError, load_corpus
-from .diloco import OuterOptimizer, copy_into, lr_at, state_hash
+from .diloco import OuterOptimizer, adamw, copy_into, lr_at, state_hash
 from .membership import read_members
+from .osutil import write_json
 from .roles import Role, RoleError, label_of
 from .runconfig import RunConfig, RunConfigError
 from .replica import choose_state
@@ -98,6 +98,32 @@ def activation_codec(run: RunConfig, n_embd: int):
 
 
 _TOKENS = make_codec("none")
+
+
+def sync_averager(host, transport, node_config, run: RunConfig, namespace: str) -> Averager:
+    """The averager of peers that synchronise every `stage_sync_every_s` (a stage's, an expert
+    shard's, the trainers' dense parts): the run's codec, a join window of half the period."""
+    codec_params = {"block_size": run.block_size} if run.codec == "int8" else {}
+    config = averager_config(
+        node_config, swarm_id=node_config.swarm_id, namespace=namespace, codec=run.codec, codec_params=codec_params,
+        join_timeout_s=min(run.join_timeout_s, run.stage_sync_every_s / 2), bandwidth=node_config.bandwidth_mbps * 1e6 / 8,
+    )  # fmt: skip
+    return Averager(host, transport, config)
+
+
+async def trainer_batches(host, node_config, run: RunConfig, context: int) -> tuple[Batches, int, int]:
+    """A trainer's micro-batches: its shard of the corpus (--shard-index, else from its peer id),
+    and (shard, number of shards). DataError when the corpus cannot be read."""
+    from .replica import shard_of
+
+    try:
+        corpus = await asyncio.to_thread(load_corpus, node_config.data or None)
+    except DataError as e:
+        log.error("cannot train: %s", e)
+        raise
+    nshards = node_config.num_shards
+    shard = node_config.shard_index if node_config.shard_index >= 0 else shard_of(host.peer_id, nshards)
+    return Batches(corpus.train, shard, nshards, run.batch_size, context, run.seed + shard), shard, nshards
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -200,15 +226,7 @@ class StageServer(Role):
         self.syncs = 0  # rounds that committed
         self._busy = asyncio.Lock()  # held while the parameters are used: a batch's compute, a sync
         self._stage_peers: list[str] = []  # the other peers of this stage, from the DHT
-        codec_params = {"block_size": run.block_size} if run.codec == "int8" else {}
-        self.averager = Averager(
-            host,
-            transport,
-            averager_config(
-                node_config, swarm_id=node_config.swarm_id, namespace=namespace, codec=run.codec, codec_params=codec_params,
-                join_timeout_s=min(run.join_timeout_s, run.stage_sync_every_s / 2), bandwidth=node_config.bandwidth_mbps * 1e6 / 8,
-            ),
-        )  # fmt: skip
+        self.averager = sync_averager(host, transport, node_config, run, namespace)
         self._saved: dict[tuple[str, str], tuple[float, torch.Tensor, torch.Tensor]] = {}  # key -> (when, input, output); the compute thread's
         self._stash: dict[tuple, torch.Tensor] = {}  # a weight (or view of one) -> its value for the graphs kept since the last step
         self._param_storages: set[int] = set()
@@ -262,14 +280,7 @@ class StageServer(Role):
         return self._with_optimizer(init_stage(self.model_config, self.index, self.plan, self.run_config.seed))
 
     def _with_optimizer(self, stage):
-        cfg = self.train_config
-        params = list(stage.parameters())
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        opt = torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
-        return stage, opt
+        return stage, adamw(stage.parameters(), self.train_config)
 
     async def run(self) -> None:
         syncing = asyncio.create_task(self._sync_forever(), name=f"stage-{self.index}-sync")
@@ -726,6 +737,15 @@ class StageServer(Role):
         grads = x.grad.split(sizes) if x.grad is not None else [None] * len(batch)
         return list(zip(losses, grads))
 
+    def _expire_saved(self, now: float) -> None:
+        for key in [k for k, (when, _, _) in self._saved.items() if now - when > SAVED_S]:
+            del self._saved[key]  # their trainers went elsewhere
+
+    def _make_room(self, limit: int) -> None:
+        """Room for one more kept graph: the oldest go past `limit`."""
+        while len(self._saved) >= limit:
+            del self._saved[next(iter(self._saved))]
+
     def _stash_weights(self, t: torch.Tensor) -> torch.Tensor:
         """What a kept graph saves of a weight (the parameter, or a view of it such as the
         transpose a linear layer saves): a copy, shared by the graphs kept until the weights
@@ -748,10 +768,8 @@ class StageServer(Role):
         """A forward that keeps its graph, or the backward through a kept graph."""
         if p.op == "forward":
             now = time.monotonic()
-            for key in [k for k, (when, _, _) in self._saved.items() if now - when > SAVED_S]:
-                del self._saved[key]  # their trainers went elsewhere
-            while len(self._saved) >= MAX_SAVED:
-                del self._saved[next(iter(self._saved))]
+            self._expire_saved(now)
+            self._make_room(MAX_SAVED)
             x = p.x if self.stage.first else p.x.detach().requires_grad_(True)
             self._param_storages = {q.untyped_storage().data_ptr() for q in self.stage.parameters()}
             with torch.autograd.graph.saved_tensors_hooks(self._stash_weights, _same):
@@ -821,9 +839,7 @@ class StageServer(Role):
             "samples_per_second": rate,
             "history": self.history,
         }
-        tmp = self.stats_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(stats))
-        os.replace(tmp, self.stats_path)
+        write_json(self.stats_path, stats)
 
 
 # ---- the trainer ------------------------------------------------------------------------------
@@ -951,16 +967,7 @@ class Trainer(Role):
         pass
 
     async def run(self) -> None:
-        try:
-            corpus = await asyncio.to_thread(load_corpus, self.node_config.data or None)
-        except DataError as e:
-            log.error("cannot train: %s", e)
-            raise
-        from .replica import shard_of
-
-        nshards = self.node_config.num_shards
-        shard = self.node_config.shard_index if self.node_config.shard_index >= 0 else shard_of(self.host.peer_id, nshards)
-        batches = Batches(corpus.train, shard, nshards, self.run_config.batch_size, self.model_config.context, self.run_config.seed + shard)
+        batches, shard, nshards = await trainer_batches(self.host, self.node_config, self.run_config, self.model_config.context)
         refresh = asyncio.create_task(self._refresh_peers(), name="stage-peers")
         tasks: set[asyncio.Task] = set()
         try:
@@ -1125,9 +1132,7 @@ class Trainer(Role):
             "retries": self.retries, "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "loss": mean,
             "samples_per_second": rate, "history": self.history,
         }  # fmt: skip
-        tmp = self.stats_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(stats))
-        os.replace(tmp, self.stats_path)
+        write_json(self.stats_path, stats)
 
 
 class _GiveUp(Exception):

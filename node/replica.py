@@ -21,10 +21,8 @@ accepts it once enough replicas reported the same hash.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
-import os
 import shutil
 import time
 import zlib
@@ -45,6 +43,7 @@ from .faults import Faults
 from .config import averager_config
 from .diloco import InnerTrainer, OuterOptimizer, copy_into, state_hash
 from .membership import read_members
+from .osutil import write_json
 from .pause import PauseWatch
 from .model import GPT, GPTConfig, init_model
 from .runconfig import RunConfig, RunConfigError, run_config_of  # noqa: F401 (re-exported)
@@ -310,9 +309,7 @@ class Replica(Role):
             p.samples_per_second = samples_per_s
         self.membership.heartbeat_soon()
         stats = {"outer_step": self.round, "state_hash": self.hash, "bytes_sent": self.bytes_sent, "val_loss": p.loss, "history": self.history}
-        tmp = self.stats_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(stats))
-        os.replace(tmp, self.stats_path)
+        write_json(self.stats_path, stats)
 
     # ---- state: save, serve, obtain, catch up --------------------------------------------------
 
