@@ -28,7 +28,8 @@ experts' optimizer step where the arm's system takes one:
       and at least 2 s after);
   (c) the swarm: a coordinator (--mode experts, --expert-shards `hosts`), `hosts` expert hosts
       (`swarmtrain-node`), the client an ExpertClient on its own libp2p host in its own process,
-      calling `remote_moe` with the router of (a); the hosts take an AdamW step every call
+      calling `remote_moe` with the router of (a), then committing the experts' gradients
+      clipped by their global norm as (a) clips them; the hosts take an AdamW step every call
       (--stage-step-samples = --batch-size, each call its own micro-batch);
   (d) (c) for `kill_run_s` seconds with one expert host (its whole session: node, DHT, p2pd)
       SIGKILLed every `kill_every_s` seconds, in turn, and started again at once (same data dir);
@@ -233,7 +234,7 @@ def run_single_layer(s: Settings) -> dict:
         outs = [layer.experts[e](x[idx]) if idx.numel() else None for e, idx in enumerate(routing.tokens)]
         y = combine(outs, routing, x)
         y.pow(2).mean().backward()
-        torch.nn.utils.clip_grad_norm_(layer.experts.parameters(), 1.0)  # the hosts clip too (grad_clip 1)
+        torch.nn.utils.clip_grad_norm_(layer.experts.parameters(), 1.0)  # (c)'s client commits the same global clip
         opt.step()
         opt.zero_grad(set_to_none=True)
         return {"finite": _finite(y, x.grad), **_routed(routing, x.size(0))}
@@ -419,6 +420,7 @@ async def _swarm_client(s: Settings, where: dict, started: Path | None) -> dict:
             x = x.clone().requires_grad_(True)
             y, _, skipped = remote_moe(x, router, client, tag, 0)
             y.pow(2).mean().backward()
+            client.commit(tag, 0.0, 1.0)  # the experts' gradients clipped by their global norm, as (a)'s
             return {"finite": _finite(y, x.grad), **_routed(router.last, x.size(0)), "skipped": skipped}
 
         torch.set_num_threads(1)

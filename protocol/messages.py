@@ -651,7 +651,7 @@ class StageResult(Message):
 # ---------------------------------------------------------------------------------------------
 # Experts (a trainer's calls to an expert host)
 
-EXPERT_OPS = ("forward", "backward")
+EXPERT_OPS = ("forward", "backward", "commit")
 MAX_CALL_EXPERTS = 64  # experts one call may address (tensors: two per expert at most)
 
 
@@ -661,8 +661,13 @@ class ExpertCall(Message):
     the host that tokens were routed to, in one call. Tensors are named by expert:
     - forward: `x:<expert>` (its tokens, (n, C)) in; `y:<expert>` back. The host keeps the graph.
     - backward: `grad:<expert>` (of its output) in, and `x:<expert>` again when the host may not
-      hold the forward's graph (it recomputes); `grad:<expert>` of the input back. The host
-      accumulates its experts' gradients and steps its own optimizer."""
+      hold the forward's graph (it recomputes); `grad:<expert>` of the input back, and `norm2`,
+      the squared norm of the gradient of the experts' parameters. The host holds that gradient
+      until the commit.
+    - commit: after the micro-batch's whole backward, its global gradient clip (`scale`: the
+      trainer's clip coefficient over every part of the model, 0: drop the gradients, e.g. a
+      non-finite norm). `micro_batch` names the micro-batch (no layer); no tensors. The host adds
+      the held gradients times `scale` and steps its optimizer when a step is due."""
 
     BULK_FIELDS = ("data",)
 
@@ -671,22 +676,31 @@ class ExpertCall(Message):
     tensors: tuple[Params, ...] = ()
     shapes: tuple[tuple[int, ...], ...] = ()
     data: bytes = b""
+    scale: float | None = None  # commit only
 
     def validate(self) -> None:
         _require(self.op in EXPERT_OPS, "op", f"must be one of {', '.join(EXPERT_OPS)}")
         _require(0 < len(self.micro_batch) <= MAX_ID_LEN, "micro_batch", "1..256 characters")
+        if self.op == "commit":
+            _require(self.scale is not None and math.isfinite(self.scale) and 0.0 <= self.scale <= 1.0, "scale", "a commit's scale must be in [0, 1]")
+            _require(not self.tensors, "tensors", "a commit carries none")
+        else:
+            _require(self.scale is None, "scale", f"only a commit carries one, not a {self.op}")
         _check_bundle(self, 2 * MAX_CALL_EXPERTS)
 
 
 @message(53)
 class ExpertResult(Message):
-    """An expert host's answer to an ExpertCall: `y:<expert>` or `grad:<expert>` per expert."""
+    """An expert host's answer to an ExpertCall: `y:<expert>` or `grad:<expert>` per expert;
+    a backward's answer has `norm2` too (see ExpertCall), a commit's nothing."""
 
     BULK_FIELDS = ("data",)
 
     tensors: tuple[Params, ...] = ()
     shapes: tuple[tuple[int, ...], ...] = ()
     data: bytes = b""
+    norm2: float | None = None
 
     def validate(self) -> None:
+        _require(self.norm2 is None or (math.isfinite(self.norm2) and self.norm2 >= 0.0), "norm2", "must be finite and >= 0")
         _check_bundle(self, 2 * MAX_CALL_EXPERTS)

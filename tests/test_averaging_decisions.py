@@ -307,6 +307,26 @@ def test_a_busy_peers_slow_answers_lengthen_its_probes_and_are_remembered():
     assert Liveness.known(rtts, B).probe_timeout() == pytest.approx(2.0)
 
 
+def test_the_probe_after_a_miss_waits_less_but_never_below_the_floor():
+    live = Liveness()
+    for _ in range(10):
+        live.answered(0.002)
+    live.answered(0.3)  # a busy moment: probes wait about 3x that
+    first = live.probe_timeout()
+    assert first == pytest.approx(max(10 * live.rtt, 3 * 0.3))
+    live.unanswered()  # it has had 0.9 s to answer already: silence is confirmed sooner
+    assert live.probe_timeout() == pytest.approx(0.6 * first)
+    live.answered(0.002)
+    assert live.probe_timeout() > 0.8  # answered: full waits again
+    quick = Liveness()
+    quick.answered(0.002)
+    quick.unanswered()
+    assert quick.probe_timeout() == pytest.approx(quick.min_timeout_s)  # 0.6 x 0.3 s would be below the floor
+    unknown = Liveness()
+    unknown.unanswered()
+    assert unknown.probe_timeout() == pytest.approx(1.2)  # 0.6 x the 2 s of a peer never measured
+
+
 def test_a_slow_but_steady_peer_gets_probes_that_wait_for_it():
     live = Liveness()
     for _ in range(10):

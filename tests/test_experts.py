@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from node.config import NodeConfig
-from node.experts import ExpertClient, ExpertHost, forward_loss, shard_of_label
+from node.experts import ExpertClient, ExpertHost, clip_and_commit, forward_loss, shard_of_label
 from node.moe import init_moe_model
 from node.roles import RoleError
 from node.runconfig import RunConfig, RunConfigError
@@ -77,12 +77,22 @@ def batch(seed=0, b=3, t=16):
     return torch.randint(0, cfg.vocab_size, (b, t), generator=gen), torch.randint(0, cfg.vocab_size, (b, t), generator=gen)
 
 
-def test_remote_experts_give_the_one_process_models_loss_and_gradients(tmp_path):
+def test_remote_experts_give_the_one_process_models_loss_and_globally_clipped_gradients(tmp_path):
     gpt, moe = RUN.moe_preset()
     reference = init_moe_model(gpt, moe, RUN.seed)
     x, y = batch()
     _, want_loss, _ = reference(x, y)
     want_loss.backward()
+    grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+    total = float(torch.stack([g.norm() for g in grads.values()]).norm())
+    max_norm = total / 2  # the clip bites: every gradient is halved, wherever it lives
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+    # what clipping each part on its own (the trainer's dense parts, each host's experts) would give instead
+    parts = [[n for n in grads if ".experts." not in n]] + [[n for n in grads if f".experts.{e}." in n and e % 2 == s] for s in (0, 1) for e in range(moe.num_experts)]
+    split = {}
+    for names in [p for p in parts if p]:
+        norm = float(torch.stack([grads[n].norm() for n in names]).norm())
+        split.update({n: grads[n] * min(1.0, max_norm / norm) for n in names})
     dense = init_moe_model(gpt, moe, RUN.seed)  # the trainer's copy: its experts unused
 
     async def main():
@@ -92,9 +102,13 @@ def test_remote_experts_give_the_one_process_models_loss_and_gradients(tmp_path)
             def step():
                 ce, loss, skipped = forward_loss(dense, client, "mb-0", x, y)
                 loss.backward()
-                return loss.item(), skipped
+                held = [s.calls["commit"] for s in servers]
+                scale = clip_and_commit(dense, client, "mb-0", max_norm)
+                return loss.item(), skipped, scale, held
 
-            loss, skipped = await asyncio.to_thread(step)
+            loss, skipped, scale, held = await asyncio.to_thread(step)
+            assert held == [0, 0]  # the hosts' gradients wait for the commit
+            assert scale == pytest.approx(0.5, rel=1e-4)
             hosts_grads = {}
             for s in servers:
                 for name in s.names:  # "layer1.expert2" -> the model's blocks.1.moe.experts.2
@@ -117,14 +131,15 @@ def test_remote_experts_give_the_one_process_models_loss_and_gradients(tmp_path)
     assert len(hosts_grads) == sum(1 for n in ref if ".experts." in n)
     for key, g in hosts_grads.items():
         torch.testing.assert_close(g, ref[key].grad, rtol=1e-4, atol=1e-6, msg=key)
-    # one call per (layer, shard) each way: 2 layers x 2 shards x (forward + backward)
-    assert calls == 8
-    assert all(c["forward"] == 2 and c["backward"] == 2 for c in server_calls)
+    assert any(not torch.allclose(split[n], ref[n].grad, rtol=1e-3) for n in split)  # (per-part clipping is not that)
+    # one call per (layer, shard) each way: 2 layers x 2 shards x (forward + backward), and a commit per host
+    assert calls == 10
+    assert all(c["forward"] == 2 and c["backward"] == 2 and c["commit"] == 1 for c in server_calls)
 
 
 def test_a_host_steps_once_per_micro_batch_whatever_the_layers_it_serves(tmp_path):
-    # stage_step_samples = batch size: a step after each micro-batch, when the backward of every
-    # layer it ran has come (one backward call per layer: counted per call, it stepped twice)
+    # stage_step_samples = batch size: a step after each micro-batch, at its commit, which comes
+    # after the backward of every layer (one backward call per layer: counted per call, it stepped twice)
     run = RunConfig(model="tiny-moe", expert_shards=2, stage_step_samples=3, seed=3, stage_sync_every_s=NO_SYNC, batch_size=3)
     gpt, moe = run.moe_preset()
     dense = init_moe_model(gpt, moe, run.seed)
@@ -135,7 +150,10 @@ def test_a_host_steps_once_per_micro_batch_whatever_the_layers_it_serves(tmp_pat
             for i in range(3):
                 x, y = batch(i)
                 await asyncio.to_thread(lambda: forward_loss(dense, client, f"mb-{i}", x, y)[1].backward())
-                await asyncio.sleep(0.2)  # the host's step comes after the backward call's answer
+                await asyncio.sleep(0.2)
+                assert [s.steps for s in servers] == [i, i]  # no step before the commit
+                await asyncio.to_thread(clip_and_commit, dense, client, f"mb-{i}", 1.0)
+                await asyncio.sleep(0.2)  # the host's step comes after the commit's answer
             return [s.steps for s in servers], [s.calls["backward"] for s in servers]
 
     steps, backwards = asyncio.run(main())
@@ -201,7 +219,8 @@ def test_bad_calls_are_refused_naming_the_problem_and_the_host_keeps_serving(tmp
 
             async def send(op, **tensors):
                 enc = {k: NONE.encode(v) for k, v in tensors.items()}
-                return await client.send(pid, ExpertCall(op=op, micro_batch="m/0", **pack_tensors(enc)), timeout=20, reuse=True)
+                extra = {"scale": 0.5} if op == "commit" else {}
+                return await client.send(pid, ExpertCall(op=op, micro_batch="m/0", **extra, **pack_tensors(enc)), timeout=20, reuse=True)
 
             errors = {}
             for case, op, tensors in [
@@ -212,6 +231,7 @@ def test_bad_calls_are_refused_naming_the_problem_and_the_host_keeps_serving(tmp
                 ("wrong dtype", "forward", {"x:layer0.expert0": torch.ones(5, good.size(1), dtype=torch.int64)}),
                 ("grad in a forward", "forward", {"grad:layer0.expert0": good}),
                 ("backward without a forward", "backward", {"grad:layer0.expert2": good}),
+                ("commit without a backward", "commit", {}),
                 ("no tensors", "forward", {}),
             ]:
                 with pytest.raises(RemoteError) as e:
@@ -232,6 +252,7 @@ def test_bad_calls_are_refused_naming_the_problem_and_the_host_keeps_serving(tmp
     assert errors["grad in a forward"][0] == "bad_request"
     assert errors["backward without a forward"][0] == "not_found" and "send its tokens" in errors["backward without a forward"][1]
     assert errors["no tensors"][0] == "bad_request"
+    assert errors["commit without a backward"][0] == "not_found" and "no gradients of micro-batch 'm/0' held" in errors["commit without a backward"][1]
     assert names == ["y:layer0.expert0", "y:layer1.expert2"]  # still serving
     assert calls["refused"] == bad_requests and calls["forward"] == 1
 
@@ -279,6 +300,7 @@ def test_a_restarted_host_with_no_replica_takes_the_state_it_saved_not_the_initi
             for i in range(2):
                 x, y = batch(i)
                 await asyncio.to_thread(lambda: forward_loss(dense, client, f"mb-{i}", x, y)[1].backward())
+                await asyncio.to_thread(clip_and_commit, dense, client, f"mb-{i}", 1.0)
             deadline = time.monotonic() + 30
             while not (host.steps >= 2 and host.state_step > 0 and host.synced_hash == host.hash) and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)  # its next sync (alone) makes the trained experts its saved state

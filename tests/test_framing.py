@@ -45,7 +45,9 @@ SAMPLES = [
         op="forward", micro_batch="t-3.layer1", shapes=((3, 2),), data=bytes(24),
         tensors=({"name": "x:layer1.expert0", "dtype": "float32", "codec": "none", "nbytes": 24},),
     ),  # fmt: skip
+    m.ExpertCall(op="commit", micro_batch="t-3", scale=0.25),
     m.ExpertResult(),
+    m.ExpertResult(norm2=3.5),
 ]
 
 
@@ -110,6 +112,11 @@ def test_unknown_fields_are_ignored():
         ([PROTOCOL_VERSION, m.Heartbeat.TYPE, 0, {"peer_id": "p", "loss": float("nan")}], "loss"),
         ([PROTOCOL_VERSION, m.StateChunk.TYPE, 0, {"name": "x", "offset": 2, "total_size": 3, "sha256": "0" * 64, "data": b"ab"}], "data"),
         ([PROTOCOL_VERSION, m.TensorPart.TYPE, 0, {"key": "k", "dtype": "complex64", "shape": [1], "codec": "none"}], "dtype"),
+        ([PROTOCOL_VERSION, m.ExpertCall.TYPE, 0, {"op": "commit", "micro_batch": "t-3", "scale": 1.5}], "scale"),
+        ([PROTOCOL_VERSION, m.ExpertCall.TYPE, 0, {"op": "commit", "micro_batch": "t-3"}], "scale"),
+        ([PROTOCOL_VERSION, m.ExpertCall.TYPE, 0, {"op": "forward", "micro_batch": "t-3", "scale": 0.5}], "scale"),
+        ([PROTOCOL_VERSION, m.ExpertResult.TYPE, 0, {"norm2": float("nan")}], "norm2"),
+        ([PROTOCOL_VERSION, m.ExpertResult.TYPE, 0, {"norm2": -1.0}], "norm2"),
     ],
 )
 def test_bad_frames_name_the_problem(body, field):

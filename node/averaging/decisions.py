@@ -159,6 +159,7 @@ class Liveness:
     peak_factor: float = 3.0
     min_timeout_s: float = 0.3
     max_timeout_s: float = 5.0
+    after_miss: float = 0.6
 
     @classmethod
     def known(cls, rtts: Mapping[str, tuple[float, float]], peer: str) -> Liveness:
@@ -172,11 +173,16 @@ class Liveness:
 
     def probe_timeout(self) -> float:
         """`factor` x the usual round trip, or `peak_factor` x the slowest recent one (a busy
-        machine answers late now and then), within [min_timeout_s, max_timeout_s]."""
+        machine answers late now and then), within [min_timeout_s, max_timeout_s]. The probe
+        after a miss waits `after_miss` of that: the peer has already had a whole probe's wait
+        to answer, so silence is found in 1.6 waits instead of 2 (a peer stalled for less still
+        answers it); its wait stays above what a fresh connection's handshake takes (about 5
+        round trips)."""
         if self.rtt is None:
-            return 2.0
-        wait = max(self.factor * self.rtt, self.peak_factor * (self.peak or 0.0))
-        return min(max(wait, self.min_timeout_s), self.max_timeout_s)
+            wait = 2.0
+        else:
+            wait = min(max(self.factor * self.rtt, self.peak_factor * (self.peak or 0.0), self.min_timeout_s), self.max_timeout_s)
+        return max(self.after_miss * wait, self.min_timeout_s) if self.missed else wait
 
     def next_after(self) -> float:
         """Seconds from a probe's end to the next: `interval_s` after an answer, none after a
@@ -194,7 +200,7 @@ class Liveness:
     def silent(self) -> str:
         """Why the peer counts as gone ("": it does not)."""
         if self.missed >= self.misses:
-            return f"{self.missed} probes in a row unanswered (each waited {self.probe_timeout():.1f} s)"
+            return f"{self.missed} probes in a row unanswered (the last waited {self.probe_timeout():.1f} s)"
         return ""
 
 

@@ -235,9 +235,9 @@ class Probes:
 
     async def _watch(self, peer: str, live: Liveness) -> None:
         while time.monotonic() - self.asked[peer] < self.IDLE_S:
-            t0 = time.monotonic()
+            t0, wait = time.monotonic(), live.probe_timeout()
             try:
-                live.answered(await self.transport.ping(peer, timeout=live.probe_timeout()))
+                live.answered(await self.transport.ping(peer, timeout=wait))
                 live.remember(self.rtts, peer)
                 if self.marked.pop(peer, None) is not None:  # it answers: no longer counted as silent
                     log.debug("%s answers probes again", peer[-8:])
@@ -246,7 +246,7 @@ class Probes:
                 # the next at once only after a probe that waited its whole timeout; one that
                 # failed quickly (refused, no route) waits the interval: no ping storm, which
                 # would starve this process's training thread of the GIL
-                timed_out = time.monotonic() - t0 >= live.probe_timeout() * 0.9
+                timed_out = time.monotonic() - t0 >= wait * 0.9
                 pause = live.next_after() if timed_out else live.interval_s
                 if self.transport.heard.get(peer, 0.0) > t0:
                     pause = live.interval_s  # its data kept coming meanwhile (a busy link delays a ping): alive
@@ -402,8 +402,8 @@ class Matchmaker:
         started = time.monotonic()
         try:
             while True:
-                t0 = time.monotonic()
-                probe = asyncio.create_task(transport.ping(target, timeout=live.probe_timeout()))
+                t0, wait = time.monotonic(), live.probe_timeout()
+                probe = asyncio.create_task(transport.ping(target, timeout=wait))
                 while not (call.done() or probe.done()):
                     await asyncio.wait([call, probe], timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
                     if self.silent.get(target, 0.0) > started:  # our other probes of it (a round's) found it silent
@@ -430,7 +430,7 @@ class Matchmaker:
                     raise CallTimeout(f"{target[-8:]} went silent: {why}")
                 if lost(call):
                     again, call = False, start()
-                quick = time.monotonic() - t0 < live.probe_timeout() * 0.9  # (answered, or failed at once: no ping storm)
+                quick = time.monotonic() - t0 < wait * 0.9  # (answered, or failed at once: no ping storm)
                 done, _ = await asyncio.wait([call], timeout=live.interval_s if quick else live.next_after())
                 if done and not (lost(call) and again):
                     return call.result()
