@@ -47,7 +47,11 @@ survivor in it returned success by then. Per row:
   says took part exceeds `--tolerance` (ours: the report's survivors; hivemind names its group
   only, not whose data its average holds, so the closer of the group's mean and the mean of the
   group without the faulty peer) — a success must never be wrong;
-- target_met: time_lost_s <= 2 × healthy_round_s + 1 s.
+- target_met: time_lost_s <= 2 × healthy_round_s + 1 s;
+- link_usable_after_s (link_down): when a plain TCP connect from the restored peer to another
+  peer's port first succeeded after the restore (the network's own recovery: ARP, the bridge);
+  back_after_s beyond it is libp2p's and ours (go-libp2p refuses to redial an address for 5 s
+  and more after a failed dial).
 
 Settings, as stated in the output's config: ours as our node runs it (join_timeout_s 15, the run
 default; expected_peers: the peer ids of every peer not killed, frozen and cut-off peers included,
@@ -125,6 +129,8 @@ class FaultRun:
         self.active = False  # frozen / cut right now (or dead)
         self.notes: list[str] = []
         self.error_counts: dict[str, int] = {}
+        self.maddrs: list[list[str]] = []
+        self.link_probe = None  # link_down: a raw TCP connect loop from the restored peer (see end_fault)
 
     # ---- peers
 
@@ -149,6 +155,7 @@ class FaultRun:
         msgs = [{**base, "rank": i, "ip": b.ip(i), "initial_peers": first["maddrs"], "hivemind_leader_log": leaders(i)} for i in range(1, self.n)]
         setups = [first, *self.group.call_all(msgs, a.setup_timeout, indices=list(range(1, self.n)))]
         self.ids = [s["peer_id"] for s in setups]
+        self.maddrs = [list(s.get("maddrs") or ()) for s in setups]
         return {"setup_seconds": round(time.monotonic() - t0, 3)}
 
     def signal_session(self, i: int, sig: int) -> None:
@@ -184,7 +191,23 @@ class FaultRun:
             self.signal_session(self.faulty, signal.SIGCONT)
         elif self.kind == "link_down":
             self.b.topo.restore(self.faulty)
+            self.link_probe = self._probe_link()
         self.fault_end, self.active = now, False
+
+    def _probe_link(self):
+        """How long the network itself takes to carry a connection again after the restore
+        (ARP, the bridge), apart from libp2p and us: from the restored peer's namespace, a plain
+        TCP connect to another peer's libp2p port every 50 ms until one succeeds (at most 30 s).
+        Prints the seconds; the libp2p daemon just sees a connection that closes at once."""
+        import subprocess
+
+        other = next(i for i in range(self.n) if i != self.faulty)
+        port = next((int(m.split("/tcp/")[1].split("/")[0]) for m in self.maddrs[other] if "/tcp/" in m), None)
+        if port is None:
+            return None
+        code = ("import socket,time\nt0=time.monotonic()\nwhile time.monotonic()-t0<30:\n s=socket.socket();s.settimeout(0.05)\n"
+                " try:\n  s.connect((%r,%d));print(round(time.monotonic()-t0,3));break\n except OSError:time.sleep(0.05)\n finally:s.close()\n") % (self.b.ip(other), port)
+        return subprocess.Popen(self.b.topo.wrap(self.faulty, [sys.executable, "-c", code]), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
     # ---- rounds
 
@@ -449,6 +472,13 @@ class FaultRun:
             back_after_s=round(self.back_at - self.fault_end, 3) if self.back_at is not None else None,
             target_met=lost <= 2 * healthy + 1.0,
         )
+        if self.link_probe is not None:
+            try:
+                out = self.link_probe.communicate(timeout=35)[0].strip()
+            except Exception:  # (it stops itself within 30 s)
+                self.link_probe.kill()
+                out = ""
+            row["link_usable_after_s"] = float(out) if out else None  # the network's own recovery, see _probe_link
         if wrong:
             row["wrong"] = wrong[:10]
         if self.kind == "sigkill":
