@@ -41,8 +41,6 @@ log = logging.getLogger(__name__)
 
 RPC_PROTOCOL = "/swarmtrain/rpc/1"
 PIPE_PROTOCOL = "/swarmtrain/pipe/1"  # calls one after another on a stream kept open (`send(..., reuse=True)`)
-ROUTE_CHECK_S = 1.0  # a plain TCP connect's wait, before dialing a peer whose connections we dropped (see _check_route)
-ROUTE_FALLBACK_S = 10.0  # libp2p dials it anyway this often (its direct address may be what is broken)
 LINGER_BYTES = 16 << 20  # what a refused caller may still send us before we close on it
 
 
@@ -359,9 +357,6 @@ class Transport:
         self._direct_addrs: tuple[str, ...] = ()
         self._no_direct: dict[str, float] = {}  # peer -> until when its pipes skip the direct attempt
         self.heard: dict[str, float] = {}  # peer -> when bytes of its calls or replies last came in (monotonic)
-        self._reached: dict[str, tuple[str, int]] = {}  # peer -> the TCP address a direct pipe of ours reached it at
-        self._dropped: dict[str, float] = {}  # peer -> when `reset` dropped our connections to it (it stopped answering)
-        self._dialed: dict[str, float] = {}  # peer -> when _check_route last let a libp2p dial through untested
 
     @property
     def peer_id(self) -> str:
@@ -549,36 +544,7 @@ class Transport:
     # ---- client side ---------------------------------------------------------------------
 
     async def _open(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        await self._check_route(peer_id)
         return await self.host.open_stream(peer_id, RPC_PROTOCOL)
-
-    async def _check_route(self, peer_id: str) -> None:
-        """Before libp2p dials a peer whose connections `reset` dropped (it stopped answering:
-        frozen, or a link down), a plain TCP connect to where a direct pipe reached it tells
-        whether the network carries anything to it yet; if not, PeerUnreachable without a dial.
-        go-libp2p refuses to redial an address for 5 s after a failed dial (longer after each
-        further failure): a cut-off peer's first dial as its link came back, before ARP had
-        resolved, cost it 5-6 s of rounds after the network carried packets again (measured in
-        a network namespace: a plain connect worked 0.7 s after the restore, libp2p 6 s). A
-        frozen peer's kernel still accepts connections, so this lets its dials through at once.
-        Once the peer is heard from, or every ROUTE_FALLBACK_S, libp2p dials untested."""
-        since, addr = self._dropped.get(peer_id), self._reached.get(peer_id)
-        if since is None or addr is None:
-            return
-        now = time.monotonic()
-        if self.heard.get(peer_id, 0.0) > since or now - self._dialed.get(peer_id, since) >= ROUTE_FALLBACK_S:
-            self._dialed[peer_id] = now
-            if self.heard.get(peer_id, 0.0) > since:
-                self._dropped.pop(peer_id, None)
-            return
-        try:
-            async with asyncio.timeout(ROUTE_CHECK_S):
-                _, writer = await asyncio.open_connection(*addr)
-            _close(writer)
-        except (OSError, TimeoutError) as e:
-            self.stats["route_checks_failed"] += 1
-            raise PeerUnreachable(f"no route to {peer_id[-8:]} at {addr[0]}:{addr[1]} yet ({e or 'no answer'}); not dialing it through libp2p") from None
-        self._dropped.pop(peer_id, None)  # (calls checking together: each may get here)
 
     def _check_reply(self, peer_id: str, reply: Message | None) -> Message:
         if reply is None:
@@ -672,8 +638,6 @@ class Transport:
                 left = self.config.direct_connect_s - (time.monotonic() - t0)
                 stream = await direct.dial(list(reply.addrs), ticket, key, left, self.config.direct_congestion)
                 self.stats["direct_pipes"] += 1
-                if isinstance(peer := stream[1].get_extra_info("peername"), tuple):
-                    self._reached[peer_id] = (peer[0], peer[1])
                 return stream
             except (CallTimeout, PeerUnreachable) as e:
                 # the peer did not answer over libp2p either (frozen, its link down): nothing
@@ -685,7 +649,6 @@ class Transport:
                 self._no_direct[peer_id] = time.monotonic() + self.config.direct_retry_s
                 self.stats["direct_fallbacks"] += 1
                 log.info("no direct connection to %s (%s): its pipes use libp2p for %.0f s", peer_id[-8:], e, self.config.direct_retry_s)
-        await self._check_route(peer_id)
         return await self.host.open_stream(peer_id, PIPE_PROTOCOL)
 
     async def call(self, peer_id: str, request: Message, timeout: float | None = None) -> Message:
@@ -766,7 +729,6 @@ class Transport:
         for pipe in idle:
             _close(pipe.writer)
         idle.clear()
-        self._dropped.setdefault(peer_id, time.monotonic())
         disconnect = getattr(self.host, "disconnect", None)
         if disconnect is not None:
             with contextlib.suppress(TimeoutError):
