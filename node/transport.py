@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 
 RPC_PROTOCOL = "/swarmtrain/rpc/1"
 PIPE_PROTOCOL = "/swarmtrain/pipe/1"  # calls one after another on a stream kept open (`send(..., reuse=True)`)
+ROUTE_CHECK_S = 1.0  # a plain TCP connect's wait, before dialing a peer whose connections we dropped (see _check_route)
+ROUTE_FALLBACK_S = 10.0  # libp2p dials it anyway this often (its direct address may be what is broken)
+OPEN_AGAIN_S = 0.5  # a libp2p stream open still pending after this gets a companion (see _open_stream)
+OPEN_ATTEMPTS = 3
 LINGER_BYTES = 16 << 20  # what a refused caller may still send us before we close on it
 
 
@@ -304,6 +308,12 @@ async def _write(writer: asyncio.StreamWriter, msg: Message, max_frame_size: int
     await writer.drain()
 
 
+def _close_if_opened(task: asyncio.Task) -> None:
+    """A losing stream open that succeeded anyway: close its stream."""
+    if not task.cancelled() and task.exception() is None:
+        _close(task.result()[1])
+
+
 def _close(writer: asyncio.StreamWriter) -> None:
     try:
         writer.close()
@@ -357,6 +367,9 @@ class Transport:
         self._direct_addrs: tuple[str, ...] = ()
         self._no_direct: dict[str, float] = {}  # peer -> until when its pipes skip the direct attempt
         self.heard: dict[str, float] = {}  # peer -> when bytes of its calls or replies last came in (monotonic)
+        self._reached: dict[str, tuple[str, int]] = {}  # peer -> the TCP address a direct pipe of ours reached it at
+        self._dropped: dict[str, float] = {}  # peer -> when a call to it timed out or `reset` dropped our connections to it
+        self._dialed: dict[str, float] = {}  # peer -> when _check_route last let a libp2p dial through untested
 
     @property
     def peer_id(self) -> str:
@@ -544,7 +557,68 @@ class Transport:
     # ---- client side ---------------------------------------------------------------------
 
     async def _open(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await self.host.open_stream(peer_id, RPC_PROTOCOL)
+        return await self._open_stream(peer_id, RPC_PROTOCOL)
+
+    async def _open_stream(self, peer_id: str, protocol: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A libp2p stream to the peer. An open still pending after OPEN_AGAIN_S gets a second
+        one beside it (and a third), the first to succeed wins: p2pd's open waits on a dial in
+        progress even when the peer has meanwhile connected to us, and a second open takes that
+        connection at once. (Seen after a link came back: a part's open hung 3.5 s, the round's
+        deadline, while the peer had connected 0.1 s after it began.) An open that fails is
+        not retried here."""
+        await self._check_route(peer_id)
+        loop = asyncio.get_running_loop()
+        attempts = [loop.create_task(self.host.open_stream(peer_id, protocol))]
+        started, winner = 1, None
+        try:
+            while True:
+                done, _ = await asyncio.wait(attempts, timeout=OPEN_AGAIN_S, return_when=asyncio.FIRST_COMPLETED)
+                if winner := next((t for t in done if t.exception() is None), None):
+                    return winner.result()
+                if done and all(t.done() for t in attempts):
+                    raise next(iter(done)).exception()  # every open failed (none is pending)
+                attempts = [t for t in attempts if not t.done()]
+                if started < OPEN_ATTEMPTS:
+                    started += 1
+                    self.stats["opens_again"] += 1
+                    attempts.append(loop.create_task(self.host.open_stream(peer_id, protocol)))
+        finally:
+            for t in attempts:
+                if t is winner:
+                    continue
+                if t.done():
+                    _close_if_opened(t)
+                else:
+                    t.cancel()
+                    t.add_done_callback(_close_if_opened)
+
+    async def _check_route(self, peer_id: str) -> None:
+        """Before libp2p dials a peer whose connections `reset` dropped (it stopped answering:
+        frozen, or a link down), a plain TCP connect to where a direct pipe reached it tells
+        whether the network carries anything to it yet; if not, PeerUnreachable without a dial.
+        go-libp2p refuses to redial an address for 5 s after a failed dial (longer after each
+        further failure): a cut-off peer's first dial as its link came back, before ARP had
+        resolved, cost it 5-6 s of rounds after the network carried packets again (measured in
+        a network namespace: a plain connect worked 0.7 s after the restore, libp2p 6 s). A
+        frozen peer's kernel still accepts connections, so this lets its dials through at once.
+        Once the peer is heard from, or every ROUTE_FALLBACK_S, libp2p dials untested."""
+        since, addr = self._dropped.get(peer_id), self._reached.get(peer_id)
+        if since is None or addr is None:
+            return
+        now = time.monotonic()
+        if self.heard.get(peer_id, 0.0) > since or now - self._dialed.get(peer_id, since) >= ROUTE_FALLBACK_S:
+            self._dialed[peer_id] = now
+            if self.heard.get(peer_id, 0.0) > since:
+                self._dropped.pop(peer_id, None)
+            return
+        try:
+            async with asyncio.timeout(ROUTE_CHECK_S):
+                _, writer = await asyncio.open_connection(*addr)
+            _close(writer)
+        except (OSError, TimeoutError) as e:
+            self.stats["route_checks_failed"] += 1
+            raise PeerUnreachable(f"no route to {peer_id[-8:]} at {addr[0]}:{addr[1]} yet ({e or 'no answer'}); not dialing it through libp2p") from None
+        self._dropped.pop(peer_id, None)  # (calls checking together: each may get here)
 
     def _check_reply(self, peer_id: str, reply: Message | None) -> Message:
         if reply is None:
@@ -598,6 +672,7 @@ class Transport:
         except TimeoutError:
             if pipe is not None:
                 _close(pipe.writer)
+            self._dropped.setdefault(peer_id, time.monotonic())  # (its next stream: see _check_route)
             raise CallTimeout(f"{type(request).__name__} with {peer_id} timed out after {timeout:.1f} s") from None
         except ConnectionError:
             if pipe is not None:
@@ -638,6 +713,8 @@ class Transport:
                 left = self.config.direct_connect_s - (time.monotonic() - t0)
                 stream = await direct.dial(list(reply.addrs), ticket, key, left, self.config.direct_congestion)
                 self.stats["direct_pipes"] += 1
+                if isinstance(peer := stream[1].get_extra_info("peername"), tuple):
+                    self._reached[peer_id] = (peer[0], peer[1])
                 return stream
             except (CallTimeout, PeerUnreachable) as e:
                 # the peer did not answer over libp2p either (frozen, its link down): nothing
@@ -649,7 +726,7 @@ class Transport:
                 self._no_direct[peer_id] = time.monotonic() + self.config.direct_retry_s
                 self.stats["direct_fallbacks"] += 1
                 log.info("no direct connection to %s (%s): its pipes use libp2p for %.0f s", peer_id[-8:], e, self.config.direct_retry_s)
-        return await self.host.open_stream(peer_id, PIPE_PROTOCOL)
+        return await self._open_stream(peer_id, PIPE_PROTOCOL)
 
     async def call(self, peer_id: str, request: Message, timeout: float | None = None) -> Message:
         """One request, one reply. Raises RemoteError, CallTimeout, PeerUnreachable, ConnectionError,
@@ -669,6 +746,7 @@ class Transport:
                 await _write(writer, request, self.config.max_frame_size)
                 yield frames, writer
         except TimeoutError:
+            self._dropped.setdefault(peer_id, time.monotonic())  # (its next stream: see _check_route)
             raise CallTimeout(f"{type(request).__name__} with {peer_id} timed out after {timeout:.1f} s") from None
         except RemoteProtocolError:
             self.scores.penalize(peer_id, 2.0, time.monotonic())
@@ -729,6 +807,7 @@ class Transport:
         for pipe in idle:
             _close(pipe.writer)
         idle.clear()
+        self._dropped.setdefault(peer_id, time.monotonic())
         disconnect = getattr(self.host, "disconnect", None)
         if disconnect is not None:
             with contextlib.suppress(TimeoutError):

@@ -339,3 +339,43 @@ def test_a_direct_port_in_use_is_a_clear_start_error():
                 await h.shutdown()
 
     asyncio.run(main())
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now: a connect is refused
+    return port
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_whose_connections_were_dropped_is_dialed_only_once_a_plain_connect_reaches_it(monkeypatch):
+    from node import transport as transport_module
+    from node.p2p import PeerUnreachable
+
+    async def scenario(server, client):
+        await _send(client, server)  # a direct pipe: the client knows where the server's machine answers
+        sid = server.peer_id
+        real = client._reached[sid]
+        assert f"{real[0]}:{real[1]}" in server._direct_addrs
+        await client.reset(sid)  # it stopped answering: our connections to it are dropped
+        client._reached[sid] = ("127.0.0.1", _closed_port())  # and the network does not reach it yet
+        with pytest.raises(PeerUnreachable, match="no route to"):
+            await client.ping(sid, timeout=5)  # refused before libp2p dials (a failed dial bars the next for 5 s)
+        assert client.stats["route_checks_failed"] == 1
+        client._reached[sid] = real  # the network carries packets again
+        assert await client.ping(sid, timeout=5) > 0  # checked, dialed, answered
+        assert sid not in client._dropped
+
+        await client.reset(sid)
+        client._reached[sid] = ("127.0.0.1", _closed_port())  # a direct address that is what is broken
+        monkeypatch.setattr(transport_module, "ROUTE_FALLBACK_S", 0.5)
+        with pytest.raises(PeerUnreachable, match="no route to"):
+            await client.ping(sid, timeout=5)
+        await asyncio.sleep(0.6)
+        assert await client.ping(sid, timeout=5) > 0  # libp2p dials it anyway, every ROUTE_FALLBACK_S
+        assert await client.ping(sid, timeout=5) > 0  # heard from it: no more checks
+        assert client.stats["route_checks_failed"] == 2 and sid not in client._dropped
+
+    run(scenario)

@@ -374,3 +374,50 @@ def test_a_served_stream_stays_open_until_the_caller_hangs_up():
                 writer.close()
 
     run(scenario, linger_s=3.0)
+
+
+class _OpensHang:
+    """Stands in for a libp2p host in `Transport._open_stream` alone: its first opens hang as p2pd's
+    does on a dial that will fail, later ones answer at once (the peer connected to us meanwhile)."""
+
+    def __init__(self, hanging: int, fail: bool = False):
+        self.hanging, self.fail, self.opens, self.closed = hanging, fail, 0, 0
+
+    async def open_stream(self, peer_id, protocol):
+        self.opens += 1
+        if self.opens <= self.hanging:
+            await asyncio.sleep(3600)
+        if self.fail:
+            raise ConnectionError("refused")
+        host = self
+
+        class Writer:
+            def close(self):
+                host.closed += 1
+
+        return object(), Writer()
+
+
+def test_a_stream_open_that_hangs_gets_a_companion_and_the_first_to_open_wins(monkeypatch):
+    from node import transport as transport_module
+
+    monkeypatch.setattr(transport_module, "OPEN_AGAIN_S", 0.05)
+
+    async def main():
+        quick = Transport(_OpensHang(hanging=1))
+        t0 = time.monotonic()
+        _, writer = await quick._open_stream("peer", RPC_PROTOCOL)
+        took = time.monotonic() - t0
+        assert quick.host.opens == 2 and quick.stats["opens_again"] == 1 and quick.host.closed == 0
+        stuck = Transport(_OpensHang(hanging=10))
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await stuck._open_stream("peer", RPC_PROTOCOL)
+        assert stuck.host.opens == 3  # at most OPEN_ATTEMPTS at once, all given up with the call
+        failing = Transport(_OpensHang(hanging=0, fail=True))
+        with pytest.raises(ConnectionError):
+            await failing._open_stream("peer", RPC_PROTOCOL)
+        assert failing.host.opens == 1  # a failed open is not retried here
+        return took
+
+    assert asyncio.run(main()) < 1.0
