@@ -593,23 +593,25 @@ class Transport:
                     t.add_done_callback(_close_if_opened)
 
     async def _check_route(self, peer_id: str) -> None:
-        """Before libp2p dials a peer whose connections `reset` dropped (it stopped answering:
-        frozen, or a link down), a plain TCP connect to where a direct pipe reached it tells
+        """Before libp2p dials a peer that stopped answering (a call to it timed out, or `reset`
+        dropped our connections to it: frozen, or a link down), a plain TCP connect to where a direct pipe reached it tells
         whether the network carries anything to it yet; if not, PeerUnreachable without a dial.
         go-libp2p refuses to redial an address for 5 s after a failed dial (longer after each
         further failure): a cut-off peer's first dial as its link came back, before ARP had
         resolved, cost it 5-6 s of rounds after the network carried packets again (measured in
         a network namespace: a plain connect worked 0.7 s after the restore, libp2p 6 s). A
         frozen peer's kernel still accepts connections, so this lets its dials through at once.
-        Once the peer is heard from, or every ROUTE_FALLBACK_S, libp2p dials untested."""
+        Once the peer is heard from, or every ROUTE_FALLBACK_S since it stopped answering,
+        libp2p dials untested."""
         since, addr = self._dropped.get(peer_id), self._reached.get(peer_id)
         if since is None or addr is None:
             return
+        if self.heard.get(peer_id, 0.0) > since:
+            self._dropped.pop(peer_id, None)
+            return
         now = time.monotonic()
-        if self.heard.get(peer_id, 0.0) > since or now - self._dialed.get(peer_id, since) >= ROUTE_FALLBACK_S:
+        if now - max(since, self._dialed.get(peer_id, since)) >= ROUTE_FALLBACK_S:  # (an untested dial of an earlier silence does not count)
             self._dialed[peer_id] = now
-            if self.heard.get(peer_id, 0.0) > since:
-                self._dropped.pop(peer_id, None)
             return
         try:
             async with asyncio.timeout(ROUTE_CHECK_S):

@@ -378,4 +378,10 @@ def test_a_peer_whose_connections_were_dropped_is_dialed_only_once_a_plain_conne
         assert await client.ping(sid, timeout=5) > 0  # heard from it: no more checks
         assert client.stats["route_checks_failed"] == 2 and sid not in client._dropped
 
+        await asyncio.sleep(0.6)  # longer than the fallback since that untested dial
+        await client.reset(sid)  # silent again: the fallback counts from this silence, not the last
+        with pytest.raises(PeerUnreachable, match="no route to"):
+            await client.ping(sid, timeout=5)
+        assert client.stats["route_checks_failed"] == 3
+
     run(scenario)
