@@ -245,8 +245,7 @@ class ExpertHost(StageServer):
                 self.calls["tokens"] += x.size(0)
             self._rate.append((time.thread_time() - t0, 0))
             return [(None, outs)]
-        outs, tokens, norm2 = {}, 0, 0.0
-        held = self._held.setdefault(batch_mb, (time.monotonic(), []))[1]
+        outs, tokens, norm2, held = {}, 0, 0.0, []
         for name, g in p.extra.items():
             if name in p.x:  # recompute: this host may not hold the forward
                 self._saved.pop((caller, mb, name), None)
@@ -265,6 +264,8 @@ class ExpertHost(StageServer):
             held.extend(zip(params, grads[1:]))
             norm2 += float(sum(t.square().sum() for t in grads[1:]))
             tokens += x.size(0)
+        # (held only once the whole call computed: a refused one leaves nothing to expire)
+        self._held.setdefault(batch_mb, (time.monotonic(), []))[1].extend(held)
         self._accumulated(tokens, 0, t0)
         return [(norm2, outs)]
 
@@ -321,7 +322,7 @@ class ExpertClient:
 
     def _all(self, calls, layer: bool = True) -> list:
         """The calls' results, run together on the event loop (from the compute thread); the
-        time they took together is the layer's latency."""
+        time they took together is the layer's latency (`layer`; a commit's is not)."""
         calls = list(calls)
         if not calls:
             return []
