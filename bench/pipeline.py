@@ -56,6 +56,7 @@ class Settings:
     in_flight: int = 2
     kill_every_s: float = 30.0
     activation_codec: str = "none"
+    routing: str = "through"  # the swarm's stage routing (run setting stage_routing): through | relay
     rate: str = "100mbit"  # (f): each process's link
     outer_momentum: float = 0.0  # stage syncs (2 peers per stage), outer lr 1: 0 = plain parameter averaging
     sync_every_s: float = 10.0  # stage syncs: seconds between two
@@ -268,6 +269,7 @@ def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill
         "--mode", "pipeline", "--num-stages", str(s.stages), "--model", s.model, "--batch-size", str(s.batch_size),
         "--stage-step-samples", str(s.step_samples), "--micro-batches-in-flight", str(s.in_flight), "--inner-lr", str(s.lr),
         "--warmup-steps", str(s.warmup_steps), "--seed", str(s.seed), "--activation-codec", s.activation_codec,
+        "--stage-routing", s.routing,
         "--heartbeat-timeout-s", "10",  # (the coordinator logs at INFO: its address, its plans)
         "--stage-outer-momentum", str(s.outer_momentum), "--stage-sync-every-s", str(s.sync_every_s),
     ]  # fmt: skip
@@ -335,6 +337,12 @@ def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill
             lost += st["lost"]
             nbytes += st["bytes_sent"] + st["bytes_received"]
             samples += st["samples"]
+        for n in servers:  # through routing: what stages sent each other (their calls and the answers)
+            try:
+                st = json.loads((work / n / "stage-stats.json").read_text())
+            except (OSError, ValueError):
+                continue
+            nbytes += st.get("bytes_sent", 0) + st.get("bytes_received", 0)
         return {"samples_per_s": sum(rates), "final_loss": sum(losses) / len(losses), "bytes_per_sample": nbytes / max(samples, 1), "lost": lost, "kills": kills}
     finally:
         sw.close()
@@ -400,6 +408,12 @@ def main(argv=None) -> int:
         "d": ("swarm: 2 peers per stage, 2 trainers", lambda: run_swarm(s, work / "d", 2, 2, False, args.timeout)),
         "e": (f"swarm (d), a stage peer SIGKILLed and restarted every {s.kill_every_s:g} s", lambda: run_swarm(s, work / "e", 2, 2, True, args.timeout)),
     }
+    relay = dataclasses.replace(s, routing="relay")
+    arms["c-relay"] = ("swarm (c), the trainer relaying every activation (stage_routing relay)", lambda: run_swarm(relay, work / "c-relay", 1, 1, False, args.timeout))
+    arms["f-relay"] = (
+        f"swarm (c), each process behind a {s.rate} link (netns), activations none, the trainer relaying them",
+        lambda: run_swarm(relay, work / "f-relay", 1, 1, False, args.timeout, shaped=True),
+    )
     for codec in ("none", "fp16", "int8"):
         shaped = dataclasses.replace(s, activation_codec=codec)
         arms[f"f-{codec}"] = (
@@ -428,6 +442,10 @@ def main(argv=None) -> int:
         ratios["c_over_b_samples_per_s"] = round(by["c"]["samples_per_s"] / by["b"]["samples_per_s"], 3)
     if "a" in by and "c" in by:
         ratios["c_loss_over_a"] = round(by["c"]["final_loss"] / by["a"]["final_loss"], 4)
+    for arm in ("c", "f-none"):
+        other = "c-relay" if arm == "c" else "f-relay"
+        if arm in by and other in by:  # through routing against relay, the same swarm otherwise
+            ratios[f"{arm.replace('-', '_')}_over_relay_samples_per_s"] = round(by[arm]["samples_per_s"] / by[other]["samples_per_s"], 3)
     if "d" in by and "e" in by:
         ratios["e_over_d_samples_per_s"] = round(by["e"]["samples_per_s"] / by["d"]["samples_per_s"], 3)
     for codec in ("fp16", "int8"):

@@ -4,17 +4,32 @@
     Trainer       the "trainer" role: holds the data; sends micro-batches through one peer per stage
     StagePeers    a trainer's view of the peers serving each stage: who to call next, how long to wait
 
-A micro-batch goes stage by stage through the trainer, which keeps each stage's input:
-forward on stages 0..S-2, `train` on the last (forward, loss and backward in one call), then
-backward on S-2..0. The peer that ran a forward keeps its autograd graph (at most `MAX_SAVED`,
-for `SAVED_S`), and the backward goes to that peer with only the gradient. Where that peer is
-gone or no longer has the graph, the trainer sends the backward with the stage's input again
-to any peer of the stage, which recomputes the forward: a peer that dies or stalls loses
-nothing but the call in progress. (Recomputing every backward, as SWARM does, measured 0.73x
-the samples/s of torch.distributed.pipelining on this machine: a fourth more compute on every
-stage but the last; see bench/pipeline.py.) Optimizer steps do not wait for the graphs kept: a
-kept graph saves a copy of the weights it used (one copy per parameter between two steps,
-PipeDream's weight stashing), so its backward computes the gradient of the forward it ran.
+How a micro-batch travels is the run's `stage_routing`:
+- "through" (the default): the trainer picks one peer per stage and makes one call, to the first
+  stage's peer, naming the rest of the way (op `through`). Each stage runs its forward, calls the
+  next one itself, runs its backward with the gradient that comes back and answers the loss, its
+  input's gradient and every stage's own time (which the trainer's peer picks and deadlines
+  use). Activations cross the network once, stage to stage; a stage sends them only to a peer the
+  member records name a peer of the next stage. A call that fails on the way (a dead, frozen or
+  garbling peer) comes back naming that peer: the trainer leaves it alone for its backoff and
+  sends the micro-batch again another way; the stages before it drop its graphs, nothing of it
+  was accumulated. Behind 100 Mbit/s links (bench/pipeline.py arm f) this trained 1.84x the
+  samples/s of relaying, which sends every activation over the trainer's link twice; on one
+  2-core machine the two are within noise (the trainer's relaying cost about 15 % of a core,
+  the pipeline there is bound by compute and how many micro-batches are in flight).
+- "relay": stage by stage through the trainer, which keeps each stage's input: forward on
+  stages 0..S-2, `train` on the last (forward, loss and backward in one call), then backward on
+  S-2..0. The backward goes to the peer that ran the forward, with only the gradient; where
+  that peer is gone or no longer has the graph, the trainer sends the backward with the
+  stage's input again to any peer of the stage, which recomputes the forward: a peer that dies
+  or stalls loses nothing but the call in progress. (Recomputing every backward, as SWARM does,
+  measured 0.73x the samples/s of torch.distributed.pipelining on this machine: a fourth more
+  compute on every stage but the last; see bench/pipeline.py.)
+
+Either way the peer that ran a forward keeps its autograd graph (at most `MAX_SAVED`, for
+`SAVED_S`) for the backward. Optimizer steps do not wait for the graphs kept: a kept graph
+saves a copy of the weights it used (one copy per parameter between two steps, PipeDream's
+weight stashing), so its backward computes the gradient of the forward it ran.
 
 A stage server takes the calls queued at the moment it is free as one batch (forwards that keep
 no graph, recomputing backwards and train calls of the same shape, up to `MAX_BATCH_SAMPLES`),
@@ -216,7 +231,12 @@ class StageServer(Role):
         self._acc_samples = 0
         self._acc_calls = 0  # micro-batches in the current accumulation (gradients are averaged over them)
         self.hash = ""
-        self.calls = {"forward": 0, "backward": 0, "train": 0, "refused": 0, "batched": 0, "kept": 0}  # kept: backwards through a kept graph
+        # kept: backwards through a kept graph; failed_after: through calls whose later stage failed
+        self.calls = {"forward": 0, "backward": 0, "train": 0, "through": 0, "refused": 0, "batched": 0, "kept": 0, "failed_after": 0}
+        self.bytes_sent = self.bytes_received = 0  # of through calls to the next stage
+        self._stages: dict[int, set[str]] = {}  # the peers of each stage, from the member records (through calls' routes)
+        self._stages_read = -math.inf
+        self._stages_reading: asyncio.Future | None = None
         self.history: list[dict[str, Any]] = []
         self._queue: deque[_Pending] = deque()
         self._wake = asyncio.Event()
@@ -577,9 +597,9 @@ class StageServer(Role):
         self._refuse_queued()
         if planned and self.stage is not None:
             await self._hand_over()
-        for t in list(self._uploads):
+        for t in [*self._uploads, *([self._stages_reading] if self._stages_reading else [])]:
             t.cancel()
-        await asyncio.gather(*self._uploads, return_exceptions=True)
+        await asyncio.gather(*self._uploads, *([self._stages_reading] if self._stages_reading else []), return_exceptions=True)
         await self.averager.close()
         self.state_server.close()
         if self._registration is not None:
@@ -653,6 +673,8 @@ class StageServer(Role):
         except (RemoteProtocolError, StageInputError) as e:
             self.calls["refused"] += 1
             raise RemoteProtocolError(f"stage {self.index} {req.op}: {e}") from None  # bad_request; the sender is scored down
+        if req.op == "through":
+            return await self._through(ctx.peer_id, req, x, extra)
         keep = req.micro_batch and (req.op == "forward" or (req.op == "backward" and x is None))
         p = _Pending(req.op, x, extra, (ctx.peer_id, req.micro_batch) if keep else None)
         self._queue.append(p)
@@ -663,11 +685,104 @@ class StageServer(Role):
         tensors = {} if out is None else {"y" if req.op == "forward" else "grad": encode_floats(self.codec, out)}
         return StageResult(loss=loss, **pack_tensors(tensors))
 
+    async def _through(self, caller: str, req: StageCall, x: torch.Tensor, targets: torch.Tensor) -> StageResult:
+        """A micro-batch on its way through this and the later stages (see StageCall): forward
+        here, the next stage's call, backward here with the gradient it sends back."""
+        t0 = time.monotonic()
+        if self.stage.last:
+            loss, gx = await self._queued(_Pending("train", x, targets))
+            self.calls["through"] += 1
+            return StageResult(loss=loss, times=(time.monotonic() - t0,), **pack_tensors({"grad": encode_floats(self.codec, gx)}))
+        nxt = req.route[0]
+        if not await self._serves(nxt, self.index + 1):
+            self.calls["refused"] += 1
+            raise RemoteProtocolError(f"stage {self.index} through: the route names {nxt}, which serves no stage {self.index + 1} here")
+        key = (caller, f"through:{req.micro_batch}")
+        _, y = await self._queued(_Pending("forward", x, None, key))
+        own = time.monotonic() - t0
+        call = StageCall(stage=self.index + 1, op="through", micro_batch=req.micro_batch, route=req.route[1:], deadlines=req.deadlines[1:],
+                         **pack_tensors({"x": encode_floats(self.codec, y), "targets": _TOKENS.encode(targets)}))  # fmt: skip
+        try:
+            reply = await self.transport.send(nxt, call, timeout=req.deadlines[0], reuse=True)
+            grad = self._through_answer(reply, len(req.route), tuple(y.shape))
+        except (*NETWORK_ERRORS, RemoteProtocolError) as e:
+            reply = StageResult(failed=nxt, failed_stage=self.index + 1, reason=_short(e))
+        self.bytes_sent += len(call.data)
+        if reply.failed:  # the trainer sends the micro-batch again another way
+            await self._compute(self._saved.pop, key, None)
+            self.calls["failed_after"] += 1
+            return StageResult(failed=reply.failed, failed_stage=reply.failed_stage, reason=reply.reason)
+        self.bytes_received += len(reply.data)
+        t1 = time.monotonic()
+        _, gx = await self._queued(_Pending("backward", None, grad, key))
+        self.calls["through"] += 1
+        tensors = {} if gx is None or self.stage.first else {"grad": encode_floats(self.codec, gx)}
+        return StageResult(loss=reply.loss, times=(own + time.monotonic() - t1, *reply.times), **pack_tensors(tensors))
+
+    def _through_answer(self, reply, later: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The gradient of our output from the next stage's answer to a through call, checked (None
+        when it reports a failure further on); RemoteProtocolError names what is wrong with it."""
+        if not isinstance(reply, StageResult):
+            raise RemoteProtocolError(f"answered a StageCall with {type(reply).__name__}")
+        if reply.failed:
+            if not self.index + 1 < reply.failed_stage < len(self.plan):
+                raise RemoteProtocolError(f"reports a failure at stage {reply.failed_stage}, not a stage after it")
+            return None
+        if reply.loss is None or len(reply.times) != later:
+            raise RemoteProtocolError(f"a through answer needs a loss and {later} stage times, got {reply.loss} and {len(reply.times)}")
+        encoded = unpack_tensors(reply, self.max_numel)
+        if set(encoded) != {"grad"}:
+            raise RemoteProtocolError(f"a through answer carries {sorted(encoded)}, expected ['grad']")
+        grad = decode_checked(encoded["grad"], self.max_numel, "grad")
+        if tuple(grad.shape) != shape or grad.dtype != torch.float32:
+            raise RemoteProtocolError(f"a through answer's grad is {grad.dtype} {tuple(grad.shape)}, expected float32 {shape}")
+        return grad
+
+    async def _queued(self, p: _Pending):
+        self._queue.append(p)
+        self._wake.set()
+        return await p.done
+
+    async def _serves(self, peer: str, stage: int) -> bool:
+        """Whether the member records name `peer` a peer of `stage`: a through call sends our
+        activations only to a member of the next stage, not wherever a caller says. A peer not
+        in our view makes us read the records again, once for all callers waiting, at most every
+        PEERS_REFRESH_S (a peer that just joined is named by a trainer that read them later)."""
+        if peer in self._stages.get(stage, ()):
+            return True
+        if self._stages_reading is None:
+            self._stages_reading = asyncio.ensure_future(self._read_stages())
+        reading = self._stages_reading
+        try:
+            await asyncio.shield(reading)
+        finally:
+            if self._stages_reading is reading and reading.done():
+                self._stages_reading = None
+        return peer in self._stages.get(stage, ())
+
+    async def _read_stages(self) -> None:
+        await asyncio.sleep(max(0.0, self._stages_read + PEERS_REFRESH_S - time.monotonic()))
+        self._stages_read = time.monotonic()
+        try:
+            members = await asyncio.wait_for(read_members(self.host, self.node_config.swarm_id), 3.0)
+        except Exception as e:  # the DHT may be briefly unreachable: the view stays as it was
+            log.debug("%s: could not read member records: %s", self.what, e)
+            return
+        fresh = time.time() - self.node_config.record_ttl_s
+        stages: dict[int, set[str]] = {}
+        for p, rec in members.items():
+            s = stage_of_role(rec.role)
+            if s is not None and rec.issued_at > fresh:
+                stages.setdefault(s, set()).add(p)
+        self._stages = stages
+
     def _inputs(self, req: StageCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode and check what a call carries, before any compute; raises RemoteProtocolError
         or StageInputError naming the problem."""
         encoded = unpack_tensors(req, self.max_numel)
-        want = {"forward": {"x"}, "backward": {"x", "grad"}, "train": {"x", "targets"}}[req.op]
+        want = {"forward": {"x"}, "backward": {"x", "grad"}, "train": {"x", "targets"}, "through": {"x", "targets"}}[req.op]
+        if req.op == "through" and len(req.route) != len(self.plan) - 1 - self.index:
+            raise StageInputError(f"a through call to stage {self.index} names a peer for each of the {len(self.plan) - 1 - self.index} stages after it, got {len(req.route)}")
         if req.op == "train" and not self.stage.last:
             raise StageInputError(f"train goes to the last stage ({len(self.plan) - 1}), not to stage {self.index}")
         if req.op in ("forward", "backward") and self.stage.last:
@@ -693,7 +808,7 @@ class StageServer(Role):
             want_shape = (*x.shape[:2], self.model_config.n_embd)
             if tuple(extra.shape) != want_shape or extra.dtype != torch.float32:
                 raise StageInputError(f"grad must be float32 {want_shape} (the stage's output), got {extra.dtype} {tuple(extra.shape)}")
-        elif req.op == "train":
+        elif req.op in ("train", "through"):
             extra = decode_checked(encoded["targets"], self.max_numel, "targets")
             if extra.dtype != torch.int64 or tuple(extra.shape) != tuple(x.shape[:2]):
                 raise StageInputError(f"targets must be int64 {tuple(x.shape[:2])}, got {extra.dtype} {tuple(extra.shape)}")
@@ -836,6 +951,8 @@ class StageServer(Role):
             "samples": self.samples,
             "state_hash": self.hash,
             "calls": self.calls,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
             "samples_per_second": rate,
             "history": self.history,
         }
@@ -976,10 +1093,11 @@ class Trainer(Role):
                      len(self.plan), self.run_config.batch_size, self.run_config.micro_batches_in_flight, self.codec.name, shard, nshards)  # fmt: skip
             self._t0 = time.monotonic()
             n = 0
+            send = self._micro_batch_through if self.run_config.stage_routing == "through" else self._micro_batch
             while True:
                 while len(tasks) < self.run_config.micro_batches_in_flight:
                     x, y = batches.next()
-                    tasks.add(asyncio.create_task(self._micro_batch(f"{self.host.peer_id[-6:]}-{n}", x, y)))
+                    tasks.add(asyncio.create_task(send(f"{self.host.peer_id[-6:]}-{n}", x, y)))
                     n += 1
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
@@ -1034,6 +1152,61 @@ class Trainer(Role):
         except _GiveUp as e:
             log.error("micro-batch %s given up: %s", name, e)
             return None
+
+    async def _micro_batch_through(self, name: str, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """One micro-batch sent through every stage in one call to the first (op `through`): the
+        stages hand activations on to each other. The peers are picked here, stage by stage; if a
+        call on the way fails, the answer names the peer, which is left alone for its backoff, and
+        the micro-batch goes again another way. Its loss, or None if it was given up."""
+        stages = len(self.plan)
+        encoded = pack_tensors({"x": _TOKENS.encode(x), "targets": _TOKENS.encode(y)})
+        tried: set[str] = set()
+        refused: list[str] = []
+        while True:
+            now = time.monotonic()
+            try:
+                route = [self.peers.choose(s, now, tried) for s in range(stages)]
+            except NoStagePeer:
+                await asyncio.sleep(0.2)  # a peer comes back from its ban, or the DHT names a new one
+                continue
+            waits = [self.peers.timeout(p) for p in route]
+            deadlines = [sum(waits[i:]) for i in range(stages)]  # each call waits for the stages after it too
+            request = StageCall(stage=0, op="through", micro_batch=name, route=tuple(route[1:]), deadlines=tuple(deadlines[1:]), **encoded)
+            for p in route:
+                self.peers.peers[p].inflight += 1
+            blame, why = route[0], ""
+            try:
+                reply = await self.transport.send(route[0], request, timeout=deadlines[0], reuse=True)
+                if not isinstance(reply, StageResult):
+                    raise RemoteProtocolError(f"answered a StageCall with {type(reply).__name__}")
+                if reply.failed:
+                    if reply.failed in route[1:] and route.index(reply.failed) == reply.failed_stage:
+                        blame, why = reply.failed, reply.reason
+                    else:  # it names a peer we did not route through: its own failure
+                        why = f"reports a failure of {reply.failed[-8:]} at stage {reply.failed_stage}, not on its route"
+                elif reply.loss is None or len(reply.times) != stages or reply.tensors:
+                    why = f"a through answer needs a loss and {stages} stage times and no tensors, got {reply.loss}, {len(reply.times)}, {len(reply.tensors)}"
+            except (*NETWORK_ERRORS, RemoteProtocolError) as e:
+                why = _short(e)
+                if isinstance(e, RemoteError) and e.code == "bad_request":
+                    refused.append(e.message)
+                    if len(refused) >= 3:  # three peers refuse what we send: it is ours to fix
+                        log.error("micro-batch %s given up: refused by 3 peers: %s", name, e.message)
+                        return None
+            finally:
+                for p in route:
+                    self.peers.peers[p].inflight -= 1
+            if not why:
+                for p, seconds in zip(route, reply.times):
+                    self.peers.succeeded(p, seconds)
+                self.bytes_sent += len(request.data)
+                self.bytes_received += len(reply.data)
+                return reply.loss
+            tried.add(blame)
+            ban = self.peers.failed(blame, time.monotonic())
+            self.retries += 1
+            log.info("micro-batch %s through stage %d on %s failed (%s); sending it again another way, %s left alone for %.0f s",
+                     name, route.index(blame), blame[-8:], why, blame[-8:], ban)  # fmt: skip
 
     async def _backward_kept(self, stage: int, peer: str, name: str, grad: torch.Tensor, want: tuple[str, ...], bt: torch.Size):
         """The backward on the peer that ran the forward, through the graph it kept: only the

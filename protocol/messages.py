@@ -583,7 +583,9 @@ class AvgDecisionQuery(Message):
 # ---------------------------------------------------------------------------------------------
 # Pipeline stages (a trainer's calls to a stage server)
 
-STAGE_OPS = ("forward", "backward", "train")
+STAGE_OPS = ("forward", "backward", "train", "through")
+MAX_ROUTE = 64  # stages after the called one a `through` call may name
+MAX_DEADLINE_S = 3600.0
 MAX_BUNDLE_TENSORS = 4
 
 
@@ -614,7 +616,13 @@ class StageCall(Message):
       `x`, accumulates its parameters' gradients and sends back `grad` of `x` (none for the first
       stage, whose input is token ids).
     - train (the last stage): `x` and `targets` (token ids) in; forward, loss and backward in one
-      call: the `loss` and `grad` of `x` back."""
+      call: the `loss` and `grad` of `x` back.
+    - through: `x` and `targets` in, and the rest of the micro-batch's way: `route`, the peer
+      to call for each later stage, and `deadlines`, how long each of those calls may take. The
+      server runs its forward, calls `route[0]` with the rest of the way, runs its backward with
+      the gradient that comes back and answers the `loss`, `grad` of `x` and every stage's
+      `times`; the last stage does what `train` does. Activations go stage to stage, not through
+      the trainer."""
 
     BULK_FIELDS = ("data",)
 
@@ -624,17 +632,28 @@ class StageCall(Message):
     tensors: tuple[Params, ...] = ()
     shapes: tuple[tuple[int, ...], ...] = ()
     data: bytes = b""
+    route: tuple[str, ...] = ()
+    deadlines: tuple[float, ...] = ()
 
     def validate(self) -> None:
         _require(self.stage >= 0, "stage", "must be >= 0")
         _require(self.op in STAGE_OPS, "op", f"must be one of {', '.join(STAGE_OPS)}")
         _require(len(self.micro_batch) <= MAX_ID_LEN, "micro_batch", "at most 256 characters")
+        _require(len(self.route) <= MAX_ROUTE, "route", f"at most {MAX_ROUTE} peers")
+        _require(self.op == "through" or not self.route, "route", f"only a through call names a route, not {self.op}")
+        _require(all(0 < len(p) <= MAX_ID_LEN for p in self.route), "route", "peer ids of 1..256 characters")
+        _require(len(self.deadlines) == len(self.route), "deadlines", "one per peer of the route")
+        _require(all(0 < d <= MAX_DEADLINE_S for d in self.deadlines), "deadlines", f"seconds in (0, {MAX_DEADLINE_S:.0f}]")
         _check_bundle(self)
 
 
 @message(51)
 class StageResult(Message):
-    """A stage server's answer to a StageCall: tensors (`y` or `grad`), and the loss of a train call."""
+    """A stage server's answer to a StageCall: tensors (`y` or `grad`), and the loss of a train
+    call. A through call's answer also carries `times`: the seconds each stage from the called
+    one on spent on the micro-batch itself (queue and compute, not the calls after it). Where a
+    later stage's call failed, the answer names that stage and peer (`failed_stage`, `failed`)
+    and why, and carries nothing else: the trainer sends the micro-batch again another way."""
 
     BULK_FIELDS = ("data",)
 
@@ -642,9 +661,18 @@ class StageResult(Message):
     tensors: tuple[Params, ...] = ()
     shapes: tuple[tuple[int, ...], ...] = ()
     data: bytes = b""
+    times: tuple[float, ...] = ()
+    failed: str = ""
+    failed_stage: int = 0
+    reason: str = ""
 
     def validate(self) -> None:
         _require(_finite(self.loss), "loss", "must be finite")
+        _require(len(self.times) <= MAX_ROUTE + 1 and all(0 <= t <= MAX_DEADLINE_S for t in self.times), "times", f"at most {MAX_ROUTE + 1}, each in [0, {MAX_DEADLINE_S:.0f}] seconds")
+        _require(len(self.failed) <= MAX_ID_LEN, "failed", "at most 256 characters")
+        _require(len(self.reason) <= 1024, "reason", "at most 1024 characters")
+        _require(self.failed_stage >= 0, "failed_stage", "must be >= 0")
+        _require(not self.failed or not self.tensors, "tensors", "a failed through call carries none")
         _check_bundle(self)
 
 

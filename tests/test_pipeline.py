@@ -107,6 +107,49 @@ def test_calls_chained_through_stage_servers_give_the_models_loss_and_gradients(
     assert s0.samples == s1.samples == 3 and s0.steps == 0  # accumulated, no step yet (10 000 samples per step)
 
 
+async def through(client, server, route, micro_batch="m", deadline=20.0, **tensors) -> StageResult:
+    enc = {k: NONE.encode(v) for k, v in tensors.items()}
+    req = StageCall(stage=server.index, op="through", micro_batch=micro_batch, route=tuple(route), deadlines=(deadline,) * len(route), **pack_tensors(enc))
+    return await client.send(server.transport.peer_id, req, timeout=30, reuse=True)
+
+
+def test_a_through_call_hands_activations_stage_to_stage_and_gives_the_models_loss_and_gradients(tmp_path):
+    cfg = RUN.model_config()
+    model = init_model(cfg, RUN.seed)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (3, 16), generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (3, 16), generator=gen)
+    _, loss = model(x, y)
+    loss.backward()
+
+    async def main():
+        async with stage_servers(tmp_path, RUN) as ((s0, s1), client):
+            s1_id = s1.transport.peer_id
+            # no member record names s1 a peer of stage 1: s0 sends our activations nowhere
+            with pytest.raises(RemoteError, match=rf"bad_request: stage 0 through: the route names {s1_id}, which serves no stage 1"):
+                await through(client, s0, [s1_id], x=x, targets=y)
+            with pytest.raises(RemoteError, match=r"bad_request: .*names a peer for each of the 1 stages after it, got 2"):
+                await through(client, s0, [s1_id, s1_id], x=x, targets=y)
+            s0._stages = {1: {s1_id, client.peer_id}}  # what member records naming them would give
+            r = await through(client, s0, [s1_id], x=x, targets=y)
+            assert unpack_tensors(r) == {} and len(r.times) == 2 and not r.failed  # the first stage sends no gradient back
+            assert s0.calls["through"] == s1.calls["through"] == 1 and s0.bytes_sent > 0 and not s0._saved
+            grads = {n: p.grad.clone() for s in (s0, s1) for n, p in s.stage.named_parameters()}
+
+            # a later stage that fails: the answer names it, and s0 keeps no graph for it
+            failed = await through(client, s0, [client.peer_id], micro_batch="n", x=x, targets=y)  # the client serves no stage calls
+            assert failed.failed == client.peer_id and failed.failed_stage == 1 and failed.reason and unpack_tensors(failed) == {}, failed
+            assert not s0._saved and s0.calls["failed_after"] == 1 and s0.samples == 3  # nothing of it accumulated
+            return r.loss, grads
+
+    got_loss, grads = asyncio.run(main())
+    assert math.isclose(got_loss, loss.item(), rel_tol=1e-6)
+    want = dict(model.named_parameters())
+    assert set(grads) == set(want)  # the two stages together hold every parameter, once
+    for n, g in grads.items():
+        torch.testing.assert_close(g, want[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_a_backward_through_the_graph_its_forward_kept_gives_the_same_gradients_without_the_input(tmp_path):
     run = RunConfig(model="tiny", num_stages=2, stage_step_samples=3, seed=3, stage_sync_every_s=NO_SYNC)  # a step after b's 3 samples, none after a's 2
     cfg = run.model_config()

@@ -33,9 +33,16 @@ def stats(swarm: Swarm, name: str, kind: str) -> dict:
         return {}
 
 
+def since_start(history: list[dict]) -> list[dict]:
+    """A stage server's history since it took its current stage (the planner may have moved it:
+    its syncs before that were another stage's, under the same round numbers)."""
+    starts = [i for i, e in enumerate(history) if e.get("start")]
+    return history[starts[-1] :] if starts else history
+
+
 def common_syncs(swarm, names) -> dict[int, list[str]]:
     """sync round -> the hash each of `names` held after it, for rounds all of them averaged in."""
-    seen = [{e["sync"]: e["state_hash"] for e in stats(swarm, n, "stage").get("history", []) if e.get("group", 0) >= 2} for n in names]
+    seen = [{e["sync"]: e["state_hash"] for e in since_start(stats(swarm, n, "stage").get("history", [])) if e.get("group", 0) >= 2} for n in names]
     return {k: [s[k] for s in seen] for k in set.intersection(*(set(s) for s in seen))}
 
 
@@ -78,7 +85,13 @@ def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_pe
         groups = {p.split(".")[0] if not p.startswith("blocks.") else ".".join(p.split(".")[:2]) for p in st["params"]}
         assert groups == want[st["stage"]], (name, st["stage"], groups)
         assert st["calls"]["refused"] == 0, st
-    assert sum(stats(swarm, n, "stage")["calls"]["train"] for n in servers) >= 64
+    last = [stats(swarm, n, "stage") for n in servers if stats(swarm, n, "stage")["stage"] == 2]
+    assert sum(st["calls"]["through"] for st in last) >= 64
+    # through routing: activations went stage to stage; a trainer sent token ids and got losses
+    for t in trainers:
+        st = stats(swarm, t, "trainer")
+        assert st["bytes_received"] < 200 * st["micro_batches"], st  # an activation: 4 * 64 * 128 floats = 128 KiB
+    assert all(stats(swarm, n, "stage")["bytes_sent"] > 0 for n in servers if stats(swarm, n, "stage")["stage"] < 2)
     shown = coord.status()["stages"]  # /status per stage: its peers, their hashes, throughput
     assert sorted(shown) == ["0", "1", "2"] and all(v["peers"] and v["state_hashes"] and v["samples_per_second"] > 0 for v in shown.values()), shown
     # the peers of a stage synchronise every 3 s and hold the same parameters afterwards
@@ -191,6 +204,7 @@ def test_a_pipeline_swarm_stopped_and_started_again_resumes_every_stage_from_its
         "--mode", "pipeline", "--num-stages", "2", "--model", "tiny", "--batch-size", "4", "--stage-step-samples", "16",
         "--micro-batches-in-flight", "4", "--warmup-steps", "5", "--heartbeat-timeout-s", "10", "--stage-sync-every-s", "1",
         "--checkpoint-every", "2",
+        "--stage-routing", "relay",  # the trainer relays every activation here (the other tests: stage to stage)
     ]  # fmt: skip
     coord = swarm.coordinator("coordinator", None, None, *run)
     maddr = coord.wait_ready()["maddrs"][0]
@@ -199,6 +213,7 @@ def test_a_pipeline_swarm_stopped_and_started_again_resumes_every_stage_from_its
     first["t"] = swarm.node("t", [maddr], *NODE, "--wanted-role", "trainer")
     wait_for(lambda: micro_batches(swarm, "t") >= 48 and all(len(v["checkpoints"]) >= 2 for v in coord.status()["stages"].values()), 300, "two checkpoints of every stage")
     loss_at_start = stats(swarm, "t", "trainer")["history"][0]["loss"]  # its first 8 micro-batches, from the initial weights
+    assert stats(swarm, "t", "trainer")["bytes_received"] > 0  # relayed: activations and gradients came back to it
     for proc in first.values():  # the whole swarm stops: nodes (they deregister), then the coordinator
         proc.terminate()
     for proc in first.values():
