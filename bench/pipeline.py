@@ -8,13 +8,20 @@ micro-batches of the built-in corpus (batch size B sequences), with AdamW steppi
 samples went through:
 
   (a) the whole model in one process;
+  (a-stage-clip) (a), each stage's gradients clipped to the norm on their own, as the swarm's
+      stage servers and (b)'s ranks clip (its loss is (b)'s: the same algorithm);
   (b) torch.distributed.pipelining, Schedule1F1B over gloo, one process per stage, one optimizer
       step per schedule step (step_samples / B micro-batches);
   (c) the swarm: a coordinator, one stage server per stage, one trainer (real processes, real p2pd);
+      `in_flight` micro-batches in the pipeline, stages stepping as they go (asynchronous);
+  (c-sync) (c) with synchronous steps: a step's micro-batches in flight, the next step's only
+      after them, as (b) schedules them;
+  (c-relay) (c) with the trainer relaying every activation (stage_routing relay);
   (d) the swarm with two peers per stage and two trainers (the samples are split between them);
   (e) (d) with one stage peer SIGKILLed and started again every `kill_every_s` seconds;
   (f) (c) with every process in its own network namespace behind a `rate` link (tbf, both
-      directions; root only), once per activation codec: none, fp16, int8.
+      directions; root only), once per activation codec: none, fp16, int8;
+  (f-relay) (f) with activations none, the trainer relaying them.
 
 Reported per arm: samples/s (from the end of the first optimizer step, or the trainer's first
 report, to the last sample), the training loss over the last window of micro-batches before
@@ -56,7 +63,8 @@ class Settings:
     in_flight: int = 2
     kill_every_s: float = 30.0
     activation_codec: str = "none"
-    routing: str = "through"  # the swarm's stage routing (run setting stage_routing): through | relay
+    routing: str = "through"
+    synchronous: bool = False  # the swarm's trainers start a step's micro-batches once the previous step's came back (run setting synchronous_steps)  # the swarm's stage routing (run setting stage_routing): through | relay
     rate: str = "100mbit"  # (f): each process's link
     outer_momentum: float = 0.0  # stage syncs (2 peers per stage), outer lr 1: 0 = plain parameter averaging
     sync_every_s: float = 10.0  # stage syncs: seconds between two
@@ -69,7 +77,9 @@ def _env() -> dict:
 # ---- (a) one process -----------------------------------------------------------------------------
 
 
-def run_single(s: Settings) -> dict:
+def run_single(s: Settings, per_stage_clip: bool = False) -> dict:
+    """(a); with `per_stage_clip`, each stage's parameters clipped to the norm on their own, as
+    the swarm's stage servers and (b)'s ranks clip (one process clips one norm over all)."""
     import torch
 
     from node.data import Batches, load_corpus
@@ -83,6 +93,15 @@ def run_single(s: Settings) -> dict:
     opt = _adamw(model.parameters(), tc)
     batches = Batches(load_corpus().train, 0, 1, s.batch_size, cfg.context, s.seed)
     per_step = s.step_samples // s.batch_size
+    groups = [list(model.parameters())]
+    if per_stage_clip:
+        from node.stages import Stage, plan_stages
+
+        plan = plan_stages(cfg, s.stages)
+        owned = [{n for n, _ in Stage(cfg, i, plan).named_parameters()} for i in range(s.stages)]  # the model's names for them
+        groups = [[p for n, p in model.named_parameters() if n in names] for names in owned]
+        if sum(map(len, groups)) != len(list(model.parameters())):
+            raise RuntimeError("the stages' parameter names do not cover the model's once")
     losses, t_first, steps = [], None, 0
     for i in range(s.samples // s.batch_size):
         x, y = batches.next()
@@ -92,7 +111,8 @@ def run_single(s: Settings) -> dict:
         if (i + 1) % per_step == 0:
             for g in opt.param_groups:
                 g["lr"] = lr_at(steps, tc)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+            for g in groups:
+                torch.nn.utils.clip_grad_norm_(g, tc.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             steps += 1
@@ -269,7 +289,7 @@ def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill
         "--mode", "pipeline", "--num-stages", str(s.stages), "--model", s.model, "--batch-size", str(s.batch_size),
         "--stage-step-samples", str(s.step_samples), "--micro-batches-in-flight", str(s.in_flight), "--inner-lr", str(s.lr),
         "--warmup-steps", str(s.warmup_steps), "--seed", str(s.seed), "--activation-codec", s.activation_codec,
-        "--stage-routing", s.routing,
+        "--stage-routing", s.routing, *(["--synchronous-steps"] if s.synchronous else []),
         "--heartbeat-timeout-s", "10",  # (the coordinator logs at INFO: its address, its plans)
         "--stage-outer-momentum", str(s.outer_momentum), "--stage-sync-every-s", str(s.sync_every_s),
     ]  # fmt: skip
@@ -385,7 +405,8 @@ def main(argv=None) -> int:
     p.add_argument("--work-dir", default="", help="where the arms' logs go (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each arm may take")
     for f in Settings.__dataclass_fields__.values():
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+        kind = (lambda v: v.lower() in ("1", "true", "yes", "on")) if isinstance(f.default, bool) else type(f.default)
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)
@@ -402,12 +423,15 @@ def main(argv=None) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-pipeline-"))
     arms = {
         "a": ("the model in one process", lambda: run_single(s)),
+        "a-stage-clip": ("(a), each stage's gradients clipped on their own, as the swarm's stage servers (and (b)'s ranks) clip", lambda: run_single(s, True)),
         "b": ("torch.distributed.pipelining 1F1B over gloo, one process per stage", lambda: run_torch_pipeline(s, work / "b", args.timeout)),
         "b-kill": ("(b) with its middle stage's process SIGKILLed once", lambda: run_torch_pipeline_killed(s, work / "b-kill")),
         "c": ("swarm: 1 peer per stage, 1 trainer", lambda: run_swarm(s, work / "c", 1, 1, False, args.timeout)),
         "d": ("swarm: 2 peers per stage, 2 trainers", lambda: run_swarm(s, work / "d", 2, 2, False, args.timeout)),
         "e": (f"swarm (d), a stage peer SIGKILLed and restarted every {s.kill_every_s:g} s", lambda: run_swarm(s, work / "e", 2, 2, True, args.timeout)),
     }
+    sync = dataclasses.replace(s, synchronous=True, in_flight=s.step_samples // s.batch_size)
+    arms["c-sync"] = ("swarm (c), synchronous steps: a step's micro-batches in flight, the next step's after them (as (b))", lambda: run_swarm(sync, work / "c-sync", 1, 1, False, args.timeout))
     relay = dataclasses.replace(s, routing="relay")
     arms["c-relay"] = ("swarm (c), the trainer relaying every activation (stage_routing relay)", lambda: run_swarm(relay, work / "c-relay", 1, 1, False, args.timeout))
     arms["f-relay"] = (
@@ -442,6 +466,14 @@ def main(argv=None) -> int:
         ratios["c_over_b_samples_per_s"] = round(by["c"]["samples_per_s"] / by["b"]["samples_per_s"], 3)
     if "a" in by and "c" in by:
         ratios["c_loss_over_a"] = round(by["c"]["final_loss"] / by["a"]["final_loss"], 4)
+    for arm in ("c", "c-sync"):
+        key = arm.replace("-", "_")
+        if arm != "c" and arm in by and "b" in by:
+            ratios[f"{key}_over_b_samples_per_s"] = round(by[arm]["samples_per_s"] / by["b"]["samples_per_s"], 3)
+        if arm != "c" and arm in by and "a" in by:
+            ratios[f"{key}_loss_over_a"] = round(by[arm]["final_loss"] / by["a"]["final_loss"], 4)
+        if arm in by and "a-stage-clip" in by:
+            ratios[f"{key}_loss_over_a_stage_clip"] = round(by[arm]["final_loss"] / by["a-stage-clip"]["final_loss"], 4)
     for arm in ("c", "f-none"):
         other = "c-relay" if arm == "c" else "f-relay"
         if arm in by and other in by:  # through routing against relay, the same swarm otherwise

@@ -51,6 +51,7 @@ def build_parser():
     pipe.add_argument("--activation-codec", choices=ACTIVATION_CODECS, help=f"how activations travel between stages (default {d.activation_codec})")
     pipe.add_argument("--stage-step-samples", type=int, help=f"samples per optimizer step of a stage server (default {d.stage_step_samples})")
     pipe.add_argument("--micro-batches-in-flight", type=int, help=f"micro-batches a trainer keeps in the pipeline (default {d.micro_batches_in_flight})")
+    pipe.add_argument("--synchronous-steps", action="store_true", default=None, help="a trainer starts a step's micro-batches only once the previous step's came back (one trainer: synchronous pipeline training)")
     pipe.add_argument("--stage-routing", choices=STAGE_ROUTINGS, help=f"through: stages hand activations on to each other; relay: through the trainer, stage by stage (default {d.stage_routing})")
     pipe.add_argument("--stage-sync-every-s", type=float, help=f"seconds between two synchronisations of a stage's peers (default {d.stage_sync_every_s})")
     pipe.add_argument("--stage-outer-momentum", type=float, help="outer momentum of those syncs (default 0: plain parameter averaging)")

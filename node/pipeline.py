@@ -231,8 +231,9 @@ class StageServer(Role):
         self._acc_samples = 0
         self._acc_calls = 0  # micro-batches in the current accumulation (gradients are averaged over them)
         self.hash = ""
-        # kept: backwards through a kept graph; failed_after: through calls whose later stage failed
-        self.calls = {"forward": 0, "backward": 0, "train": 0, "through": 0, "refused": 0, "batched": 0, "kept": 0, "failed_after": 0}
+        # kept: backwards through a kept graph (stale: of a forward on older weights than now);
+        # failed_after: through calls whose later stage failed
+        self.calls = {"forward": 0, "backward": 0, "train": 0, "through": 0, "refused": 0, "batched": 0, "kept": 0, "stale": 0, "failed_after": 0}
         self.bytes_sent = self.bytes_received = 0  # of through calls to the next stage
         self._stages: dict[int, set[str]] = {}  # the peers of each stage, from the member records (through calls' routes)
         self._stages_read = -math.inf
@@ -247,7 +248,8 @@ class StageServer(Role):
         self._busy = asyncio.Lock()  # held while the parameters are used: a batch's compute, a sync
         self._stage_peers: list[str] = []  # the other peers of this stage, from the DHT
         self.averager = sync_averager(host, transport, node_config, run, namespace)
-        self._saved: dict[tuple[str, str], tuple[float, torch.Tensor, torch.Tensor]] = {}  # key -> (when, input, output); the compute thread's
+        self._saved: dict[tuple[str, str], tuple[float, torch.Tensor, torch.Tensor, int]] = {}  # key -> (when, input, output, weights_version); the compute thread's
+        self.weights_version = 0  # counts changes of the parameters (steps, syncs, states taken)
         self._stash: dict[tuple, torch.Tensor] = {}  # a weight (or view of one) -> its value for the graphs kept since the last step
         self._param_storages: set[int] = set()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stage", initializer=torch.set_num_threads, initargs=(node_config.torch_threads(),))
@@ -463,6 +465,7 @@ class StageServer(Role):
         self.outer = OuterOptimizer(self.stage.parameters(), 1.0, self.run_config.stage_outer_momentum)
         self.outer.load_state_dict({"params": self.outer.params, "momentum": [momentum[n] for n in names], "step": 0})
         self._stash = {}
+        self.weights_version += 1
 
     # ---- keeping the stage's peers in step
 
@@ -585,6 +588,7 @@ class StageServer(Role):
     def _apply_outer(self, avg: list[torch.Tensor]) -> None:
         copy_into(self.stage.parameters(), self.outer.apply(avg))
         self._stash = {}
+        self.weights_version += 1
         self.hash = self._params_hash()
 
     async def stop(self, planned: bool = True) -> None:
@@ -716,6 +720,7 @@ class StageServer(Role):
         t1 = time.monotonic()
         _, gx = await self._queued(_Pending("backward", None, grad, key))
         self.calls["through"] += 1
+        self.calls["kept"] += 1
         tensors = {} if gx is None or self.stage.first else {"grad": encode_floats(self.codec, gx)}
         return StageResult(loss=reply.loss, times=(own + time.monotonic() - t1, *reply.times), **pack_tensors(tensors))
 
@@ -853,7 +858,7 @@ class StageServer(Role):
         return list(zip(losses, grads))
 
     def _expire_saved(self, now: float) -> None:
-        for key in [k for k, (when, _, _) in self._saved.items() if now - when > SAVED_S]:
+        for key in [k for k, (when, *_) in self._saved.items() if now - when > SAVED_S]:
             del self._saved[key]  # their trainers went elsewhere
 
     def _make_room(self, limit: int) -> None:
@@ -889,16 +894,17 @@ class StageServer(Role):
             self._param_storages = {q.untyped_storage().data_ptr() for q in self.stage.parameters()}
             with torch.autograd.graph.saved_tensors_hooks(self._stash_weights, _same):
                 y = self.stage(x)
-            self._saved[p.key] = (now, x, y)
+            self._saved[p.key] = (now, x, y, self.weights_version)
             self._rate.append((time.thread_time() - t0, 0))
             return None, y.detach()
         kept = self._saved.pop(p.key, None)
         if kept is None:
             raise RPCError("not_found", f"no forward of micro-batch {p.key[1]!r} kept here: send the stage's input")
-        _, x, y = kept
+        _, x, y, version = kept
         if p.extra.shape != y.shape:
             raise RemoteProtocolError(f"stage {self.index} backward: grad has shape {tuple(p.extra.shape)}, the forward gave {tuple(y.shape)}")
         y.backward(p.extra)
+        self.calls["stale"] += version != self.weights_version  # its forward ran on weights older than these
         self._accumulated(x.size(0), 1, t0)
         return None, x.grad
 
@@ -915,6 +921,7 @@ class StageServer(Role):
                 g["lr"] = lr_at(self.steps, self.train_config)
             self.opt.step()
             self._stash = {}
+            self.weights_version += 1
             self.steps += 1
         self.opt.zero_grad(set_to_none=True)
         self._acc_samples = self._acc_calls = 0
@@ -1094,8 +1101,10 @@ class Trainer(Role):
             self._t0 = time.monotonic()
             n = 0
             send = self._micro_batch_through if self.run_config.stage_routing == "through" else self._micro_batch
+            # synchronous_steps: the micro-batches of one stage step in flight at a time
+            window = self.run_config.stage_step_samples // self.run_config.batch_size if self.run_config.synchronous_steps else 0
             while True:
-                while len(tasks) < self.run_config.micro_batches_in_flight:
+                while len(tasks) < self.run_config.micro_batches_in_flight and not (window and n % window == 0 and tasks):
                     x, y = batches.next()
                     tasks.add(asyncio.create_task(send(f"{self.host.peer_id[-6:]}-{n}", x, y)))
                     n += 1

@@ -64,6 +64,10 @@ class RunConfig:
     activation_codec: str = "none"  # how activations and their gradients travel between stages: none | fp16 | int8
     stage_step_samples: int = 64  # samples a stage server accumulates gradients over before an optimizer step
     micro_batches_in_flight: int = 4  # micro-batches (of batch_size sequences) a trainer keeps in the pipeline
+    # a trainer starts a stage step's micro-batches (stage_step_samples of them) only once the
+    # previous step's have all come back: synchronous pipeline training (no forward on weights
+    # older than the last step) with one trainer, bounded staleness with several
+    synchronous_steps: bool = False
     stage_routing: str = "through"  # through: stages hand activations to each other; relay: every activation goes back to the trainer
     stage_sync_every_s: float = 10.0  # seconds between two synchronisations of a stage's peers (with the run's codec)
     stage_outer_momentum: float = 0.0  # Nesterov momentum of those syncs' outer step (lr 1); 0: plain parameter averaging
@@ -73,6 +77,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, _CHECKS, RunConfigError)
+        if self.synchronous_steps and self.stage_step_samples % self.batch_size:
+            raise RunConfigError(f"synchronous_steps needs stage_step_samples ({self.stage_step_samples}) to be a multiple of batch_size ({self.batch_size})", "stage_step_samples")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -115,6 +115,11 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
             "coordinator-bad-run-env": Case(COORD, (), ("SWARMTRAIN_COORDINATOR_OUTER_MOMENTUM", "outer_momentum", "1.5"), env=(("SWARMTRAIN_COORDINATOR_OUTER_MOMENTUM", "1.5"),), light=True),
             "coordinator-bad-run-in-file": Case(COORD, ("--config", "{tmp}/run.toml"), ("run.toml", "join_timeout_s", "> 0", "-1"), light=True),
             "coordinator-bad-block-size": Case(COORD, ("--block-size", "3"), ("--block-size", "block_size", "3"), light=True),
+            "coordinator-synchronous-steps-misfit": Case(
+                COORD, ("--mode", "pipeline", "--num-stages", "2", "--batch-size", "3", "--stage-step-samples", "16", "--synchronous-steps"),
+                ("synchronous_steps", "stage_step_samples (16)", "batch_size (3)"), light=True,
+            ),
+            "coordinator-bad-stage-routing": Case(COORD, ("--stage-routing", "mail"), ("--stage-routing", "invalid choice", "mail"), light=True),
             "coordinator-zero-heartbeat-timeout": Case(COORD, ("--heartbeat-timeout-s", "0"), ("--heartbeat-timeout-s", "heartbeat_timeout_s", "> 0"), light=True),
             "coordinator-zero-keep-checkpoints": Case(COORD, ("--keep-checkpoints", "0"), ("--keep-checkpoints", "keep_checkpoints", "≥ 1"), light=True),
         }

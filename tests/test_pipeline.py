@@ -173,6 +173,7 @@ def test_a_backward_through_the_graph_its_forward_kept_gives_the_same_gradients_
             ga = out(await call(client, s1, "train", x=ya, targets=xs[0]), "grad")
             r = await call(client, s0, "backward", grad=ga, micro_batch="a")
             assert unpack_tensors(r) == {} and s0.calls["kept"] == 2
+            assert s0.calls["stale"] == 1  # a's forward ran on the weights before the step (b's backward came before it)
             got = {n: p.grad.clone() for n, p in s0.stage.named_parameters()}
             with pytest.raises(RemoteError, match=r"not_found: no forward of micro-batch 'a' kept here"):
                 await call(client, s0, "backward", grad=ga, micro_batch="a")  # used up

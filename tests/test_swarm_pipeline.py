@@ -85,6 +85,9 @@ def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_pe
         groups = {p.split(".")[0] if not p.startswith("blocks.") else ".".join(p.split(".")[:2]) for p in st["params"]}
         assert groups == want[st["stage"]], (name, st["stage"], groups)
         assert st["calls"]["refused"] == 0, st
+    # four micro-batches in flight per trainer and a step every four: forwards run on weights a
+    # step older than their backward's (weight stashing keeps their gradients right)
+    assert sum(stats(swarm, n, "stage")["calls"]["stale"] for n in servers if stats(swarm, n, "stage")["stage"] == 0) > 0
     last = [stats(swarm, n, "stage") for n in servers if stats(swarm, n, "stage")["stage"] == 2]
     assert sum(st["calls"]["through"] for st in last) >= 64
     # through routing: activations went stage to stage; a trainer sent token ids and got losses
@@ -236,6 +239,22 @@ def test_a_pipeline_swarm_stopped_and_started_again_resumes_every_stage_from_its
     # trained on from where the swarm stopped, not from the initial weights (fresh AdamW state
     # on every stage bumps the loss for a few steps: it is not in the checkpoints)
     assert h[0]["loss"] < loss_at_start - 0.3, (h[0], loss_at_start)
+
+
+def test_a_trainer_with_synchronous_steps_never_runs_a_forward_on_weights_older_than_the_last_step(swarm):
+    coord = swarm.coordinator("coordinator", None, None, *TWO_STAGES, "--synchronous-steps")  # a step every 16 samples: 4 micro-batches
+    maddr = coord.wait_ready()["maddrs"][0]
+    for n in ("a", "b"):
+        swarm.node(n, [maddr], *NODE)
+    wait_for(lambda: len(placed(coord)) == 2, 120, "one peer per stage")
+    swarm.node("t", [maddr], *NODE, "--wanted-role", "trainer")
+    wait_for(lambda: micro_batches(swarm, "t") >= 40, 300, "40 micro-batches")
+    first = next(stats(swarm, n, "stage") for n in ("a", "b") if stats(swarm, n, "stage")["stage"] == 0)
+    # every stage step took exactly the 4 micro-batches of one window: none of the next started
+    # before it, so no backward went through a graph of older weights
+    assert first["steps"] >= 8 and first["calls"]["kept"] >= 32 and first["calls"]["stale"] == 0, first
+    h = stats(swarm, "t", "trainer")["history"]
+    assert h[-1]["loss"] < h[0]["loss"], h
 
 
 def test_a_stage_left_with_one_of_four_peers_gets_a_peer_moved_to_it_and_the_mover_takes_its_state(swarm):
