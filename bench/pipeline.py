@@ -13,9 +13,9 @@ samples went through:
   (b) torch.distributed.pipelining, Schedule1F1B over gloo, one process per stage, one optimizer
       step per schedule step (step_samples / B micro-batches);
   (c) the swarm: a coordinator, one stage server per stage, one trainer (real processes, real p2pd);
-      `in_flight` micro-batches in the pipeline, stages stepping as they go (asynchronous);
-  (c-sync) (c) with synchronous steps: a step's micro-batches in flight, the next step's only
-      after them, as (b) schedules them;
+      synchronous steps (a step's micro-batches in flight, the next step's once they came back,
+      as (b) schedules them: the same algorithm);
+  (c-async) (c) with 2 micro-batches in flight and stages stepping as they come (asynchronous);
   (c-relay) (c) with the trainer relaying every activation (stage_routing relay);
   (d) the swarm with two peers per stage and two trainers (the samples are split between them);
   (e) (d) with one stage peer SIGKILLed and started again every `kill_every_s` seconds;
@@ -57,14 +57,14 @@ class Settings:
     lr: float = 3e-3
     warmup_steps: int = 5
     seed: int = 0
-    # micro-batches each trainer keeps in the pipeline. 2: on 2 cores the swarm is CPU-bound at 2
-    # already (arm c, 6144 samples: 1 / 2 / 3 / 4 in flight gave 58 / 109 / 110 / 110 samples/s),
-    # and every one more is staleness (loss 2.50 / 2.53 / 2.63 / 2.79; arm a: 2.55)
-    in_flight: int = 2
+    # micro-batches each trainer keeps in the pipeline: a step's (step_samples / batch_size), with
+    # synchronous steps (below) the swarm's trainers run (b)'s algorithm: a step's micro-batches
+    # in flight, the next step's once they came back
+    in_flight: int = 4
     kill_every_s: float = 30.0
     activation_codec: str = "none"
-    routing: str = "through"
-    synchronous: bool = False  # the swarm's trainers start a step's micro-batches once the previous step's came back (run setting synchronous_steps)  # the swarm's stage routing (run setting stage_routing): through | relay
+    routing: str = "through"  # the swarm's stage routing (run setting stage_routing): through | relay
+    synchronous: bool = True  # the swarm's trainers start a step's micro-batches once the previous step's came back (run setting synchronous_steps)
     rate: str = "100mbit"  # (f): each process's link
     outer_momentum: float = 0.0  # stage syncs (2 peers per stage), outer lr 1: 0 = plain parameter averaging
     sync_every_s: float = 10.0  # stage syncs: seconds between two
@@ -430,8 +430,11 @@ def main(argv=None) -> int:
         "d": ("swarm: 2 peers per stage, 2 trainers", lambda: run_swarm(s, work / "d", 2, 2, False, args.timeout)),
         "e": (f"swarm (d), a stage peer SIGKILLed and restarted every {s.kill_every_s:g} s", lambda: run_swarm(s, work / "e", 2, 2, True, args.timeout)),
     }
-    sync = dataclasses.replace(s, synchronous=True, in_flight=s.step_samples // s.batch_size)
-    arms["c-sync"] = ("swarm (c), synchronous steps: a step's micro-batches in flight, the next step's after them (as (b))", lambda: run_swarm(sync, work / "c-sync", 1, 1, False, args.timeout))
+    # 2 in flight, asynchronous: on 2 cores 1 / 2 / 3 / 4 in flight gave 58 / 109 / 110 / 110
+    # samples/s (arm c, an earlier machine), and every one more is staleness (loss 2.50 / 2.53 /
+    # 2.63 / 2.79 against (a)'s 2.55)
+    free = dataclasses.replace(s, synchronous=False, in_flight=2)
+    arms["c-async"] = ("swarm (c), asynchronous steps: 2 micro-batches in flight, stages stepping as they come", lambda: run_swarm(free, work / "c-async", 1, 1, False, args.timeout))
     relay = dataclasses.replace(s, routing="relay")
     arms["c-relay"] = ("swarm (c), the trainer relaying every activation (stage_routing relay)", lambda: run_swarm(relay, work / "c-relay", 1, 1, False, args.timeout))
     arms["f-relay"] = (
@@ -466,7 +469,7 @@ def main(argv=None) -> int:
         ratios["c_over_b_samples_per_s"] = round(by["c"]["samples_per_s"] / by["b"]["samples_per_s"], 3)
     if "a" in by and "c" in by:
         ratios["c_loss_over_a"] = round(by["c"]["final_loss"] / by["a"]["final_loss"], 4)
-    for arm in ("c", "c-sync"):
+    for arm in ("c", "c-async"):
         key = arm.replace("-", "_")
         if arm != "c" and arm in by and "b" in by:
             ratios[f"{key}_over_b_samples_per_s"] = round(by[arm]["samples_per_s"] / by["b"]["samples_per_s"], 3)
