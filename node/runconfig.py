@@ -169,7 +169,7 @@ _CHECKS: dict[str, Check] = {
     "eval_batches": at_least(1), "seed": at_least(0), "join_timeout_s": positive, "min_replicas": at_least(1),
     "num_stages": at_least(0), "stage_blocks": lambda v: None if re.fullmatch(r"(\d+(,\d+)*)?", v.replace(" ", "")) else "must be block counts separated by commas, e.g. 2,1,1",
     "activation_codec": one_of(*ACTIVATION_CODECS), "stage_step_samples": at_least(1), "micro_batches_in_flight": at_least(1),
-    "stage_routing": one_of(*STAGE_ROUTINGS),
+    "stage_routing": one_of(*STAGE_ROUTINGS), "synchronous_steps": lambda v: None,  # (a bool: its type is all there is to check)
     "stage_sync_every_s": positive, "stage_outer_momentum": below_one, "expert_shards": at_least(0),
 }  # fmt: skip
 
