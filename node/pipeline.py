@@ -698,9 +698,9 @@ class StageServer(Role):
             self.calls["through"] += 1
             return StageResult(loss=loss, times=(time.monotonic() - t0,), **pack_tensors({"grad": encode_floats(self.codec, gx)}))
         nxt = req.route[0]
-        if not await self._serves(nxt, self.index + 1):
-            self.calls["refused"] += 1
-            raise RemoteProtocolError(f"stage {self.index} through: the route names {nxt}, which serves no stage {self.index + 1} here")
+        if not await self._serves(nxt, self.index + 1):  # (or its record has not reached us yet: not the caller's fault)
+            self.calls["failed_after"] += 1
+            return StageResult(failed=nxt, failed_stage=self.index + 1, reason=f"{nxt} serves no stage {self.index + 1} in the member records stage {self.index}'s peer {self.host.peer_id} reads")
         key = (caller, f"through:{req.micro_batch}")
         _, y = await self._queued(_Pending("forward", x, None, key))
         own = time.monotonic() - t0
