@@ -914,7 +914,8 @@ class StageServer(Role):
         for p in params:
             p.grad.div_(max(self._acc_calls, 1))
         norm = torch.nn.utils.clip_grad_norm_(params, self.train_config.grad_clip) if self.train_config.grad_clip > 0 else None
-        if norm is not None and not torch.isfinite(norm):
+        stepped = norm is None or bool(torch.isfinite(norm))
+        if not stepped:
             log.warning("%s: non-finite gradient norm; dropping %d samples' gradients", self.what, self._acc_samples)
         else:
             for g in self.opt.param_groups:
@@ -922,10 +923,12 @@ class StageServer(Role):
             self.opt.step()
             self._stash = {}
             self.weights_version += 1
-            self.steps += 1
         self.opt.zero_grad(set_to_none=True)
         self._acc_samples = self._acc_calls = 0
         self.hash = self._params_hash()
+        # (on the compute thread, read on the event loop's: the count moves after the hash, so
+        # whoever sees a step sees its parameters' hash)
+        self.steps += stepped
 
     # ---- reporting
 
