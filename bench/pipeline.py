@@ -465,15 +465,11 @@ def main(argv=None) -> int:
         print(json.dumps(rows[-1]), file=sys.stderr)
     by = {r["arm"]: r for r in rows if r["status"] == "ok"}
     ratios = {}
-    if "b" in by and "c" in by:
-        ratios["c_over_b_samples_per_s"] = round(by["c"]["samples_per_s"] / by["b"]["samples_per_s"], 3)
-    if "a" in by and "c" in by:
-        ratios["c_loss_over_a"] = round(by["c"]["final_loss"] / by["a"]["final_loss"], 4)
     for arm in ("c", "c-async"):
         key = arm.replace("-", "_")
-        if arm != "c" and arm in by and "b" in by:
+        if arm in by and "b" in by:
             ratios[f"{key}_over_b_samples_per_s"] = round(by[arm]["samples_per_s"] / by["b"]["samples_per_s"], 3)
-        if arm != "c" and arm in by and "a" in by:
+        if arm in by and "a" in by:
             ratios[f"{key}_loss_over_a"] = round(by[arm]["final_loss"] / by["a"]["final_loss"], 4)
         if arm in by and "a-stage-clip" in by:
             ratios[f"{key}_loss_over_a_stage_clip"] = round(by[arm]["final_loss"] / by["a-stage-clip"]["final_loss"], 4)

@@ -681,9 +681,7 @@ class StageServer(Role):
             return await self._through(ctx.peer_id, req, x, extra)
         keep = req.micro_batch and (req.op == "forward" or (req.op == "backward" and x is None))
         p = _Pending(req.op, x, extra, (ctx.peer_id, req.micro_batch) if keep else None)
-        self._queue.append(p)
-        self._wake.set()
-        loss, out = await p.done
+        loss, out = await self._queued(p)
         self.calls[req.op] += 1
         self.calls["kept"] += p.op == "backward" and p.x is None
         tensors = {} if out is None else {"y" if req.op == "forward" else "grad": encode_floats(self.codec, out)}
@@ -773,13 +771,7 @@ class StageServer(Role):
         except Exception as e:  # the DHT may be briefly unreachable: the view stays as it was
             log.debug("%s: could not read member records: %s", self.what, e)
             return
-        fresh = time.time() - self.node_config.record_ttl_s
-        stages: dict[int, set[str]] = {}
-        for p, rec in members.items():
-            s = stage_of_role(rec.role)
-            if s is not None and rec.issued_at > fresh:
-                stages.setdefault(s, set()).add(p)
-        self._stages = stages
+        self._stages = {s: set(ps) for s, ps in peers_by_stage(members, self.node_config.record_ttl_s).items()}
 
     def _inputs(self, req: StageCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode and check what a call carries, before any compute; raises RemoteProtocolError
@@ -1054,6 +1046,16 @@ class StagePeers:
         return st.backoff_s
 
 
+def peers_by_stage(members: dict[str, Any], ttl_s: float) -> dict[int, list[str]]:
+    """stage -> the peers whose member record (fresher than `ttl_s`) names them a peer of it."""
+    stages: dict[int, list[str]] = {}
+    for peer, rec in members.items():
+        s = stage_of_role(rec.role)
+        if s is not None and time.time() - rec.issued_at < ttl_s:
+            stages.setdefault(s, []).append(peer)
+    return stages
+
+
 def stage_of_role(label: str) -> int | None:
     """The stage of a member record's role label ("stage:2" -> 2), None for other roles."""
     role, _, slot = label.partition(":")
@@ -1132,11 +1134,7 @@ class Trainer(Role):
             except Exception as e:  # the DHT may be briefly unreachable
                 log.debug("could not read member records: %s", e)
                 members = {}
-            stages: dict[int, list[str]] = {}
-            for peer, rec in members.items():
-                s = stage_of_role(rec.role)
-                if s is not None and s < len(self.plan) and time.time() - rec.issued_at < self.node_config.record_ttl_s:
-                    stages.setdefault(s, []).append(peer)
+            stages = {s: ps for s, ps in peers_by_stage(members, self.node_config.record_ttl_s).items() if s < len(self.plan)}
             if members:
                 self.peers.update(stages)
             if all(stages.get(s) for s in range(len(self.plan))):

@@ -64,7 +64,7 @@ class RunConfig:
     activation_codec: str = "none"  # how activations and their gradients travel between stages: none | fp16 | int8
     stage_step_samples: int = 64  # samples a stage server accumulates gradients over before an optimizer step
     micro_batches_in_flight: int = 4  # micro-batches (of batch_size sequences) a trainer keeps in the pipeline
-    # a trainer starts a stage step's micro-batches (stage_step_samples of them) only once the
+    # a trainer starts a stage step's micro-batches (stage_step_samples / batch_size) only once the
     # previous step's have all come back: synchronous pipeline training (no forward on weights
     # older than the last step) with one trainer, bounded staleness with several
     synchronous_steps: bool = False

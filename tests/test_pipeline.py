@@ -80,7 +80,8 @@ def out(reply: StageResult, name: str) -> torch.Tensor:
     return decode_tensor(unpack_tensors(reply)[name])
 
 
-def test_calls_chained_through_stage_servers_give_the_models_loss_and_gradients(tmp_path):
+def reference():
+    """RUN's whole model, a micro-batch of 3 sequences (x, y), and its loss, backward done."""
     cfg = RUN.model_config()
     model = init_model(cfg, RUN.seed)
     gen = torch.Generator().manual_seed(0)
@@ -88,6 +89,19 @@ def test_calls_chained_through_stage_servers_give_the_models_loss_and_gradients(
     y = torch.randint(0, cfg.vocab_size, (3, 16), generator=gen)
     _, loss = model(x, y)
     loss.backward()
+    return model, x, y, loss
+
+
+def assert_like_the_model(got_loss: float, grads: dict[str, torch.Tensor], model, loss) -> None:
+    assert math.isclose(got_loss, loss.item(), rel_tol=1e-6)
+    want = dict(model.named_parameters())
+    assert set(grads) == set(want)  # the two stages together hold every parameter, once
+    for n, g in grads.items():
+        torch.testing.assert_close(g, want[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_calls_chained_through_stage_servers_give_the_models_loss_and_gradients(tmp_path):
+    model, x, y, loss = reference()
 
     async def main():
         async with stage_servers(tmp_path, RUN) as ((s0, s1), client):
@@ -99,11 +113,7 @@ def test_calls_chained_through_stage_servers_give_the_models_loss_and_gradients(
             return r.loss, {n: p.grad.clone() for s in (s0, s1) for n, p in s.stage.named_parameters()}, s0, s1
 
     got_loss, grads, s0, s1 = asyncio.run(main())
-    assert math.isclose(got_loss, loss.item(), rel_tol=1e-6)
-    want = dict(model.named_parameters())
-    assert set(grads) == set(want)  # the two stages together hold every parameter, once
-    for n, g in grads.items():
-        torch.testing.assert_close(g, want[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert_like_the_model(got_loss, grads, model, loss)
     assert s0.samples == s1.samples == 3 and s0.steps == 0  # accumulated, no step yet (10 000 samples per step)
 
 
@@ -114,13 +124,7 @@ async def through(client, server, route, micro_batch="m", deadline=20.0, **tenso
 
 
 def test_a_through_call_hands_activations_stage_to_stage_and_gives_the_models_loss_and_gradients(tmp_path):
-    cfg = RUN.model_config()
-    model = init_model(cfg, RUN.seed)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, cfg.vocab_size, (3, 16), generator=gen)
-    y = torch.randint(0, cfg.vocab_size, (3, 16), generator=gen)
-    _, loss = model(x, y)
-    loss.backward()
+    model, x, y, loss = reference()
 
     async def main():
         async with stage_servers(tmp_path, RUN) as ((s0, s1), client):
@@ -145,11 +149,7 @@ def test_a_through_call_hands_activations_stage_to_stage_and_gives_the_models_lo
             return r.loss, grads
 
     got_loss, grads = asyncio.run(main())
-    assert math.isclose(got_loss, loss.item(), rel_tol=1e-6)
-    want = dict(model.named_parameters())
-    assert set(grads) == set(want)  # the two stages together hold every parameter, once
-    for n, g in grads.items():
-        torch.testing.assert_close(g, want[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert_like_the_model(got_loss, grads, model, loss)
 
 
 def test_a_backward_through_the_graph_its_forward_kept_gives_the_same_gradients_without_the_input(tmp_path):
