@@ -8,8 +8,11 @@ micro-batches of the built-in corpus (batch size B sequences), with AdamW steppi
 samples went through:
 
   (a) the whole model in one process;
-  (a-stage-clip) (a), each stage's gradients clipped to the norm on their own, as the swarm's
-      stage servers and (b)'s ranks clip (its loss is (b)'s: the same algorithm);
+  (a-stage-clip) (a), each stage's gradients clipped to the norm on their own, as (b)'s ranks
+      clip (its loss is (b)'s: the same algorithm);
+  (a-rounding) (a) with the global norm put together as the swarm's stage servers do (each
+      stage's norm, then their squares summed in float64): the same algorithm as (a) up to
+      float rounding, to show how far rounding alone moves the final loss;
   (b) torch.distributed.pipelining, Schedule1F1B over gloo, one process per stage, one optimizer
       step per schedule step (step_samples / B micro-batches);
   (c) the swarm: a coordinator, one stage server per stage, one trainer (real processes, real p2pd);
@@ -77,9 +80,10 @@ def _env() -> dict:
 # ---- (a) one process -----------------------------------------------------------------------------
 
 
-def run_single(s: Settings, per_stage_clip: bool = False) -> dict:
-    """(a); with `per_stage_clip`, each stage's parameters clipped to the norm on their own, as
-    the swarm's stage servers and (b)'s ranks clip (one process clips one norm over all)."""
+def run_single(s: Settings, clip: str = "global") -> dict:
+    """(a), clipping by one norm over all parameters; `clip` "stage": each stage's parameters
+    clipped to the norm on their own, as (b)'s ranks clip; "stages-global": one global norm put
+    together from the stages' as the swarm's stage servers do (node/pipeline.py StageServer._step)."""
     import torch
 
     from node.data import Batches, load_corpus
@@ -94,7 +98,7 @@ def run_single(s: Settings, per_stage_clip: bool = False) -> dict:
     batches = Batches(load_corpus().train, 0, 1, s.batch_size, cfg.context, s.seed)
     per_step = s.step_samples // s.batch_size
     groups = [list(model.parameters())]
-    if per_stage_clip:
+    if clip != "global":
         from node.stages import Stage, plan_stages
 
         plan = plan_stages(cfg, s.stages)
@@ -111,8 +115,16 @@ def run_single(s: Settings, per_stage_clip: bool = False) -> dict:
         if (i + 1) % per_step == 0:
             for g in opt.param_groups:
                 g["lr"] = lr_at(steps, tc)
-            for g in groups:
-                torch.nn.utils.clip_grad_norm_(g, tc.grad_clip)
+            if clip == "stages-global":
+                owns = [torch.stack([p.grad.norm() for p in g]).norm() for g in groups]
+                for j, g in enumerate(groups):
+                    others2 = sum(float(o) ** 2 for i, o in enumerate(owns) if i != j)
+                    coef = torch.clamp(tc.grad_clip / ((owns[j].double() ** 2 + others2).sqrt().float() + 1e-6), max=1.0)
+                    for p in g:
+                        p.grad.mul_(coef)
+            else:
+                for g in groups:
+                    torch.nn.utils.clip_grad_norm_(g, tc.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             steps += 1
@@ -357,13 +369,18 @@ def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill
             lost += st["lost"]
             nbytes += st["bytes_sent"] + st["bytes_received"]
             samples += st["samples"]
+        clips, stale = {"global": 0, "alone": 0}, 0
         for n in servers:  # through routing: what stages sent each other (their calls and the answers)
             try:
                 st = json.loads((work / n / "stage-stats.json").read_text())
             except (OSError, ValueError):
                 continue
             nbytes += st.get("bytes_sent", 0) + st.get("bytes_received", 0)
-        return {"samples_per_s": sum(rates), "final_loss": sum(losses) / len(losses), "bytes_per_sample": nbytes / max(samples, 1), "lost": lost, "kills": kills}
+            stale += st["calls"]["stale"]
+            for k in clips:
+                clips[k] += st["clips"][k]
+        return {"samples_per_s": sum(rates), "final_loss": sum(losses) / len(losses), "bytes_per_sample": nbytes / max(samples, 1), "lost": lost, "kills": kills,
+                "stale_backwards": stale, "steps_clipped": clips}  # fmt: skip
     finally:
         sw.close()
         if topo is not None:
@@ -423,7 +440,8 @@ def main(argv=None) -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-pipeline-"))
     arms = {
         "a": ("the model in one process", lambda: run_single(s)),
-        "a-stage-clip": ("(a), each stage's gradients clipped on their own, as the swarm's stage servers (and (b)'s ranks) clip", lambda: run_single(s, True)),
+        "a-stage-clip": ("(a), each stage's gradients clipped on their own, as (b)'s ranks clip", lambda: run_single(s, "stage")),
+        "a-rounding": ("(a), its global norm put together from the stages' norms as the swarm's stage servers do (float rounding apart, (a))", lambda: run_single(s, "stages-global")),
         "b": ("torch.distributed.pipelining 1F1B over gloo, one process per stage", lambda: run_torch_pipeline(s, work / "b", args.timeout)),
         "b-kill": ("(b) with its middle stage's process SIGKILLed once", lambda: run_torch_pipeline_killed(s, work / "b-kill")),
         "c": ("swarm: 1 peer per stage, 1 trainer", lambda: run_swarm(s, work / "c", 1, 1, False, args.timeout)),
@@ -469,10 +487,9 @@ def main(argv=None) -> int:
         key = arm.replace("-", "_")
         if arm in by and "b" in by:
             ratios[f"{key}_over_b_samples_per_s"] = round(by[arm]["samples_per_s"] / by["b"]["samples_per_s"], 3)
+    for arm in ("c", "c-async", "a-rounding", "a-stage-clip", "b"):
         if arm in by and "a" in by:
-            ratios[f"{key}_loss_over_a"] = round(by[arm]["final_loss"] / by["a"]["final_loss"], 4)
-        if arm in by and "a-stage-clip" in by:
-            ratios[f"{key}_loss_over_a_stage_clip"] = round(by[arm]["final_loss"] / by["a-stage-clip"]["final_loss"], 4)
+            ratios[f"{arm.replace('-', '_')}_loss_over_a"] = round(by[arm]["final_loss"] / by["a"]["final_loss"], 4)
     for arm in ("c", "f-none"):
         other = "c-relay" if arm == "c" else "f-relay"
         if arm in by and other in by:  # through routing against relay, the same swarm otherwise

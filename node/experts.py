@@ -118,6 +118,7 @@ class ExpertHost(StageServer):
     name = "expert"
     CALL = ExpertCall
     COORDINATOR_KEEPS = False  # a shard's state lives on its replicas
+    CLIP_ACROSS = False  # the trainer's global clip comes with each micro-batch's commit (ExpertClient.commit)
 
     def __init__(self, host, transport, membership, node_config, run: RunConfig, slot: str | None):
         index = shard_of_label(f"expert:{slot}") if slot else None

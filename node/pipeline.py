@@ -35,7 +35,23 @@ A stage server takes the calls queued at the moment it is free as one batch (for
 no graph, recomputing backwards and train calls of the same shape, up to `MAX_BATCH_SAMPLES`),
 so several trainers share one forward; it adds no waiting of its own. Gradients of every
 backward accumulate; after `stage_step_samples` samples the server takes an AdamW step (the
-run's learning rate schedule, gradients clipped per stage).
+run's learning rate schedule).
+
+Steps clip gradients by one global norm, as one process clips the whole model's (what
+Megatron-style pipelines do with an all-reduce of the norms; torch.distributed.pipelining leaves
+each rank to clip its own). With no barrier between stages, the norms travel with the calls:
+when a stage's step falls due it puts its gradient's squared norm in every answer from then on
+(`norms2`, with a count of its steps so an older answer cannot bring an older norm back), the
+trainer hands the latest of every stage on in each call, and the stage takes the step when the
+next call arrives (or after `PENDING_S` without one), clipped by the norm of its own gradient and
+the others' from that call. With synchronous steps and one peer per stage the next step's first
+call carries exactly this step's norms: the stages clip as one process does (tests/
+test_pipeline.py checks the weights against one process's). Asynchronous, or with several peers
+per stage, the others' norms may be a step old. (Per stage, the loss at 6144 samples was 2.476
+against one process's 2.622, a different algorithm: bench/pipeline.py arm a-stage-clip. Clipped
+globally, the swarm's runs gave 2.558 to 2.593; the same global clip in one process with the
+norm only summed in another order gave 2.552: at this setting rounding alone moves the loss by
+that much, arm a-rounding.)
 
 The peers of a stage stay in step: every `stage_sync_every_s` seconds of wall-clock time (the
 same boundaries everywhere, so they arrive together and nobody waits) each averages its
@@ -102,6 +118,7 @@ SAVED_S = 60.0  # seconds a kept forward graph waits for its backward
 KEEP_STATES = 2  # states a stage server keeps on disk (the latest is served)
 MIN_RATE_BATCHES = 16  # batches a stage server computes before it reports how fast it is
 HANDOVER_S = 60.0  # longest the last peer of a stage waits on SIGTERM for a peer to take its state
+PENDING_S = 1.0  # longest a due step waits for the next call (which brings the other stages' norms)
 
 
 def activation_codec(run: RunConfig, n_embd: int):
@@ -235,6 +252,10 @@ class StageServer(Role):
         # failed_after: through calls whose later stage failed
         self.calls = {"forward": 0, "backward": 0, "train": 0, "through": 0, "refused": 0, "batched": 0, "kept": 0, "stale": 0, "failed_after": 0}
         self.bytes_sent = self.bytes_received = 0  # of through calls to the next stage
+        self.due_norm: tuple[int, float] = (0, -1.0)  # (steps due so far, the squared norm of the latest one's gradient); set on the compute thread
+        self._others2: float | None = None  # the other stages' squared norms together, from the latest call that carried them all
+        self.clips = {"global": 0, "alone": 0}  # steps clipped by every stage's norm, by this stage's alone
+        self.last_norm = (-1.0, -1.0)  # the last step's gradient norm: this stage's, the other stages' (-1: not known)
         self._stages: dict[int, set[str]] = {}  # the peers of each stage, from the member records (through calls' routes)
         self._stages_read = -math.inf
         self._stages_reading: asyncio.Future | None = None
@@ -286,6 +307,7 @@ class StageServer(Role):
 
     CALL = StageCall  # the message it serves
     COORDINATOR_KEEPS = True  # the coordinator keeps checkpoints of this kind of state (and offers them)
+    CLIP_ACROSS = True  # steps clip by the norm of every stage's gradient (see `_step`), not this stage's alone
 
     def _step_due(self) -> bool:
         return self._acc_samples >= self.run_config.stage_step_samples
@@ -316,7 +338,15 @@ class StageServer(Role):
         while True:
             while not self._queue:
                 self._wake.clear()
-                await self._wake.wait()
+                if self.CLIP_ACROSS and self._step_due():  # the next call brings the other stages' norms of this step
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), PENDING_S)
+                    except TimeoutError:  # none came: step with the norms heard last
+                        await self._step_now()
+                else:
+                    await self._wake.wait()
+            if self.CLIP_ACROSS and self._step_due():  # (due after the last batch: before this one uses the weights)
+                await self._step_now()
             await self._busy.acquire()
             batch = self._take_batch()
             work = asyncio.ensure_future(self._compute(self._run_batch, batch))
@@ -345,10 +375,13 @@ class StageServer(Role):
             for p, r in zip(batch, results):
                 if not p.done.done():
                     p.done.set_result(r)
-            if self._step_due():
-                async with self._busy:
-                    await self._compute(self._step)
-                self._report()
+            if self._step_due() and not self.CLIP_ACROSS:
+                await self._step_now()
+
+    async def _step_now(self) -> None:
+        async with self._busy:
+            await self._compute(self._step, *([self._others2] if self.CLIP_ACROSS else []))
+        self._report()
 
     # ---- keeping the stage's peers in step
 
@@ -625,6 +658,8 @@ class StageServer(Role):
         downloaded that state, at most HANDOVER_S; not at all when nobody was named. Peers of the stage that stay keep the stage's state: nothing to hand."""
         if await self._read_stage_peers():
             return
+        if self._step_due():  # a step that waited for the next call: nothing trained stays behind
+            await self._step_now()
         step = max(self.state_step + 1, math.floor(time.time() / self.run_config.stage_sync_every_s))
         async with self._busy:
             params = [p.detach().clone() for p in self.stage.parameters()]
@@ -672,6 +707,7 @@ class StageServer(Role):
         req: StageCall = ctx.request
         if req.stage != self.index:
             raise RPCError("not_found", f"this peer serves stage {self.index}, not {req.stage}")
+        self._heard(req.norms2)
         try:
             x, extra = self._inputs(req)
         except (RemoteProtocolError, StageInputError) as e:
@@ -685,7 +721,16 @@ class StageServer(Role):
         self.calls[req.op] += 1
         self.calls["kept"] += p.op == "backward" and p.x is None
         tensors = {} if out is None else {"y" if req.op == "forward" else "grad": encode_floats(self.codec, out)}
-        return StageResult(loss=loss, **pack_tensors(tensors))
+        steps, norm2 = self.due_norm
+        return StageResult(loss=loss, norms2=(norm2,), norm_steps=(steps,), **pack_tensors(tensors))
+
+    def _heard(self, norms2: tuple[float, ...]) -> None:
+        """A call's norms of every stage's latest step: ours clips by them with its own (only
+        when it names them all; a caller that has not heard of every stage yet changes nothing)."""
+        if len(norms2) == len(self.plan):
+            others = [v for i, v in enumerate(norms2) if i != self.index]
+            if all(v >= 0 for v in others):
+                self._others2 = sum(others)
 
     async def _through(self, caller: str, req: StageCall, x: torch.Tensor, targets: torch.Tensor) -> StageResult:
         """A micro-batch on its way through this and the later stages (see StageCall): forward
@@ -694,7 +739,8 @@ class StageServer(Role):
         if self.stage.last:
             loss, gx = await self._queued(_Pending("train", x, targets))
             self.calls["through"] += 1
-            return StageResult(loss=loss, times=(time.monotonic() - t0,), **pack_tensors({"grad": encode_floats(self.codec, gx)}))
+            steps, norm2 = self.due_norm
+            return StageResult(loss=loss, times=(time.monotonic() - t0,), norms2=(norm2,), norm_steps=(steps,), **pack_tensors({"grad": encode_floats(self.codec, gx)}))
         nxt = req.route[0]
         if not await self._serves(nxt, self.index + 1):  # (or its record has not reached us yet: not the caller's fault)
             self.calls["failed_after"] += 1
@@ -702,7 +748,7 @@ class StageServer(Role):
         key = (caller, f"through:{req.micro_batch}")
         _, y = await self._queued(_Pending("forward", x, None, key))
         own = time.monotonic() - t0
-        call = StageCall(stage=self.index + 1, op="through", micro_batch=req.micro_batch, route=req.route[1:], deadlines=req.deadlines[1:],
+        call = StageCall(stage=self.index + 1, op="through", micro_batch=req.micro_batch, route=req.route[1:], deadlines=req.deadlines[1:], norms2=req.norms2,
                          **pack_tensors({"x": encode_floats(self.codec, y), "targets": _TOKENS.encode(targets)}))  # fmt: skip
         try:
             reply = await self.transport.send(nxt, call, timeout=req.deadlines[0], reuse=True)
@@ -720,7 +766,9 @@ class StageServer(Role):
         self.calls["through"] += 1
         self.calls["kept"] += 1
         tensors = {} if gx is None or self.stage.first else {"grad": encode_floats(self.codec, gx)}
-        return StageResult(loss=reply.loss, times=(own + time.monotonic() - t1, *reply.times), **pack_tensors(tensors))
+        steps, norm2 = self.due_norm
+        return StageResult(loss=reply.loss, times=(own + time.monotonic() - t1, *reply.times), norms2=(norm2, *reply.norms2), norm_steps=(steps, *reply.norm_steps),
+                           **pack_tensors(tensors))  # fmt: skip
 
     def _through_answer(self, reply, later: int, shape: tuple[int, ...]) -> torch.Tensor | None:
         """The gradient of our output from the next stage's answer to a through call, checked (None
@@ -731,8 +779,8 @@ class StageServer(Role):
             if not self.index + 1 < reply.failed_stage < len(self.plan):
                 raise RemoteProtocolError(f"reports a failure at stage {reply.failed_stage}, not a stage after it")
             return None
-        if reply.loss is None or len(reply.times) != later:
-            raise RemoteProtocolError(f"a through answer needs a loss and {later} stage times, got {reply.loss} and {len(reply.times)}")
+        if reply.loss is None or len(reply.times) != later or len(reply.norms2) != later:
+            raise RemoteProtocolError(f"a through answer needs a loss, {later} stage times and {later} norms, got {reply.loss}, {len(reply.times)} and {len(reply.norms2)}")
         encoded = unpack_tensors(reply, self.max_numel)
         if set(encoded) != {"grad"}:
             raise RemoteProtocolError(f"a through answer carries {sorted(encoded)}, expected ['grad']")
@@ -871,10 +919,18 @@ class StageServer(Role):
         return kept
 
     def _accumulated(self, samples: int, calls: int, t0: float) -> None:
+        due = self._step_due()
         self._acc_samples += samples
         self._acc_calls += calls
         self.samples += samples
         self._rate.append((time.thread_time() - t0, samples))
+        if self.CLIP_ACROSS and not due and self._step_due():  # our part of the step's global norm, in the answers from now on
+            self.due_norm = (self.due_norm[0] + 1, self._own_norm2())
+
+    def _own_norm2(self) -> float:
+        """The squared norm of the gradient accumulated here, averaged per micro-batch as the step takes it."""
+        norms = [p.grad.detach().norm() for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
+        return (torch.stack(norms).norm().item() / max(self._acc_calls, 1)) ** 2 if norms else 0.0
 
     def _run_kept(self, p: _Pending, t0: float) -> tuple[float | None, torch.Tensor | None]:
         """A forward that keeps its graph, or the backward through a kept graph."""
@@ -900,12 +956,23 @@ class StageServer(Role):
         self._accumulated(x.size(0), 1, t0)
         return None, x.grad
 
-    def _step(self) -> None:
-        """An optimizer step on the gradients accumulated since the last, averaged per micro-batch."""
+    def _step(self, others2: float | None = None) -> None:
+        """An optimizer step on the gradients accumulated since the last, averaged per micro-batch,
+        clipped to the run's max norm: by the norm of every stage's gradient together when
+        `others2` (the other stages' squared norms) is known, as one process clips the whole
+        model's (torch's clip_grad_norm_), else by this stage's alone."""
         params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
         for p in params:
             p.grad.div_(max(self._acc_calls, 1))
-        norm = torch.nn.utils.clip_grad_norm_(params, self.train_config.grad_clip) if self.train_config.grad_clip > 0 else None
+        norm = None
+        if self.train_config.grad_clip > 0 and params:
+            own = torch.stack([p.grad.detach().norm() for p in params]).norm()
+            norm = own if others2 is None else (own.double() ** 2 + others2).sqrt().float()
+            coef = torch.clamp(self.train_config.grad_clip / (norm + 1e-6), max=1.0)
+            self.last_norm = (float(own), -1.0 if others2 is None else math.sqrt(others2))  # (reported with the step)
+            for p in params:
+                p.grad.mul_(coef)
+            self.clips["alone" if others2 is None else "global"] += 1
         stepped = norm is None or bool(torch.isfinite(norm))
         if not stepped:
             log.warning("%s: non-finite gradient norm; dropping %d samples' gradients", self.what, self._acc_samples)
@@ -942,7 +1009,7 @@ class StageServer(Role):
         rate = self.samples_per_second()
         if rate is not None:
             p.samples_per_second, p.measured_as = rate, self.label
-        self.history.append({"step": self.steps, "samples": self.samples, "state_hash": self.hash, "time": time.time(), **entry})
+        self.history.append({"step": self.steps, "samples": self.samples, "state_hash": self.hash, "time": time.time(), "norms": self.last_norm, **entry})
         del self.history[:-200]
         stats = {
             **self._slot_stats(),
@@ -953,6 +1020,7 @@ class StageServer(Role):
             "samples": self.samples,
             "state_hash": self.hash,
             "calls": self.calls,
+            "clips": self.clips,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "samples_per_second": rate,
@@ -1086,6 +1154,7 @@ class Trainer(Role):
         self.bytes_sent = self.bytes_received = 0
         self.history: list[dict[str, Any]] = []
         self._losses: list[float] = []
+        self._norms: dict[int, tuple[str, int, float]] = {}  # stage -> (peer, its steps due, squared norm of the latest): handed on in every call
         self._stages_known = asyncio.Event()
         self._t0 = time.monotonic()
 
@@ -1141,6 +1210,20 @@ class Trainer(Role):
                 self._stages_known.set()
             await asyncio.sleep(PEERS_REFRESH_S if self._stages_known.is_set() else 0.5)
 
+    def _norms2(self) -> tuple[float, ...]:
+        """What every call carries: each stage's latest gradient norm we heard (-1: none yet)."""
+        return tuple(self._norms[s][2] if s in self._norms else -1.0 for s in range(len(self.plan)))
+
+    def _heard(self, peers: list[str], first: int, reply: StageResult) -> None:
+        """The norms an answer carries, of the stages from `first` on (served by `peers`): the
+        newest step of each wins, so answers that cross on the way do not bring an older one back."""
+        for i, (steps, norm2) in enumerate(zip(reply.norm_steps, reply.norms2)):
+            if i >= len(peers) or norm2 < 0:
+                continue
+            held = self._norms.get(first + i)
+            if held is None or held[0] != peers[i] or steps > held[1]:
+                self._norms[first + i] = (peers[i], steps, norm2)
+
     async def _micro_batch(self, name: str, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """One micro-batch through every stage and back; its loss, or None if it was given up."""
         last = len(self.plan) - 1
@@ -1181,7 +1264,7 @@ class Trainer(Role):
                 continue
             waits = [self.peers.timeout(p) for p in route]
             deadlines = [sum(waits[i:]) for i in range(stages)]  # each call waits for the stages after it too
-            request = StageCall(stage=0, op="through", micro_batch=name, route=tuple(route[1:]), deadlines=tuple(deadlines[1:]), **encoded)
+            request = StageCall(stage=0, op="through", micro_batch=name, route=tuple(route[1:]), deadlines=tuple(deadlines[1:]), norms2=self._norms2(), **encoded)
             for p in route:
                 self.peers.peers[p].inflight += 1
             blame, why = route[0], ""
@@ -1194,8 +1277,8 @@ class Trainer(Role):
                         blame, why = reply.failed, reply.reason
                     else:  # it names a peer we did not route through: its own failure
                         why = f"reports a failure of {reply.failed[-8:]} at stage {reply.failed_stage}, not on its route"
-                elif reply.loss is None or len(reply.times) != stages or reply.tensors:
-                    why = f"a through answer needs a loss and {stages} stage times and no tensors, got {reply.loss}, {len(reply.times)}, {len(reply.tensors)}"
+                elif reply.loss is None or len(reply.times) != stages or len(reply.norms2) != stages or reply.tensors:
+                    why = f"a through answer needs a loss, {stages} stage times and norms and no tensors, got {reply.loss}, {len(reply.times)}, {len(reply.norms2)}, {len(reply.tensors)}"
             except (*NETWORK_ERRORS, RemoteProtocolError) as e:
                 why = _short(e)
                 if isinstance(e, RemoteError) and e.code == "bad_request":
@@ -1209,6 +1292,7 @@ class Trainer(Role):
             if not why:
                 for p, seconds in zip(route, reply.times):
                     self.peers.succeeded(p, seconds)
+                self._heard(route, 0, reply)
                 self.bytes_sent += len(request.data)
                 self.bytes_received += len(reply.data)
                 return reply.loss
@@ -1221,7 +1305,7 @@ class Trainer(Role):
     async def _backward_kept(self, stage: int, peer: str, name: str, grad: torch.Tensor, want: tuple[str, ...], bt: torch.Size):
         """The backward on the peer that ran the forward, through the graph it kept: only the
         gradient travels. None when that does not work out (the caller recomputes elsewhere)."""
-        request = StageCall(stage=stage, op="backward", micro_batch=name, **pack_tensors({"grad": encode_floats(self.codec, grad)}))
+        request = StageCall(stage=stage, op="backward", micro_batch=name, norms2=self._norms2(), **pack_tensors({"grad": encode_floats(self.codec, grad)}))
         st = self.peers.peers.get(peer)
         if st is None or st.banned_until > time.monotonic():
             return None
@@ -1241,13 +1325,14 @@ class Trainer(Role):
         self.peers.succeeded(peer, time.monotonic() - t0)
         self.bytes_sent += len(request.data)
         self.bytes_received += len(reply.data)
+        self._heard([peer], stage, reply)
         return outs
 
     async def _call(self, stage: int, op: str, name: str, tensors: dict[str, torch.Tensor], want: tuple[str, ...]):
         """One stage call, retried on other peers of the stage until one answers well; (tensors
         wanted, loss, the peer that answered)."""
         encoded = {k: (_TOKENS.encode(t) if not t.is_floating_point() else encode_floats(self.codec, t)) for k, t in tensors.items()}
-        request = StageCall(stage=stage, op=op, micro_batch=name, **pack_tensors(encoded))
+        request = StageCall(stage=stage, op=op, micro_batch=name, norms2=self._norms2(), **pack_tensors(encoded))
         refused: list[str] = []
         tried: set[str] = set()
         while True:
@@ -1278,6 +1363,7 @@ class Trainer(Role):
             self.peers.succeeded(peer, time.monotonic() - t0)
             self.bytes_sent += len(request.data)
             self.bytes_received += len(reply.data)
+            self._heard([peer], stage, reply)
             return outs, reply.loss, peer
 
     def _outputs(self, reply, want: tuple[str, ...], bt: torch.Size, op: str) -> list[torch.Tensor]:

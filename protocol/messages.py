@@ -585,6 +585,10 @@ class AvgDecisionQuery(Message):
 
 STAGE_OPS = ("forward", "backward", "train", "through")
 MAX_ROUTE = 64  # stages after the called one a `through` call may name
+
+
+def _norms2_ok(norms2: tuple[float, ...]) -> bool:
+    return len(norms2) <= MAX_ROUTE + 1 and all(v == -1 or (math.isfinite(v) and v >= 0) for v in norms2)
 MAX_DEADLINE_S = 3600.0
 MAX_BUNDLE_TENSORS = 4
 
@@ -622,7 +626,11 @@ class StageCall(Message):
       server runs its forward, calls `route[0]` with the rest of the way, runs its backward with
       the gradient that comes back and answers the `loss`, `grad` of `x` and every stage's
       `times`; the last stage does what `train` does. Activations go stage to stage, not through
-      the trainer."""
+      the trainer.
+    Every call may carry `norms2`: for each stage of the cut, the squared norm of its gradient
+    at its latest step as the caller last heard it (-1: not heard). A stage clips its next step
+    by the norm of all of them together (one global clip, as one process clips the model's);
+    a through call hands them on."""
 
     BULK_FIELDS = ("data",)
 
@@ -634,9 +642,11 @@ class StageCall(Message):
     data: bytes = b""
     route: tuple[str, ...] = ()
     deadlines: tuple[float, ...] = ()
+    norms2: tuple[float, ...] = ()
 
     def validate(self) -> None:
         _require(self.stage >= 0, "stage", "must be >= 0")
+        _require(_norms2_ok(self.norms2), "norms2", f"at most {MAX_ROUTE + 1}, each -1 or a finite value >= 0")
         _require(self.op in STAGE_OPS, "op", f"must be one of {', '.join(STAGE_OPS)}")
         _require(len(self.micro_batch) <= MAX_ID_LEN, "micro_batch", "at most 256 characters")
         _require(len(self.route) <= MAX_ROUTE, "route", f"at most {MAX_ROUTE} peers")
@@ -653,7 +663,10 @@ class StageResult(Message):
     call. A through call's answer also carries `times`: the seconds each stage from the called
     one on spent on the micro-batch itself (queue and compute, not the calls after it). Where a
     later stage's call failed, the answer names that stage and peer (`failed_stage`, `failed`)
-    and why, and carries nothing else: the trainer sends the micro-batch again another way."""
+    and why, and carries nothing else: the trainer sends the micro-batch again another way.
+    `norms2` and `norm_steps` (like `times`, one per stage from the called one on): the squared
+    norm of the stage's gradient at its latest step that was due, and how many steps were due
+    there until then (0 and -1: none yet); callers hand the norms on in their next calls."""
 
     BULK_FIELDS = ("data",)
 
@@ -665,9 +678,13 @@ class StageResult(Message):
     failed: str = ""
     failed_stage: int = 0
     reason: str = ""
+    norms2: tuple[float, ...] = ()
+    norm_steps: tuple[int, ...] = ()
 
     def validate(self) -> None:
         _require(_finite(self.loss), "loss", "must be finite")
+        _require(_norms2_ok(self.norms2), "norms2", f"at most {MAX_ROUTE + 1}, each -1 or a finite value >= 0")
+        _require(len(self.norm_steps) == len(self.norms2) and all(n >= 0 for n in self.norm_steps), "norm_steps", "one count >= 0 per value of norms2")
         _require(len(self.times) <= MAX_ROUTE + 1 and all(0 <= t <= MAX_DEADLINE_S for t in self.times), "times", f"at most {MAX_ROUTE + 1}, each in [0, {MAX_DEADLINE_S:.0f}] seconds")
         _require(len(self.failed) <= MAX_ID_LEN, "failed", "at most 256 characters")
         _require(len(self.reason) <= 1024, "reason", "at most 1024 characters")

@@ -219,6 +219,66 @@ def test_a_stage_server_steps_after_its_samples_and_reports_a_new_hash(tmp_path)
     asyncio.run(main())
 
 
+def test_stages_clip_their_steps_by_one_global_norm_as_one_process_clips_the_model(tmp_path):
+    """Synchronous steps as a trainer makes them: a step's micro-batches, then the next step's,
+    each call carrying the norms the last answers brought. Each stage's step waits for the next
+    call, whose norms make its clip the whole model's: after two steps the stages hold what one
+    process's clip_grad_norm_ over the whole model gives, not what clipping each stage alone does."""
+    run = RunConfig(model="tiny", num_stages=2, stage_step_samples=6, seed=3, warmup_steps=1, stage_sync_every_s=NO_SYNC)  # a step every 2 micro-batches of 3
+    cfg = run.model_config()
+    gen = torch.Generator().manual_seed(2)
+    mbs = [(torch.randint(0, cfg.vocab_size, (3, 16), generator=gen), torch.randint(0, cfg.vocab_size, (3, 16), generator=gen)) for _ in range(5)]
+
+    async def main():
+        async with stage_servers(tmp_path, run) as ((s0, s1), client):
+            s0._stages = {1: {s1.transport.peer_id}}  # what member records naming s1 would give
+            norms2, heard = [-1.0, -1.0], []
+            for i, (x, y) in enumerate(mbs):
+                enc = {k: NONE.encode(v) for k, v in (("x", x), ("targets", y))}
+                req = StageCall(stage=0, op="through", micro_batch=f"m{i}", route=(s1.transport.peer_id,), deadlines=(20.0,), norms2=tuple(norms2), **pack_tensors(enc))
+                r = await client.send(s0.transport.peer_id, req, timeout=30, reuse=True)
+                assert not r.failed and len(r.norms2) == len(r.norm_steps) == 2, r
+                norms2 = list(r.norms2)
+                heard.append(r.norm_steps)
+            assert heard == [(0, 0), (1, 1), (1, 1), (2, 2), (2, 2)]  # a step was due after the 2nd and 4th micro-batch, at both stages
+            assert s0.steps == s1.steps == 2 and s0.clips == s1.clips == {"global": 2, "alone": 0}  # steps 1 and 2 came with the next calls' norms
+            return {n: p.detach().clone() for s in (s0, s1) for n, p in s.stage.named_parameters()}, norms2
+
+    got, norms2 = asyncio.run(main())
+
+    from node.diloco import adamw, lr_at
+    from node.stages import Stage
+
+    tc = run.train_config()
+    owned = [{n for n, _ in Stage(cfg, i, run.stage_plan()).named_parameters()} for i in range(2)]
+
+    def one_process(per_stage: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+        model = init_model(cfg, run.seed)
+        opt, named = adamw(model.parameters(), tc), dict(model.named_parameters())
+        groups = [[named[n] for n in names] for names in owned] if per_stage else [list(model.parameters())]
+        norms = []
+        for step in range(2):
+            for x, y in mbs[2 * step : 2 * step + 2]:
+                (model(x, y)[1] / 2).backward()
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, tc)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), float("inf"))))  # (the global norm, nothing clipped)
+            for group in groups:
+                torch.nn.utils.clip_grad_norm_(group, tc.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return {n: p.detach() for n, p in model.named_parameters()}, norms
+
+    want, norms = one_process(per_stage=False)
+    assert min(norms) > tc.grad_clip  # the clip is at work in both steps
+    assert math.isclose(math.sqrt(sum(norms2)), norms[1], rel_tol=1e-4)  # the stages' norms of step 2 make the model's
+    alone, _ = one_process(per_stage=True)
+    assert set(got) == set(want)
+    for n in got:  # (atol: Adam turns the float noise of near-zero gradients, such as the attention's key bias, into updates of ~1e-6)
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-5, msg=n)
+    assert min((alone[n] - want[n]).abs().max().item() for n in want) > 4e-5  # clipping each stage alone moves every weight further
+
+
 BAD = [
     # (stage, op, tensors, what the refusal names)
     (1, "train", {"x": torch.full((2, 8, 64), float("nan")), "targets": torch.zeros(2, 8, dtype=torch.int64)}, "NaN or Inf"),

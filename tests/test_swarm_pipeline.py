@@ -253,6 +253,11 @@ def test_a_trainer_with_synchronous_steps_never_runs_a_forward_on_weights_older_
     # every stage step took exactly the 4 micro-batches of one window: none of the next started
     # before it, so no backward went through a graph of older weights
     assert first["steps"] >= 8 and first["calls"]["kept"] >= 32 and first["calls"]["stale"] == 0, first
+    # each step waited for the next window's first call, which brought the other stage's norm of
+    # it: one global clip (the first step may have had to go alone if that call came late)
+    for n in ("a", "b"):
+        st = stats(swarm, n, "stage")
+        assert st["clips"]["alone"] <= 1 and st["clips"]["global"] == st["steps"] - st["clips"]["alone"], st
     h = stats(swarm, "t", "trainer")["history"]
     assert h[-1]["loss"] < h[0]["loss"], h
 
