@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.config import LOG_LEVELS, Check, at_least, check_fields, non_empty, one_of, positive
+from node.config import LOG_LEVELS, Check, at_least, check_fields, non_empty, one_of, positive, record_ttl, swarm_id
 from node.runconfig import RunConfig, RunConfigError
 
 # the planning modes nodes serve
@@ -44,10 +44,10 @@ class CoordinatorConfig:
 
 
 _CHECKS: dict[str, Check] = {
-    "swarm_id": non_empty, "data_dir": non_empty, "host_maddrs": non_empty, "mode": one_of(*SERVED_MODES),
+    "swarm_id": swarm_id, "data_dir": non_empty, "host_maddrs": non_empty, "mode": one_of(*SERVED_MODES),
     "heartbeat_timeout_s": positive, "keep_checkpoints": at_least(1),
     "owner_public_key": lambda v: None if re.fullmatch(r"([0-9a-fA-F]{64})?", v) else "must be 64 hex digits (an Ed25519 public key)",
-    "record_interval_s": positive, "log_level": one_of(*LOG_LEVELS),
+    "record_interval_s": lambda v: record_ttl(v, 3), "log_level": one_of(*LOG_LEVELS),
 }  # fmt: skip
 
 

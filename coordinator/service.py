@@ -182,7 +182,7 @@ class Coordinator:
         c = self.config
         # grace after a restart: members get a full timeout to check in before eviction
         await self.registry.run(_refresh_all, time.time())
-        self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs))
+        self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs, swarm_id=c.swarm_id))
         self.transport = Transport(self.host)
         for msg_type, handler in [
             (Hello, self.on_hello),
@@ -230,7 +230,7 @@ class Coordinator:
         c = self.config
         while True:
             now = time.time()
-            rec = CoordinatorRecord(c.swarm_id, self.host.peer_id, tuple(await self.host.visible_maddrs()), self.http_address, now).sign(self.host.key)
+            rec = CoordinatorRecord(c.swarm_id, self.host.peer_id, tuple(await self.host.visible_maddrs()), self.http_address, now, now + 3 * c.record_interval_s).sign(self.host.key)
             try:
                 await self.host.dht_store(coordinator_key(c.swarm_id), rec.to_bytes(), now + 3 * c.record_interval_s)
             except Exception as e:  # the DHT may have no peers yet; try again next round

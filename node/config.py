@@ -59,6 +59,19 @@ def positive(v: float) -> str | None:  # NaN fails every comparison, so it is re
     return None if 0 < v < math.inf else "must be > 0 and finite"
 
 
+def swarm_id(v: str) -> str | None:
+    from protocol.records import swarm_id_problem  # (light: no torch, no hivemind)
+
+    return swarm_id_problem(v)
+
+
+def record_ttl(v: float, lives: int = 1) -> str | None:
+    """A DHT record's lifetime (`lives` times `v`): positive, within what every node keeps."""
+    from protocol.records import MAX_RECORD_TTL_S
+
+    return positive(v) or (None if lives * v <= MAX_RECORD_TTL_S else f"must be at most {MAX_RECORD_TTL_S / lives:.0f}" + (f" (a record lives {lives} of them)" if lives > 1 else ""))
+
+
 def non_negative(v: float) -> str | None:
     return None if 0 <= v < math.inf else "must be ≥ 0 and finite"
 
@@ -254,9 +267,9 @@ class NodeConfig:
 
 
 _NODE_CHECKS: dict[str, Check] = {
-    "swarm_id": non_empty, "host_maddrs": non_empty, "device": non_empty, "data_dir": non_empty,
+    "swarm_id": swarm_id, "host_maddrs": non_empty, "device": non_empty, "data_dir": non_empty,
     "direct_port": between(-1, 65535, "a TCP port (0: any free one, -1: off)"),
-    "heartbeat_interval_s": positive, "record_ttl_s": positive, "rpc_timeout_s": positive, "max_backoff_s": positive,
+    "heartbeat_interval_s": positive, "record_ttl_s": record_ttl, "rpc_timeout_s": positive, "max_backoff_s": positive,
     "bandwidth_mbps": non_negative, "log_level": one_of(*LOG_LEVELS), "shard_index": at_least(-1), "num_shards": at_least(1),
     "threads": at_least(0), "fault_delay_parts_s": non_negative,
     "fault_slowdown": lambda v: None if 1.0 <= v <= 100.0 else "must be in [1, 100]",

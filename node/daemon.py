@@ -65,7 +65,7 @@ class Node:
         # before any thread computes: a thread takes torch's thread count when it first
         # computes and keeps it; set_num_threads later changes only the caller's and new threads'
         torch.set_num_threads(c.torch_threads())
-        self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs))
+        self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs, swarm_id=c.swarm_id))
         self.transport = Transport(self.host, transport_config(c))
         self.transport.on(Hello, self._on_hello)
         await self.transport.start()

@@ -209,9 +209,10 @@ class Membership:
             issued_at=now,
             throughput=float(self.progress.samples_per_second or 0.0),
             load=float(self.progress.extra.get("load", 0.0)),
+            expires_at=now + self.config.record_ttl_s,
         ).sign(self.host.key)
         try:
-            await self.host.dht_store(members_key(self.config.swarm_id), rec.to_bytes(), now + self.config.record_ttl_s, subkey=self.host.peer_id)
+            await self.host.dht_store(members_key(self.config.swarm_id), rec.to_bytes(), rec.expires_at, subkey=self.host.peer_id)
         except Exception as e:  # the DHT may be briefly unreachable; the next round retries
             log.debug("could not publish member record: %s", e)
 

@@ -144,6 +144,8 @@ class HostConfig:
     # loopback). "noise+tls": p2pd's default, Noise preferred. Either side of a connection may
     # choose: the dialer proposes its first, the listener accepts any it has.
     security: str = "tls"
+    # the swarm whose records this host's DHT keeps and serves only when valid (node/dht_records.py); "": no check
+    swarm_id: str = ""
 
 
 class Host:
@@ -176,7 +178,13 @@ class Host:
         fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(libp2p_private_key(key))
+        validators = []
+        if config.swarm_id:
+            from .dht_records import SwarmRecords
+
+            validators.append(SwarmRecords(config.swarm_id))
         dht = _DHT(
+            record_validators=validators,
             initial_peers=list(config.initial_peers) or None,
             host_maddrs=list(config.host_maddrs),
             announce_maddrs=list(config.announce_maddrs) or None,

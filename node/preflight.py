@@ -18,7 +18,8 @@ import socket
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from protocol.signatures import KeyFileError, SigningKey
+from protocol.records import owner_of
+from protocol.signatures import KeyFileError, SigningKey, peer_id_from_public_key
 
 from .config import ConfigError, NodeConfig
 
@@ -257,5 +258,9 @@ def check_coordinator(c) -> tuple[Path, SigningKey]:
         check_http(c.http)  # before anything starts, not after p2pd is up
     data = check_data_dir(c.data_dir)
     key = load_identity(c.resolved_identity())
+    owner = owner_of(c.swarm_id)
+    if owner is not None and peer_id_from_public_key(key.public_key) != owner:
+        raise ConfigError(f"swarm {c.swarm_id!r} is owned by {owner}: only a coordinator with that identity may serve it; "
+                          f"this identity ({c.resolved_identity()}) is {peer_id_from_public_key(key.public_key)}")  # fmt: skip
     check_maddrs(c.initial_peers, c.host_maddrs, c.announce_maddrs)
     return data, key

@@ -16,9 +16,33 @@ from typing import Any, Callable, ClassVar
 import msgpack
 
 from .errors import RemoteProtocolError
-from .signatures import PUBLIC_KEY_SIZE, SigningKey, peer_id_from_public_key, verify
+from .signatures import PUBLIC_KEY_SIZE, SigningKey, peer_id_from_public_key, public_key_from_peer_id, verify
 
 MAX_RECORD_SIZE = 8192
+MAX_RECORD_TTL_S = 3600.0  # a record is kept in the DHT at most this long after it was issued
+CLOCK_SKEW_S = 60.0  # a record issued this far in our future is still taken (peers' clocks differ)
+OWNER_SEP = "@"  # an owned swarm's id: "<name>@<the owner's peer id>"
+
+
+def owner_of(swarm_id: str) -> str | None:
+    """The peer id that owns `swarm_id` ("name@<peer id>"): only its key may sign the swarm's
+    coordinator record. None for an unowned id (any peer may claim to coordinate it)."""
+    name, sep, owner = swarm_id.rpartition(OWNER_SEP)
+    return owner if sep else None
+
+
+def swarm_id_problem(swarm_id: str) -> str | None:
+    """What is wrong with a swarm id, None if nothing."""
+    if not swarm_id or len(swarm_id) > 200 or any(c.isspace() or c == "/" for c in swarm_id):
+        return "must be 1..200 characters without spaces or '/'"
+    owner = owner_of(swarm_id)
+    if owner is not None:
+        name = swarm_id[: -len(owner) - 1]
+        if not name or OWNER_SEP in name:
+            return f"an owned swarm id is <name>{OWNER_SEP}<owner peer id>, with one {OWNER_SEP!r}"
+        if public_key_from_peer_id(owner) is None:
+            return f"its owner {owner!r} is not an Ed25519 libp2p peer id (12D3KooW..., 52 characters)"
+    return None
 
 
 def coordinator_key(swarm_id: str) -> str:
@@ -105,11 +129,12 @@ class CoordinatorRecord(_SignedRecord):
     maddrs: tuple[str, ...]
     http: str  # "host:port" of its status page, "" if none
     issued_at: float  # seconds since the epoch
+    expires_at: float = 0.0  # the latest the DHT may keep it (signed: nobody keeps it longer for its signer)
     public_key: bytes = b""
     signature: bytes = b""
 
-    DOMAIN = "swarmtrain/coordinator-record/v1"
-    CHECKS = (_str, _str, _strs, _str, _time, _bytes, _bytes)
+    DOMAIN = "swarmtrain/coordinator-record/v2"
+    CHECKS = (_str, _str, _strs, _str, _time, _time, _bytes, _bytes)
 
 
 @dataclass(frozen=True)
@@ -124,8 +149,42 @@ class MemberRecord(_SignedRecord):
     issued_at: float
     throughput: float = 0.0  # samples/s it measured at its role (an expert host: tokens/s of compute); 0: not yet
     load: float = 0.0  # calls waiting on it when it published (an expert host's queue)
+    expires_at: float = 0.0  # the latest the DHT may keep it (signed: nobody keeps it longer for its signer)
     public_key: bytes = b""
     signature: bytes = b""
 
-    DOMAIN = "swarmtrain/member-record/v2"
-    CHECKS = (_str, _str, _strs, _str, _int, _time, _time, _time, _bytes, _bytes)
+    DOMAIN = "swarmtrain/member-record/v3"
+    CHECKS = (_str, _str, _strs, _str, _int, _time, _time, _time, _time, _bytes, _bytes)
+
+
+def check_stored(swarm_id: str, kind: str, value: bytes, subkey: str | None, expiration: float, now: float) -> CoordinatorRecord | MemberRecord:
+    """Whether a value may be kept and served in the DHT under the swarm's `kind` key
+    ("coordinator" or "members"), as every node's DHT checks it on store and in answers:
+    a well-formed record of this swarm, signed by the key that owns it (the swarm owner's for the
+    coordinator record, where the swarm id names one; the member's own, under its own peer id as
+    the subkey), issued no later than CLOCK_SKEW_S from `now`, and kept no longer than the
+    expiry its signer signed (at most MAX_RECORD_TTL_S after it was issued): nobody keeps
+    another's record alive longer, so the newest valid record is the one that expires last.
+    Returns the record; raises RemoteProtocolError naming the problem."""
+    if kind == "coordinator":
+        if subkey is not None:
+            raise RemoteProtocolError("the coordinator record is one value, not a dictionary", "CoordinatorRecord")
+        rec = CoordinatorRecord.from_bytes(value, swarm_id)
+        owner = owner_of(swarm_id)
+        if owner is not None and rec.peer_id != owner:
+            raise RemoteProtocolError(f"signed by {rec.peer_id}, not by the swarm's owner {owner}", "CoordinatorRecord")
+    elif kind == "members":
+        if subkey is None:
+            raise RemoteProtocolError("member records live under their peer ids as subkeys", "MemberRecord")
+        rec = MemberRecord.from_bytes(value, swarm_id)
+        if rec.peer_id != subkey:
+            raise RemoteProtocolError(f"the record of {rec.peer_id} under the subkey {subkey!r}", "MemberRecord")
+    else:
+        raise ValueError(f"no record kind {kind!r}")
+    if rec.issued_at > now + CLOCK_SKEW_S:
+        raise RemoteProtocolError(f"issued {rec.issued_at - now:.0f} s in the future", type(rec).__name__)
+    if not rec.issued_at < rec.expires_at <= rec.issued_at + MAX_RECORD_TTL_S:
+        raise RemoteProtocolError(f"expires {rec.expires_at - rec.issued_at:.0f} s after it was issued, not within (0, {MAX_RECORD_TTL_S:.0f}]", type(rec).__name__)
+    if not math.isfinite(expiration) or expiration > rec.expires_at:
+        raise RemoteProtocolError(f"to be kept {expiration - rec.expires_at:.0f} s past the expiry its signer signed", type(rec).__name__)
+    return rec

@@ -157,3 +157,19 @@ def verify(public_key: bytes, fields: tuple, signature: bytes) -> bool:
         return True
     except (InvalidSignature, ValueError):
         return False
+
+
+def public_key_from_peer_id(peer_id: str) -> bytes | None:
+    """The Ed25519 public key an Ed25519 peer id ("12D3KooW...") embeds; None for anything else
+    (so a swarm id names its owner's key, not only a hash of it)."""
+    n = 0
+    for c in peer_id:
+        i = _B58.find(c)
+        if i < 0:
+            return None
+        n = n * 58 + i
+    raw = n.to_bytes(38, "big") if n < 1 << (8 * 38) else b""
+    head = bytes([0x00, 36]) + b"\x08\x01\x12\x20"
+    if len(raw) != 38 or not raw.startswith(head) or peer_id_from_public_key(raw[len(head):]) != peer_id:
+        return None
+    return raw[len(head):]

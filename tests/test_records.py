@@ -8,7 +8,8 @@ import msgpack
 import pytest
 
 from protocol import RemoteProtocolError, SigningKey
-from protocol.records import MemberRecord
+from protocol.records import MAX_RECORD_TTL_S, CoordinatorRecord, MemberRecord, check_stored, swarm_id_problem
+from protocol.signatures import peer_id_from_public_key
 
 
 def record(**kw) -> MemberRecord:
@@ -39,6 +40,49 @@ def test_a_changed_or_malformed_member_record_is_refused(change, why):
 
 def test_a_record_of_the_older_layout_is_refused_by_its_length():
     old = msgpack.unpackb(record().to_bytes())
-    del old[6:8]  # no throughput, no load
-    with pytest.raises(RemoteProtocolError, match="must be a list of 10 fields"):
+    del old[8]  # no expiry
+    with pytest.raises(RemoteProtocolError, match="must be a list of 11 fields"):
         MemberRecord.from_bytes(msgpack.packb(old, use_bin_type=True), "s")
+
+
+OWNER = SigningKey.generate()
+OWNED = f"s@{peer_id_from_public_key(OWNER.public_key)}"
+
+
+def coordinator(key=OWNER, swarm_id=OWNED, issued=1000.0, expires=1030.0) -> CoordinatorRecord:
+    return CoordinatorRecord(swarm_id, "", ("/ip4/127.0.0.1/tcp/1",), "", issued, expires).sign(key)
+
+
+@pytest.mark.parametrize(
+    "kind,value,subkey,expiration,why",
+    [
+        ("coordinator", b"junk", None, 1030.0, "not msgpack|must be a list"),
+        ("coordinator", coordinator(key=SigningKey.generate()).to_bytes(), None, 1030.0, "not by the swarm's owner"),
+        ("coordinator", coordinator().to_bytes(), None, 1031.0, "to be kept 1 s past the expiry its signer signed"),
+        ("coordinator", dataclasses.replace(coordinator(), expires_at=5000.0).to_bytes(), None, 5000.0, "forged: bad signature"),
+        ("coordinator", coordinator(issued=1200.0, expires=1230.0).to_bytes(), None, 1230.0, "issued 160 s in the future"),
+        ("coordinator", coordinator(expires=1000.0 + MAX_RECORD_TTL_S + 1).to_bytes(), None, 1030.0, "expires 3601 s after it was issued"),
+        ("coordinator", coordinator().to_bytes(), "12D3KooWx", 1030.0, "one value, not a dictionary"),
+        ("coordinator", coordinator(swarm_id="other").to_bytes(), None, 1030.0, "for swarm 'other'"),
+        ("members", record(swarm_id=OWNED, issued_at=1000.0, expires_at=1030.0).to_bytes(), "12D3KooWsomeoneelse", 1030.0, "under the subkey"),
+        ("members", record(swarm_id=OWNED, issued_at=1000.0, expires_at=1030.0).to_bytes(), None, 1030.0, "under their peer ids"),
+    ],
+)
+def test_a_value_the_dht_must_not_keep_is_refused_with_the_reason(kind, value, subkey, expiration, why):
+    with pytest.raises(RemoteProtocolError, match=why):
+        check_stored(OWNED, kind, value, subkey, expiration, now=1040.0)
+
+
+def test_the_owners_and_the_members_own_records_are_kept():
+    assert check_stored(OWNED, "coordinator", coordinator().to_bytes(), None, 1030.0, now=1040.0).peer_id == peer_id_from_public_key(OWNER.public_key)
+    rec = record(swarm_id=OWNED, issued_at=1000.0, expires_at=1030.0)
+    assert check_stored(OWNED, "members", rec.to_bytes(), rec.peer_id, 1030.0, now=1040.0) == rec
+    # an unowned swarm id: any peer's well-signed coordinator record (nothing names who may sign it)
+    assert check_stored("s", "coordinator", coordinator(key=SigningKey.generate(), swarm_id="s").to_bytes(), None, 1030.0, now=1040.0)
+
+
+@pytest.mark.parametrize("swarm_id,problem", [("", "1..200 characters"), ("a b", "without spaces"), ("a@b@c", "with one '@'"), ("@x", "with one '@'"),
+                                               ("a@12D3KooWnotapeerid", "not an Ed25519 libp2p peer id")])  # fmt: skip
+def test_malformed_swarm_ids_are_named(swarm_id, problem):
+    assert problem in swarm_id_problem(swarm_id)
+    assert swarm_id_problem("swarmtrain") is None and swarm_id_problem(OWNED) is None

@@ -320,10 +320,11 @@ class Matchmaker:
             started.set()
         join = AvgJoin(round_key=key, numel=numel, weight=weight, bandwidth=avg.bandwidth, codec=self.config.codec, namespace=self.config.namespace)
         deadline = time.monotonic() + window
-        rec = MemberRecord(self.config.swarm_id, me, (), "averaging", 0, time.time()).sign(avg.host.key)
+        now = time.time()
+        rec = MemberRecord(self.config.swarm_id, me, (), "averaging", 0, now, expires_at=now + window + 60).sign(avg.host.key)
         # announced in the background: peers that know the group from the last round do not
         # need the DHT at all, and the others find us there a moment later
-        avg.spawn(avg.host.dht_store(self.dht_key(key), rec.to_bytes(), time.time() + window + 60, subkey=me))
+        avg.spawn(avg.host.dht_store(self.dht_key(key), rec.to_bytes(), rec.expires_at, subkey=me))
         search = Search(me, key, deadline, self.last_members, self.recently_silent())
         step = search.next()
         while True:
