@@ -26,7 +26,9 @@ def build_parser():
     p.add_argument("--mode", choices=SERVED_MODES, help=f"how roles are planned (default {c.mode})")
     p.add_argument("--heartbeat-timeout-s", type=float, help=f"evict members silent this long (default {c.heartbeat_timeout_s})")
     p.add_argument("--keep-checkpoints", type=int, help=f"checkpoints kept on disk (default {c.keep_checkpoints})")
-    p.add_argument("--owner-public-key", metavar="HEX", help="private swarm: require join tokens signed by this key")
+    p.add_argument("--private", action="store_true", default=None, help="an owned swarm (see `init`): Register needs a join token signed by the owner's key (`token`)")
+    p.add_argument("--owner-public-key", metavar="HEX", help="private swarm of an unowned swarm id: require join tokens signed by this key")
+    p.add_argument("--record-interval-s", type=float, help=f"seconds between refreshes of the coordinator's DHT record and revocation list (default {c.record_interval_s})")
     p.add_argument("--log-level", choices=LOG_LEVELS)
     run = p.add_argument_group("the training run (handed to every member)")
     run.add_argument("--model", help=f"model preset: tiny | small; experts mode: tiny-moe | small-moe (default {d.model})")
@@ -61,6 +63,11 @@ def build_parser():
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("init", "token", "revoke"):  # the owner's tools (coordinator/tools.py)
+        from .tools import run_tool
+
+        return run_tool(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     cli = {k: v for k, v in vars(args).items() if k != "config"}
     try:

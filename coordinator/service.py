@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -22,15 +23,18 @@ from protocol import (
     Heartbeat,
     Hello,
     JoinToken,
+    Probe,
     Register,
     RemoteProtocolError,
     RoleAssignment,
     StateChunk,
     verify_token,
 )
-from protocol.records import CoordinatorRecord, coordinator_key
+from protocol.records import CoordinatorRecord, RevocationRecord, coordinator_key, owner_of, revoked_key
+from protocol.tokens import CERT_TTL_S, issue_certificate
 
 from node.config import ConfigError
+from node.gate import MemberGate
 from node.preflight import check_coordinator
 from node.p2p import Host, HostConfig
 from node.roles import label_of
@@ -39,6 +43,7 @@ from node.transport import CallContext, RPCError, Transport
 
 from .checkpoints import CheckpointError, CheckpointStore
 from .config import CoordinatorConfig, expert_slots
+from .tools import read_revoked, revocation_file
 from .planner import Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
 from .registry import AsyncRegistry, Member, ProgressPoint, Registry, RegistryError
 
@@ -140,6 +145,10 @@ class Coordinator:
         self.run_config = json.dumps(config.run_config(), sort_keys=True).encode()
         self.started_at = time.time()
         self._tasks: list[asyncio.Task] = []
+        self.owned = False  # the swarm id names its owner (this coordinator's identity): members hold certificates
+        self.gate: MemberGate | None = None
+        self.certified: dict[str, float] = {}  # peer -> when we last gave it a certificate
+        self.revoked: frozenset[str] = frozenset()
         self._plan_lock = asyncio.Lock()
         try:
             self.planner = PlannerConfig(
@@ -161,6 +170,11 @@ class Coordinator:
                 self.owner_key = None
             if self.owner_key is None or len(self.owner_key) != 32:
                 raise ConfigError("--owner-public-key must be 64 hex digits (an Ed25519 public key)")
+        if c.private:
+            self.owner_key = key.public_key  # the owner's key is this coordinator's identity (checked above)
+        self.owned = owner_of(c.swarm_id) is not None
+        self.revocations = revocation_file(data)
+        self.revoked: frozenset[str] = frozenset(read_revoked(self.revocations))
         if c.keep_checkpoints < 1:
             raise ConfigError("--keep-checkpoints must be at least 1")
         try:
@@ -184,6 +198,10 @@ class Coordinator:
         await self.registry.run(_refresh_all, time.time())
         self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs, swarm_id=c.swarm_id))
         self.transport = Transport(self.host)
+        if self.owned:  # members only, but for what joining takes
+            self.gate = MemberGate(c.swarm_id, exempt=(Hello, Register, Heartbeat, Deregister, Probe))
+            self.gate.set_revoked(self.revoked)
+            self.transport.use_gate(self.gate)
         for msg_type, handler in [
             (Hello, self.on_hello),
             (Register, self.on_register),
@@ -204,6 +222,7 @@ class Coordinator:
         await self._replan()
         self._tasks += [
             asyncio.create_task(self._publish_record_loop(), name="coordinator-record"),
+            *([asyncio.create_task(self._revocation_loop(), name="revocations")] if self.owned else []),
             asyncio.create_task(self._evict_loop(), name="evict"),
         ]
 
@@ -237,6 +256,30 @@ class Coordinator:
                 log.debug("could not publish the coordinator record: %s", e)
             await asyncio.sleep(c.record_interval_s)
 
+    async def _revocation_loop(self) -> None:
+        """The owner's revocation list (DATA_DIR/revoked, which `swarmtrain-coordinator revoke`
+        writes): read every record interval, published signed in the DHT (every member refuses
+        the peers on it within one record refresh), and its peers deregistered here."""
+        c = self.config
+        while True:
+            try:
+                self.revoked = frozenset(await asyncio.to_thread(read_revoked, self.revocations))
+            except (ConfigError, OSError) as e:
+                log.error("revocation list %s not read: %s (the last one read stays)", self.revocations, e)
+            self.gate.set_revoked(self.revoked)
+            for peer in self.revoked:
+                if await self.registry.remove(peer):
+                    self.certified.pop(peer, None)
+                    log.info("deregistered %s: revoked by the owner", peer)
+                    await self._replan()
+            now = time.time()
+            rec = RevocationRecord(c.swarm_id, "", tuple(sorted(self.revoked)), now, now + 3 * c.record_interval_s).sign(self.host.key)
+            try:
+                await self.host.dht_store(revoked_key(c.swarm_id), rec.to_bytes(), rec.expires_at)
+            except Exception as e:  # the DHT may have no peers yet; next round
+                log.debug("could not publish the revocation list: %s", e)
+            await asyncio.sleep(c.record_interval_s)
+
     async def _evict_loop(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.config.heartbeat_timeout_s / 4))
@@ -260,6 +303,11 @@ class Coordinator:
         m = await self.registry.get(peer_id)
         if m is None:
             raise RPCError("not_found", "unknown peer: register first")
+        cert = b""
+        now = time.time()
+        if self.owned and now - self.certified.get(peer_id, -math.inf) > CERT_TTL_S / 2:  # new, or half of it gone: a fresh one
+            cert = issue_certificate(self.host.key, self.config.swarm_id, peer_id, m.role or "idle", now).to_bytes()
+            self.certified[peer_id] = now
         return RoleAssignment(
             peer_id=peer_id,
             role=m.role or "idle",
@@ -268,6 +316,7 @@ class Coordinator:
             epoch=m.epoch,
             reason=self.reasons.get(peer_id, "assigned before the coordinator restarted"),
             config=self.run_config,
+            certificate=cert,
         )
 
     # ---- membership handlers --------------------------------------------------------------------
@@ -284,6 +333,9 @@ class Coordinator:
     async def on_register(self, ctx: CallContext) -> RoleAssignment:
         req: Register = ctx.request
         self._check_sender(ctx, req.peer_id)
+        if req.peer_id in self.revoked:
+            raise RPCError("unauthorized", f"{req.peer_id} is revoked by the owner of swarm {self.config.swarm_id}")
+        self.certified.pop(req.peer_id, None)  # (registering again: a certificate with the answer)
         if self.owner_key is not None:
             if req.token is None:
                 raise RPCError("unauthorized", "this swarm is private: a join token is required")
@@ -305,6 +357,8 @@ class Coordinator:
     async def on_heartbeat(self, ctx: CallContext) -> RoleAssignment:
         req: Heartbeat = ctx.request
         self._check_sender(ctx, req.peer_id)
+        if req.peer_id in self.revoked:
+            raise RPCError("unauthorized", f"{req.peer_id} is revoked by the owner of swarm {self.config.swarm_id}")
         member = await self.registry.run(_heartbeat, req, time.time())
         if member is None:
             raise RPCError("not_found", "unknown peer: register first")

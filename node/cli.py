@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="join token for a private swarm")
     p.add_argument("--wanted-role", help="ask for a role (replica, stage, expert, trainer)")
     p.add_argument("--heartbeat-interval-s", type=float, help=f"seconds between heartbeats (default {d.heartbeat_interval_s})")
+    p.add_argument("--record-ttl-s", type=float, help=f"seconds our member record lives in the DHT; refreshed (with the owner's revocation list read) every third of it (default {d.record_ttl_s})")
     p.add_argument("--bandwidth-mbps", type=float, help="your link's bandwidth: reported instead of measured, and averaging paces its uploads to it")
     p.add_argument("--data", metavar="PATH", help="text file or directory to train on (default: the built-in corpus)")
     p.add_argument("--shard-index", type=int, help="data shard this replica reads (default: from the peer id)")

@@ -13,11 +13,13 @@ import logging
 import torch
 
 from protocol import Hello, LocalProtocolError, RoleAssignment, SigningKey
+from protocol.records import owner_of
 
 from . import capabilities
 from .config import ConfigError, NodeConfig, averager_config, transport_config
 from .membership import Membership
 from .p2p import Host, HostConfig
+from .gate import MemberGate
 from .preflight import check_data_dir, check_node, load_identity  # noqa: F401 (check_data_dir, load_identity: imported from here too)
 from .roles import Role, RoleError, RoleRunner
 from .transport import CallContext, Transport
@@ -67,6 +69,8 @@ class Node:
         torch.set_num_threads(c.torch_threads())
         self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs, swarm_id=c.swarm_id))
         self.transport = Transport(self.host, transport_config(c))
+        if owner_of(c.swarm_id) is not None:  # an owned swarm: members only (node/gate.py)
+            self.transport.use_gate(MemberGate(c.swarm_id))
         self.transport.on(Hello, self._on_hello)
         await self.transport.start()
         log.info("peer id %s, listening on %s", self.host.peer_id, " ".join(await self.host.visible_maddrs()))

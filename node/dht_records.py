@@ -1,12 +1,14 @@
 """The swarm's records as every node's DHT keeps them (hivemind's record validator interface).
 
-A node's DHT checks each value under the swarm's coordinator and members keys when a peer asks
+A node's DHT checks each value under the swarm's coordinator, members and revocation keys when a peer asks
 it to store one and when a peer's answer carries one (protocol/records.py `check_stored`): a value
 that is not a well-formed record of this swarm, signed by the key that owns it, is neither kept
 nor served, and an answer that carries one is dropped whole (hivemind drops a dictionary with one
 bad subkey). So a read takes the newest *valid* record: a stranger that stores junk, a record
 signed by its own key in the owner's place, or another's record with a later expiry, under the
-swarm's keys, changes nothing for honest nodes. Other keys (the averager's matchmaking) pass.
+swarm's keys, changes nothing for honest nodes. In an owned swarm a member record must also
+carry its peer's membership certificate from the owner (node/gate.py), and only the owner signs
+the revocation list. Other keys (the averager's matchmaking) pass.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
 from protocol import RemoteProtocolError
-from protocol.records import check_stored, coordinator_key, members_key
+from protocol.records import check_stored, coordinator_key, members_key, revoked_key
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,8 @@ class SwarmRecords(RecordValidatorBase):
 
     def __init__(self, swarm_id: str):
         self.swarm_id = swarm_id
-        self.kinds = {DHTID.generate(source=coordinator_key(swarm_id)).to_bytes(): "coordinator", DHTID.generate(source=members_key(swarm_id)).to_bytes(): "members"}
+        keys = {"coordinator": coordinator_key(swarm_id), "members": members_key(swarm_id), "revoked": revoked_key(swarm_id)}
+        self.kinds = {DHTID.generate(source=key).to_bytes(): kind for kind, key in keys.items()}
 
     def validate(self, record: DHTRecord) -> bool:
         kind = self.kinds.get(record.key)

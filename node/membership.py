@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol import Deregister, Heartbeat, Probe, Register, RemoteProtocolError, RoleAssignment
-from protocol.records import CoordinatorRecord, MemberRecord, coordinator_key, members_key
+from protocol.records import CoordinatorRecord, MemberRecord, RevocationRecord, coordinator_key, members_key, revoked_key
 
 from .config import NodeConfig
 from .p2p import Host, split_peer_maddr
@@ -144,6 +144,10 @@ class Membership:
             self.assignment.role, self.assignment.stage, self.assignment.expert
         )
         self.assignment = reply
+        gate = self.transport.gate
+        if reply.certificate and gate is not None and reply.certificate != gate.credential:  # an owned swarm's certificate, new or renewed
+            gate.credential = reply.certificate
+            self.publish_soon()  # our record carries it: peers trust our records by it
         if changed:
             # what the old role measured and held is not the new one's to report
             p = self.progress
@@ -189,10 +193,14 @@ class Membership:
                 backoff = min(backoff * 2, self.config.max_backoff_s)
 
     async def publish_records(self) -> None:
-        """Announce ourselves in the DHT, so peers find us even while the coordinator is down."""
+        """Announce ourselves in the DHT, so peers find us even while the coordinator is down
+        (and, in an owned swarm, read the owner's revocation list as often)."""
         while True:
             self._publish_wake.clear()
-            await self.publish_record()
+            if self.transport.gate is not None:
+                await self.read_revocations()
+            if self.transport.gate is None or self.transport.gate.credential:  # (an owned swarm's DHT keeps no record without a certificate)
+                await self.publish_record()
             try:
                 await asyncio.wait_for(self._publish_wake.wait(), self.config.record_ttl_s / 3)
             except TimeoutError:
@@ -210,11 +218,30 @@ class Membership:
             throughput=float(self.progress.samples_per_second or 0.0),
             load=float(self.progress.extra.get("load", 0.0)),
             expires_at=now + self.config.record_ttl_s,
+            certificate=self.transport.gate.credential if self.transport.gate is not None else b"",
         ).sign(self.host.key)
         try:
             await self.host.dht_store(members_key(self.config.swarm_id), rec.to_bytes(), rec.expires_at, subkey=self.host.peer_id)
         except Exception as e:  # the DHT may be briefly unreachable; the next round retries
             log.debug("could not publish member record: %s", e)
+
+    async def read_revocations(self) -> None:
+        """The owner's revocation list, from the DHT: its peers are refused by our transport, and
+        their member records are not trusted (`read_members`)."""
+        try:
+            raw = await self.host.dht_get(revoked_key(self.config.swarm_id))
+        except Exception as e:  # the DHT may be briefly unreachable: the list stays as it was
+            log.debug("could not read the revocation list: %s", e)
+            return
+        if raw is None:
+            return
+        try:
+            rec = RevocationRecord.from_bytes(raw, self.config.swarm_id)  # (owner-signed: every DHT checks it)
+        except RemoteProtocolError as e:
+            log.debug("ignoring a revocation list: %s", e)
+            return
+        self.host.revoked = frozenset(rec.revoked)
+        self.transport.gate.set_revoked(self.host.revoked)
 
     async def leave(self) -> dict | None:
         """Deregister now and register no more: the node is going, and the coordinator should plan
@@ -251,6 +278,6 @@ async def read_members(host: Host, swarm_id: str) -> dict[str, MemberRecord]:
         except RemoteProtocolError as e:
             log.debug("ignoring a member record: %s", e)
             continue
-        if rec.peer_id == subkey:
+        if rec.peer_id == subkey and rec.peer_id not in host.revoked:
             out[rec.peer_id] = rec
     return out

@@ -159,6 +159,7 @@ class Host:
         self._keyfile_dir = keyfile_dir
         self._closed = False
         self.config = config
+        self.revoked: frozenset[str] = frozenset()  # an owned swarm's revocation list, as last read: member records of these are not trusted
 
     @classmethod
     async def start(cls, key: SigningKey, config: HostConfig) -> Host:

@@ -259,6 +259,8 @@ def check_coordinator(c) -> tuple[Path, SigningKey]:
     data = check_data_dir(c.data_dir)
     key = load_identity(c.resolved_identity())
     owner = owner_of(c.swarm_id)
+    if c.private and owner is None:
+        raise ConfigError(f"--private needs an owned swarm id (name@<owner peer id>), not {c.swarm_id!r}: `swarmtrain-coordinator init` prints one")
     if owner is not None and peer_id_from_public_key(key.public_key) != owner:
         raise ConfigError(f"swarm {c.swarm_id!r} is owned by {owner}: only a coordinator with that identity may serve it; "
                           f"this identity ({c.resolved_identity()}) is {peer_id_from_public_key(key.public_key)}")  # fmt: skip

@@ -29,7 +29,7 @@ from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from protocol import Decoder, DirectAddress, DirectOpen, Error, Message, Ping, Pong, Probe, RemoteProtocolError
+from protocol import Decoder, DirectAddress, DirectOpen, Error, MemberProof, Message, Ping, Pong, Probe, RemoteProtocolError
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, encode_buffers
 from protocol.messages import ERROR_CODES
 from protocol.sealing import KEY_BYTES
@@ -370,6 +370,15 @@ class Transport:
         self._reached: dict[str, tuple[str, int]] = {}  # peer -> the TCP address a direct pipe of ours reached it at
         self._dropped: dict[str, float] = {}  # peer -> when a call to it timed out or `reset` dropped our connections to it
         self._dialed: dict[str, float] = {}  # peer -> when _check_route last let a libp2p dial through untested
+        self.gate = None  # an owned swarm's MemberGate (node/gate.py): who we serve, and the certificate we present
+        self._presented: dict[str, bytes] = {}  # peer -> the certificate of ours it accepted
+        self._presenting: dict[tuple[str, bytes], asyncio.Future] = {}
+
+    def use_gate(self, gate) -> None:
+        """Serve members only (`gate.check` before every handler but `gate.exempt`'s), and
+        present `gate.credential` to every peer before calling it (see node/gate.py)."""
+        self.gate = gate
+        self.on(MemberProof, gate.on_proof)
 
     @property
     def peer_id(self) -> str:
@@ -498,6 +507,8 @@ class Transport:
                     handler = self.handlers.get(type(request))
                     if handler is None:
                         raise RPCError("unsupported", f"no handler for {type(request).__name__} here")
+                    if self.gate is not None and type(request) not in self.gate.exempt:
+                        self.gate.check(peer_id)  # an owned swarm serves its members only
                     self.stats["calls_served"] += 1
                     async with asyncio.timeout(self.config.handler_timeout_s):
                         result = await handler(CallContext(peer_id, request, receive))
@@ -770,6 +781,39 @@ class Transport:
         kept open to the peer (bulk transfers; `more` must then be a plain iterable). `pace`:
         bytes/s the kernel lets this call's data leave at, where the pipe is direct TCP (see
         `paces`); elsewhere, and with None, as fast as the network takes it."""
+        if self.gate is None or not self.gate.credential or isinstance(request, MemberProof):
+            return await self._send(peer_id, request, more, timeout, reuse, pace)
+        await self._present(peer_id, timeout)
+        try:
+            return await self._send(peer_id, request, more, timeout, reuse, pace)
+        except RemoteError as e:  # the peer forgot us (it restarted): once more, after presenting again
+            from .gate import NOT_PRESENTED
+
+            if not (e.code == "unauthorized" and e.message.startswith(NOT_PRESENTED) and isinstance(more, (list, tuple))):
+                raise
+            self._presented.pop(peer_id, None)
+            await self._present(peer_id, timeout)
+            return await self._send(peer_id, request, more, timeout, reuse, pace)
+
+    async def _present(self, peer_id: str, timeout: float | None) -> None:
+        """Our membership certificate to `peer_id`, unless it has it already (one call, shared by
+        the calls that wait for it). RemoteError(unauthorized) if the peer refuses it."""
+        credential = self.gate.credential
+        if self._presented.get(peer_id) == credential:
+            return
+        key = (peer_id, credential)
+        pending = self._presenting.get(key)
+        if pending is None:
+            pending = self._presenting[key] = asyncio.ensure_future(self._send(peer_id, MemberProof(certificate=credential), (), timeout, False, None))
+            pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # (read even when every waiter was cancelled)
+        try:
+            await asyncio.shield(pending)
+        finally:
+            if pending.done() and self._presenting.get(key) is pending:
+                del self._presenting[key]
+        self._presented[peer_id] = credential
+
+    async def _send(self, peer_id: str, request: Message, more, timeout: float | None, reuse: bool, pace: float | None) -> Message:
         if reuse:
             timeout = self.config.call_timeout_s if timeout is None else timeout
             return await self._pipe_call(peer_id, request, list(more), timeout, pace)  # type: ignore[arg-type]
@@ -797,6 +841,8 @@ class Transport:
 
     async def stream(self, peer_id: str, request: Message, timeout: float | None = None) -> AsyncIterator[Message]:
         """One request, replies until the server ends the stream. `timeout` bounds the whole call."""
+        if self.gate is not None and self.gate.credential:
+            await self._present(peer_id, timeout)
         async with self._exchange(peer_id, request, timeout) as (frames, _):
             while (msg := await frames.next()) is not None:
                 yield self._check_reply(peer_id, msg)

@@ -24,11 +24,11 @@ _EXPORTS = {
     "messages": (
         "REGISTRY", "Ack", "AvgDecision", "AvgDecisionQuery", "AvgGroup", "AvgJoin", "AvgReport", "CheckpointManifest",
         "CheckpointOffer", "CheckpointQuery", "Deregister", "DirectAddress", "DirectOpen", "Error", "Heartbeat", "Hello",
-        "Message", "Ping", "Pong", "Probe", "Register", "RoleAssignment", "StageCall", "StageResult", "StateChunk",
+        "MemberProof", "Message", "Ping", "Pong", "Probe", "Register", "RoleAssignment", "StageCall", "StageResult", "StateChunk",
         "StateRequest", "TensorPart",
     ),
     "signatures": ("KeyFileError", "SigningKey", "canonical", "verify"),
-    "tokens": ("JoinToken", "TokenCheck", "issue_token", "verify_token"),
+    "tokens": ("JoinToken", "MemberCertificate", "TokenCheck", "issue_certificate", "issue_token", "verify_certificate", "verify_token"),
     "codecs": ("Codec", "ErrorFeedback", "decode_tensor", "make_codec"),
     "tensors": ("EncodedTensor", "TensorAssembler", "pack_tensors", "split", "unpack_tensors"),
 }  # fmt: skip

@@ -241,6 +241,18 @@ class Ack(Message):
     info: Params = dataclasses.field(default_factory=dict)
 
 
+@message(9)
+class MemberProof(Message):
+    """In an owned swarm, a caller's first message to a peer (and after each renewal): its
+    membership certificate, signed by the swarm's owner. The peer serves nothing else of the
+    caller's before one checks out; answered with Ack, or `unauthorized` and why."""
+
+    certificate: bytes
+
+    def validate(self) -> None:
+        _require(0 < len(self.certificate) <= 2048, "certificate", "1..2048 bytes")
+
+
 # ---------------------------------------------------------------------------------------------
 # Membership
 
@@ -301,10 +313,12 @@ class RoleAssignment(Message):
     epoch: int = 0  # bumps whenever the plan changes
     reason: str = ""
     config: bytes = b""  # the run's training configuration (JSON), the same for every member
+    certificate: bytes = b""  # an owned swarm's: this peer's membership certificate (protocol/tokens.py), new or renewed
 
     def validate(self) -> None:
         _require(self.role in ROLES, "role", f"must be one of {', '.join(ROLES)}")
         _require(len(self.config) <= 65536, "config", "at most 64 KiB")
+        _require(len(self.certificate) <= 2048, "certificate", "at most 2048 bytes")
         _require(self.stage is None or self.stage >= 0, "stage", "must be >= 0")
 
 

@@ -53,6 +53,10 @@ def members_key(swarm_id: str) -> str:
     return f"swarmtrain/{swarm_id}/members"
 
 
+def revoked_key(swarm_id: str) -> str:
+    return f"swarmtrain/{swarm_id}/revoked"
+
+
 def _str(v: Any) -> bool:
     return isinstance(v, str)
 
@@ -150,14 +154,35 @@ class MemberRecord(_SignedRecord):
     throughput: float = 0.0  # samples/s it measured at its role (an expert host: tokens/s of compute); 0: not yet
     load: float = 0.0  # calls waiting on it when it published (an expert host's queue)
     expires_at: float = 0.0  # the latest the DHT may keep it (signed: nobody keeps it longer for its signer)
+    certificate: bytes = b""  # an owned swarm's: its membership certificate, signed by the owner (protocol/tokens.py)
     public_key: bytes = b""
     signature: bytes = b""
 
     DOMAIN = "swarmtrain/member-record/v3"
-    CHECKS = (_str, _str, _strs, _str, _int, _time, _time, _time, _time, _bytes, _bytes)
+    CHECKS = (_str, _str, _strs, _str, _int, _time, _time, _time, _time, _bytes, _bytes, _bytes)
 
 
-def check_stored(swarm_id: str, kind: str, value: bytes, subkey: str | None, expiration: float, now: float) -> CoordinatorRecord | MemberRecord:
+@dataclass(frozen=True)
+class RevocationRecord(_SignedRecord):
+    """An owned swarm's revocation list: peers every member refuses, signed by the owner. The
+    coordinator publishes it with its own record; the newest valid one wins."""
+
+    swarm_id: str
+    peer_id: str  # the owner's
+    revoked: tuple[str, ...]
+    issued_at: float
+    expires_at: float = 0.0
+    public_key: bytes = b""
+    signature: bytes = b""
+
+    DOMAIN = "swarmtrain/revocation-record/v1"
+    CHECKS = (_str, _str, _strs, _time, _time, _bytes, _bytes)
+
+
+RECORDS = {"coordinator": CoordinatorRecord, "members": MemberRecord, "revoked": RevocationRecord}
+
+
+def check_stored(swarm_id: str, kind: str, value: bytes, subkey: str | None, expiration: float, now: float) -> CoordinatorRecord | MemberRecord | RevocationRecord:
     """Whether a value may be kept and served in the DHT under the swarm's `kind` key
     ("coordinator" or "members"), as every node's DHT checks it on store and in answers:
     a well-formed record of this swarm, signed by the key that owns it (the swarm owner's for the
@@ -166,19 +191,28 @@ def check_stored(swarm_id: str, kind: str, value: bytes, subkey: str | None, exp
     expiry its signer signed (at most MAX_RECORD_TTL_S after it was issued): nobody keeps
     another's record alive longer, so the newest valid record is the one that expires last.
     Returns the record; raises RemoteProtocolError naming the problem."""
-    if kind == "coordinator":
+    if kind in ("coordinator", "revoked"):
+        cls = RECORDS[kind]
         if subkey is not None:
-            raise RemoteProtocolError("the coordinator record is one value, not a dictionary", "CoordinatorRecord")
-        rec = CoordinatorRecord.from_bytes(value, swarm_id)
+            raise RemoteProtocolError("one value, not a dictionary", cls.__name__)
+        rec = cls.from_bytes(value, swarm_id)
         owner = owner_of(swarm_id)
         if owner is not None and rec.peer_id != owner:
-            raise RemoteProtocolError(f"signed by {rec.peer_id}, not by the swarm's owner {owner}", "CoordinatorRecord")
+            raise RemoteProtocolError(f"signed by {rec.peer_id}, not by the swarm's owner {owner}", cls.__name__)
+        if owner is None and kind == "revoked":
+            raise RemoteProtocolError("an unowned swarm has nobody to revoke peers", cls.__name__)
     elif kind == "members":
         if subkey is None:
             raise RemoteProtocolError("member records live under their peer ids as subkeys", "MemberRecord")
         rec = MemberRecord.from_bytes(value, swarm_id)
         if rec.peer_id != subkey:
             raise RemoteProtocolError(f"the record of {rec.peer_id} under the subkey {subkey!r}", "MemberRecord")
+        if owner_of(swarm_id) is not None:  # an owned swarm's members hold a certificate from its owner
+            from .tokens import certificate_problem
+
+            problem = certificate_problem(rec.certificate, swarm_id, rec.peer_id, now)
+            if problem:
+                raise RemoteProtocolError(f"no valid membership certificate: {problem}", "MemberRecord")
     else:
         raise ValueError(f"no record kind {kind!r}")
     if rec.issued_at > now + CLOCK_SKEW_S:

@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.timeout(400)]
 BIN = Path(sys.executable).parent
 EXIT_DEADLINE_S = 120  # a case still running after this has failed to refuse its input
 PEER = peer_id_from_public_key(SigningKey.generate().public_key)
+OWNER = SigningKey.generate()
+OWNED = f"lab@{peer_id_from_public_key(OWNER.public_key)}"
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,19 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
             ),
             "coordinator-bad-stage-routing": Case(COORD, ("--stage-routing", "mail"), ("--stage-routing", "invalid choice", "mail"), light=True),
             "coordinator-zero-heartbeat-timeout": Case(COORD, ("--heartbeat-timeout-s", "0"), ("--heartbeat-timeout-s", "heartbeat_timeout_s", "> 0"), light=True),
+            "coordinator-init-bad-name": Case(COORD, ("init", "--data-dir", "{tmp}/o", "--name", "a/b"), ("init", "--name 'a/b'", "without spaces or '/'"), light=True),
+            "coordinator-token-before-init": Case(COORD, ("token", "--data-dir", "{tmp}/none", "--swarm-id", OWNED), ("token", "no owner key", "run `swarmtrain-coordinator init` first"), light=True),
+            "coordinator-token-bad-expiry": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", OWNED, "--expires-in", "never"), ("--expires-in 'never'", "30d"), light=True),
+            "coordinator-token-bad-role": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", OWNED, "--roles", "boss"), ("--roles", "unknown role(s) boss"), light=True),
+            "coordinator-token-bad-peer": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", OWNED, "--peer", "alice"), ("--peer 'alice'", "not a peer id"), light=True),
+            "coordinator-token-other-owner": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", f"lab@{PEER}"), (f"owned by {PEER}", "would be refused"), light=True),
+            "coordinator-token-missing-swarm-id": Case(COORD, ("token", "--identity", "{tmp}/owner.pem"), ("--swarm-id",), light=True),
+            "coordinator-revoke-bad-peer": Case(COORD, ("revoke", "--data-dir", "{tmp}/too-early", "12D3KooWnope"), ("revoke", "'12D3KooWnope' is not a peer id"), light=True),
+            "coordinator-revoke-bad-list": Case(COORD, ("revoke", "--data-dir", "{tmp}/revoked", "--list"), ("revoked line 2", "'not-a-peer-id' is not a peer id"), light=True),
+            "coordinator-bad-swarm-id": Case(COORD, ("--swarm-id", "lab@alice"), ("swarm_id", "'alice' is not an Ed25519 libp2p peer id"), light=True),
+            "node-bad-swarm-id": Case(NODE, ("--swarm-id", "my swarm"), ("swarm_id", "without spaces"), light=True),
+            "coordinator-private-unowned": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--private"), ("--private needs an owned swarm id", "init"), light=True),
+            "coordinator-owned-by-another": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--swarm-id", OWNED), (f"owned by {peer_id_from_public_key(OWNER.public_key)}", "this identity"), light=True),
             "coordinator-zero-keep-checkpoints": Case(COORD, ("--keep-checkpoints", "0"), ("--keep-checkpoints", "keep_checkpoints", "≥ 1"), light=True),
         }
     )
@@ -149,6 +164,9 @@ def _prepare(tmp: Path) -> None:
     (tmp / "transport.toml").write_text("[transport]\nban_score = 3.0\n")
     (tmp / "in-flight.toml").write_text("[transport]\nmax_bytes_in_flight_per_peer = 1000\n")
     (tmp / "run.toml").write_text("inner_steps = 10\njoin_timeout_s = -1\n")
+    OWNER.save(tmp / "owner.pem")
+    (tmp / "revoked").mkdir()
+    (tmp / "revoked" / "revoked").write_text(f"{PEER}\nnot-a-peer-id  # a hand edit gone wrong\n")
     (tmp / "too-early").mkdir()
     for module in ("torch", "hivemind"):
         (tmp / "too-early" / f"{module}.py").write_text(f"raise ImportError('{module} imported before the flags were checked')\n")

@@ -15,6 +15,7 @@ SAMPLES = [
     m.Error(code="bad_request", message="shape mismatch", request_id=9),
     m.Ping(nonce=42, sent_at=1.5),
     m.Probe(data=b"x" * 100, want=10),
+    m.MemberProof(certificate=b"c" * 40),
     m.DirectOpen(ticket=b"t" * 16, key=b"k" * 32, request_id=4),
     m.DirectAddress(addrs=("10.0.0.2:31500", "127.0.0.1:31500")),
     m.Pong(nonce=42, sent_at=1.5),

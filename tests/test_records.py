@@ -10,6 +10,7 @@ import pytest
 from protocol import RemoteProtocolError, SigningKey
 from protocol.records import MAX_RECORD_TTL_S, CoordinatorRecord, MemberRecord, check_stored, swarm_id_problem
 from protocol.signatures import peer_id_from_public_key
+from protocol.tokens import issue_certificate
 
 
 def record(**kw) -> MemberRecord:
@@ -40,8 +41,8 @@ def test_a_changed_or_malformed_member_record_is_refused(change, why):
 
 def test_a_record_of_the_older_layout_is_refused_by_its_length():
     old = msgpack.unpackb(record().to_bytes())
-    del old[8]  # no expiry
-    with pytest.raises(RemoteProtocolError, match="must be a list of 11 fields"):
+    del old[8:10]  # no expiry, no certificate
+    with pytest.raises(RemoteProtocolError, match="must be a list of 12 fields"):
         MemberRecord.from_bytes(msgpack.packb(old, use_bin_type=True), "s")
 
 
@@ -51,6 +52,14 @@ OWNED = f"s@{peer_id_from_public_key(OWNER.public_key)}"
 
 def coordinator(key=OWNER, swarm_id=OWNED, issued=1000.0, expires=1030.0) -> CoordinatorRecord:
     return CoordinatorRecord(swarm_id, "", ("/ip4/127.0.0.1/tcp/1",), "", issued, expires).sign(key)
+
+
+def member(cert_from=OWNER, cert_swarm=OWNED, cert_for: str | None = None, issued=1000.0, ttl=600.0) -> MemberRecord:
+    """A member record of OWNED, issued at 1000 and expiring at 1030, with a certificate."""
+    key = SigningKey.generate()
+    me = peer_id_from_public_key(key.public_key)
+    cert = b"" if cert_from is None else issue_certificate(cert_from, cert_swarm, cert_for or me, "replica", issued, ttl).to_bytes()
+    return MemberRecord(OWNED, "", (), "replica", 0, 1000.0, expires_at=1030.0, certificate=cert).sign(key)
 
 
 @pytest.mark.parametrize(
@@ -64,8 +73,8 @@ def coordinator(key=OWNER, swarm_id=OWNED, issued=1000.0, expires=1030.0) -> Coo
         ("coordinator", coordinator(expires=1000.0 + MAX_RECORD_TTL_S + 1).to_bytes(), None, 1030.0, "expires 3601 s after it was issued"),
         ("coordinator", coordinator().to_bytes(), "12D3KooWx", 1030.0, "one value, not a dictionary"),
         ("coordinator", coordinator(swarm_id="other").to_bytes(), None, 1030.0, "for swarm 'other'"),
-        ("members", record(swarm_id=OWNED, issued_at=1000.0, expires_at=1030.0).to_bytes(), "12D3KooWsomeoneelse", 1030.0, "under the subkey"),
-        ("members", record(swarm_id=OWNED, issued_at=1000.0, expires_at=1030.0).to_bytes(), None, 1030.0, "under their peer ids"),
+        ("members", member().to_bytes(), "12D3KooWsomeoneelse", 1030.0, "under the subkey"),
+        ("members", member().to_bytes(), None, 1030.0, "under their peer ids"),
     ],
 )
 def test_a_value_the_dht_must_not_keep_is_refused_with_the_reason(kind, value, subkey, expiration, why):
@@ -73,10 +82,27 @@ def test_a_value_the_dht_must_not_keep_is_refused_with_the_reason(kind, value, s
         check_stored(OWNED, kind, value, subkey, expiration, now=1040.0)
 
 
+@pytest.mark.parametrize(
+    "rec,why",
+    [
+        (member(cert_from=None), "no valid membership certificate: none presented"),
+        (member(cert_from=SigningKey.generate()), "forged: not signed by the swarm owner's key"),
+        (member(cert_swarm="other"), "other swarm"),
+        (member(cert_for=peer_id_from_public_key(SigningKey.generate().public_key)), "other peer"),
+        (member(issued=0.0, ttl=600.0), "expired 440 s ago"),
+    ],
+)
+def test_an_owned_swarms_member_record_needs_its_owners_certificate(rec, why):
+    with pytest.raises(RemoteProtocolError, match=why):
+        check_stored(OWNED, "members", rec.to_bytes(), rec.peer_id, 1030.0, now=1040.0)
+
+
 def test_the_owners_and_the_members_own_records_are_kept():
     assert check_stored(OWNED, "coordinator", coordinator().to_bytes(), None, 1030.0, now=1040.0).peer_id == peer_id_from_public_key(OWNER.public_key)
-    rec = record(swarm_id=OWNED, issued_at=1000.0, expires_at=1030.0)
+    rec = member()
     assert check_stored(OWNED, "members", rec.to_bytes(), rec.peer_id, 1030.0, now=1040.0) == rec
+    unowned = record(issued_at=1000.0, expires_at=1030.0)  # swarm "s": nobody certifies its members
+    assert check_stored("s", "members", unowned.to_bytes(), unowned.peer_id, 1030.0, now=1040.0) == unowned
     # an unowned swarm id: any peer's well-signed coordinator record (nothing names who may sign it)
     assert check_stored("s", "coordinator", coordinator(key=SigningKey.generate(), swarm_id="s").to_bytes(), None, 1030.0, now=1040.0)
 
