@@ -198,7 +198,14 @@ def _key(a: Assignment) -> tuple[str, int | None, str | None]:
     return (a.role, a.stage, a.expert)
 
 
+def client_mode(m: MemberView) -> bool:
+    """A node that accepts no inbound connections (`--client-mode`): it can only take a role that calls out."""
+    return m.capabilities.get("client_mode") in (1, True)
+
+
 def _replica(m: MemberView) -> Assignment:
+    if client_mode(m):
+        return Assignment("idle", reason="client mode: a replica's averaging needs inbound connections; client-mode nodes train as pipeline or expert trainers")
     if (m.role, m.stage, m.expert) == ("replica", None, None):
         return Assignment("replica", reason="kept")
     if m.role is None:
@@ -288,9 +295,10 @@ class _SlotPlanner:
     def plan(self) -> tuple[dict[str, Assignment], tuple[int | str, ...]]:
         unplaced: list[tuple[MemberView, str]] = []
         for m in self.members:
-            if m.wanted_role == "trainer":
+            if m.wanted_role == "trainer" or client_mode(m):
                 kept = (m.role, m.stage, m.expert) == ("trainer", None, None)
-                self.out[m.peer_id] = Assignment("trainer", reason="kept" if kept else "wanted the trainer role")
+                why = "wanted the trainer role" if m.wanted_role == "trainer" else "client mode: no inbound connections, and a trainer only calls out"
+                self.out[m.peer_id] = Assignment("trainer", reason="kept" if kept else why)
                 continue
             s, why = self.current_slot(m)
             if s is None:

@@ -232,6 +232,7 @@ class NodeConfig:
     identity: str = ""  # Ed25519 key file (PEM); created if missing so restarts keep the peer id. Default: <data_dir>/identity.pem
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # where to listen
     announce_maddrs: tuple[str, ...] = ()  # where others should dial us
+    client_mode: bool = False  # accept no inbound connections (behind a NAT or firewall): dial out only, serve no DHT; takes roles that only call out (a pipeline's or experts' trainer)
     direct_port: int = 0  # TCP port for bulk transfers over direct sealed TCP (forward it behind NAT); 0: any free port; -1: off, all over libp2p
     device: str = "cpu"  # torch device for training: cpu, cuda, cuda:1, mps
     data_dir: str = "swarmtrain-node"  # working directory for identity, state, logs

@@ -67,7 +67,7 @@ class Node:
         # before any thread computes: a thread takes torch's thread count when it first
         # computes and keeps it; set_num_threads later changes only the caller's and new threads'
         torch.set_num_threads(c.torch_threads())
-        self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs, swarm_id=c.swarm_id))
+        self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs, swarm_id=c.swarm_id, client_mode=c.client_mode))
         self.transport = Transport(self.host, transport_config(c))
         if owner_of(c.swarm_id) is not None:  # an owned swarm: members only (node/gate.py)
             self.transport.use_gate(MemberGate(c.swarm_id))
@@ -75,6 +75,8 @@ class Node:
         await self.transport.start()
         log.info("peer id %s, listening on %s", self.host.peer_id, " ".join(await self.host.visible_maddrs()))
         caps = await asyncio.get_running_loop().run_in_executor(None, capabilities.measure, c.device)
+        if c.client_mode:
+            caps["client_mode"] = 1  # the coordinator gives it a role that only calls out
         log.info("capabilities: %s", ", ".join(f"{k}={v}" for k, v in caps.items()))
         self.membership = Membership(self.host, self.transport, c, caps, token)
         self.membership.on_assignment = self.roles.want

@@ -146,6 +146,9 @@ class HostConfig:
     security: str = "tls"
     # the swarm whose records this host's DHT keeps and serves only when valid (node/dht_records.py); "": no check
     swarm_id: str = ""
+    # listen nowhere (p2pd opens no listener) and serve no DHT: only outbound connections,
+    # which carry calls both ways once open (a node behind a NAT or firewall)
+    client_mode: bool = False
 
 
 class Host:
@@ -186,6 +189,7 @@ class Host:
             validators.append(SwarmRecords(config.swarm_id))
         dht = _DHT(
             record_validators=validators,
+            **({"client_mode": True, "no_listen": True} if config.client_mode else {}),
             initial_peers=list(config.initial_peers) or None,
             host_maddrs=list(config.host_maddrs),
             announce_maddrs=list(config.announce_maddrs) or None,
@@ -212,9 +216,11 @@ class Host:
 
     def listen_ips(self) -> list[str]:
         """The IPv4 addresses p2pd listens on over TCP (from host_maddrs: 127.0.0.1, 0.0.0.0, ...)."""
-        return tcp_ip4s(self.config.host_maddrs)
+        return [] if self.config.client_mode else tcp_ip4s(self.config.host_maddrs)
 
     async def visible_maddrs(self) -> list[str]:
+        if self.config.client_mode:  # listens nowhere: nobody can dial it
+            return []
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
 
     async def connect(self, peer_id: str, maddrs: Sequence[str]) -> None:

@@ -29,8 +29,6 @@ from pathlib import Path
 
 import pytest
 
-from protocol.signatures import SigningKey
-from protocol.tokens import issue_token
 from tests.swarm import wait_for
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
@@ -202,21 +200,16 @@ def test_compose_private_swarm():
     _run([compose.engine, "build", "--network", "host", *build_args(compose.engine), "-f", "docker/Dockerfile", "-t", IMAGE, "."], BUILD_TIMEOUT_S)
     timings["build"] = time.monotonic() - t0
 
-    owner = SigningKey.generate()
-    token = issue_token(owner, "swarmtrain", expires_at=time.time() + 3600).to_text()  # any peer, any role
     project = f"swarmtrain-test-{os.getpid()}-{secrets.token_hex(3)}"
     http_port = free_port()
-    env = {
-        **os.environ,
-        "SWARMTRAIN_IMAGE": IMAGE,
-        "COORDINATOR_HTTP_PORT": str(http_port),
-        "SWARMTRAIN_SWARM_ID": "swarmtrain",
-        "SWARMTRAIN_OWNER_PUBLIC_KEY": owner.public_key.hex(),
-        "SWARMTRAIN_TOKEN": token,
-        "COORDINATOR_ARGS": TRAINING_ARGS,
-        "NODE_ARGS": "",
-    }
+    env = {**os.environ, "SWARMTRAIN_IMAGE": IMAGE, "COORDINATOR_HTTP_PORT": str(http_port), "NODE_ARGS": ""}
     base = [*compose.cmd, "-f", str(COMPOSE_FILE), "-p", project]
+    # as docker/README.md says: the owner key in the coordinator's volume, a token, from the CLI
+    tool = [*base, "run", "--rm", "--no-deps", "--entrypoint", "swarmtrain-coordinator", "coordinator"]
+    init = _run([*tool, "init", "--data-dir", "/data", "--name", "compose"], 300, env=env).stdout
+    swarm_id = next(line.split(": ", 1)[1].strip() for line in init.splitlines() if line.startswith("swarm id: "))
+    token = _run([*tool, "token", "--data-dir", "/data", "--swarm-id", swarm_id, "--expires-in", "1h"], 300, env=env).stdout.strip().splitlines()[-1]
+    env.update(SWARMTRAIN_SWARM_ID=swarm_id, SWARMTRAIN_TOKEN=token, COORDINATOR_ARGS=f"{TRAINING_ARGS} --private")
 
     def logs() -> str:
         try:
@@ -272,7 +265,7 @@ def test_compose_private_swarm():
         except TimeoutError as e:
             raise AssertionError(f"{e}\n--- logs ---\n{logs()}") from None
         timings["coordinator restart"] = time.monotonic() - t0
-        assert again["peer_id"] == status["peer_id"]
+        assert again["peer_id"] == status["peer_id"] == swarm_id.split("@")[1]  # the owner's key, from init, in the volume
         assert {m["peer_id"] for m in again["members"]} >= {m["peer_id"] for m in members}
         # checkpoints survive too (the newest one, or a newer one if the swarm stored another since)
         newest = lambda st: max((c["step"] for c in st["checkpoints"]), default=-1)  # noqa: E731

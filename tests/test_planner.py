@@ -512,3 +512,14 @@ def test_churn_mixed_peers_one_event_moves_at_most_one_existing_member_per_call(
         moved = [p for p in plan.changes if p != newcomer]
         assert len(moved) <= 1, moved
         ms, _ = settle(apply(ms, plan), config)
+
+
+def test_a_client_mode_node_trains_in_a_pipeline_and_idles_among_replicas():
+    """A node that accepts no inbound connections takes the one role that only calls out."""
+    client = member("c", capabilities={"client_mode": 1})
+    pipe = plan_roles([member("a"), member("b"), client], PlannerConfig(mode="pipeline", num_stages=2))
+    assert pipe.assignments["c"].role == "trainer" and "client mode" in pipe.assignments["c"].reason
+    assert {pipe.assignments[p].stage for p in "ab"} == {0, 1}  # the others serve the stages
+    replicas = plan_roles([member("a"), client], PlannerConfig(mode="replica"))
+    assert replicas.assignments["a"].role == "replica"
+    assert replicas.assignments["c"].role == "idle" and "inbound connections" in replicas.assignments["c"].reason

@@ -241,14 +241,18 @@ def test_a_pipeline_swarm_stopped_and_started_again_resumes_every_stage_from_its
     assert h[0]["loss"] < loss_at_start - 0.3, (h[0], loss_at_start)
 
 
-def test_a_trainer_with_synchronous_steps_never_runs_a_forward_on_weights_older_than_the_last_step(swarm):
+def test_a_client_mode_trainer_with_synchronous_steps_never_runs_a_forward_on_weights_older_than_the_last_step(swarm):
     coord = swarm.coordinator("coordinator", None, None, *TWO_STAGES, "--synchronous-steps")  # a step every 16 samples: 4 micro-batches
     maddr = coord.wait_ready()["maddrs"][0]
     for n in ("a", "b"):
         swarm.node(n, [maddr], *NODE)
     wait_for(lambda: len(placed(coord)) == 2, 120, "one peer per stage")
-    swarm.node("t", [maddr], *NODE, "--wanted-role", "trainer")
+    # a node that accepts no inbound connections (--client-mode): it listens nowhere, and the
+    # planner makes it a trainer, which only calls out
+    t = swarm.node("t", [maddr], *NODE, "--client-mode")
     wait_for(lambda: micro_batches(swarm, "t") >= 40, 300, "40 micro-batches")
+    me = coord.members()[node_peer_id(t)]
+    assert me["role"] == "trainer" and me["maddrs"] == [] and "client mode" in coord.proc.log(), me
     first = next(stats(swarm, n, "stage") for n in ("a", "b") if stats(swarm, n, "stage")["stage"] == 0)
     # every stage step took exactly the 4 micro-batches of one window: none of the next started
     # before it, so no backward went through a graph of older weights
