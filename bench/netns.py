@@ -12,6 +12,12 @@ Layout (nothing is added to the root namespace, so the host's own networking is 
     <run>-p1 (eth0 10.77.0.2/24) ──veth── vp1 ├─ br0 in <run>-br
     ...                                        ┘
 
+A peer in `natted` sits behind its own router instead (a home NAT): the router namespace
+`<run>-r<i>` holds the peer's bridge address on its WAN side and masquerades everything from the
+peer's private subnet (192.168.<i>.2, gateway .1) behind it; nothing is forwarded in, so the
+peer has no inbound path at all (`topo.ip(i)` is its private address, `topo.public_ip(i)` the
+router's).
+
 Each peer's link is shaped in both directions with a token bucket (tbf) at `rate`: its upload on
 eth0 inside its namespace, its download on vp<i> in the bridge namespace. The all-reduce bandwidth
 bound 2(N-1)/N·S/B assumes each peer uploads at B; shaping the download too makes the link a
@@ -93,6 +99,7 @@ def remove_stale() -> list[str]:
 class Topology:
     n_peers: int
     rate: str  # tc rate, e.g. "100mbit"
+    natted: frozenset[int] = frozenset()  # peers behind a masquerading router (no inbound path)
     run: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
     created: list[str] = field(default_factory=list)
 
@@ -104,16 +111,21 @@ class Topology:
         return f"{self.run}-p{i}"
 
     def ip(self, i: int) -> str:
+        """Peer i's own address: on the bridge, or its private one behind its NAT."""
+        return f"192.168.{i}.2" if i in self.natted else self.public_ip(i)
+
+    def public_ip(self, i: int) -> str:
+        """Where peer i's packets come from on the bridge (its router's, behind a NAT)."""
         return f"{SUBNET}.{i + 1}"
 
     def wrap(self, i: int, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns(i), *argv]
 
     @classmethod
-    def create(cls, n_peers: int, rate: str, shape_download: bool = True) -> Topology:
+    def create(cls, n_peers: int, rate: str, shape_download: bool = True, natted: frozenset[int] = frozenset()) -> Topology:
         if not 1 <= n_peers <= 250:
             raise ValueError(f"n_peers must be in 1..250, got {n_peers}")
-        topo = cls(n_peers, rate)
+        topo = cls(n_peers, rate, frozenset(natted))
         try:
             topo._build(shape_download)
         except BaseException:
@@ -135,14 +147,43 @@ class Topology:
         for i in range(self.n_peers):
             ns = self.ns(i)
             self._add_ns(ns)
-            _ip("-n", br, "link", "add", f"vp{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            # on the bridge: the peer itself, or its router
+            wan = self._router(i) if i in self.natted else ns
+            _ip("-n", br, "link", "add", f"vp{i}", "type", "veth", "peer", "name", "eth0", "netns", wan)
             _ip("-n", br, "link", "set", f"vp{i}", "master", "br0")
             _ip("-n", br, "link", "set", f"vp{i}", "up")
-            _ip("-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _tc(ns, "qdisc", "add", "dev", "eth0", *tbf)
+            _ip("-n", wan, "addr", "add", f"{self.public_ip(i)}/24", "dev", "eth0")
+            _ip("-n", wan, "link", "set", "eth0", "up")
+            _tc(wan, "qdisc", "add", "dev", "eth0", *tbf)
+            if i in self.natted:
+                self._nat(i, wan)
             if shape_download:
                 _tc(br, "qdisc", "add", "dev", f"vp{i}", *tbf)
+
+    def _router(self, i: int) -> str:
+        name = f"{self.run}-r{i}"
+        self._add_ns(name)
+        return name
+
+    def _nat(self, i: int, router: str) -> None:
+        """Peer i behind `router`: a private link, a default route through it, masquerading out,
+        and nothing forwarded in but the replies to what went out."""
+        ns = self.ns(i)
+        _ip("-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "lan0", "netns", ns)
+        _ip("-n", router, "addr", "add", f"192.168.{i}.1/24", "dev", "lan0")
+        _ip("-n", router, "link", "set", "lan0", "up")
+        _ip("-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", "lan0")
+        _ip("-n", ns, "link", "set", "lan0", "up")
+        _ip("-n", ns, "route", "add", "default", "via", f"192.168.{i}.1")
+        for cmd in (
+            ["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"],
+            ["iptables", "-t", "nat", "-A", "POSTROUTING", "-s", f"192.168.{i}.0/24", "-o", "eth0", "-j", "MASQUERADE"],
+            ["iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+            ["iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-j", "DROP"],
+        ):
+            out = subprocess.run(["ip", "netns", "exec", router, *cmd], capture_output=True, text=True, timeout=10)
+            if out.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} in {router}: {out.stderr.strip() or out.returncode}")
 
     def cut(self, i: int) -> None:
         """Take peer i's link down at the bridge: its packets go nowhere, nobody reaches it (a

@@ -20,7 +20,7 @@ from .config import ConfigError, NodeConfig, averager_config, transport_config
 from .membership import Membership
 from .p2p import Host, HostConfig
 from .gate import MemberGate
-from .preflight import check_data_dir, check_node, load_identity  # noqa: F401 (check_data_dir, load_identity: imported from here too)
+from .preflight import announce_warning, check_data_dir, check_node, load_identity  # noqa: F401 (check_data_dir, load_identity: imported from here too)
 from .roles import Role, RoleError, RoleRunner
 from .transport import CallContext, Transport
 
@@ -73,7 +73,11 @@ class Node:
             self.transport.use_gate(MemberGate(c.swarm_id))
         self.transport.on(Hello, self._on_hello)
         await self.transport.start()
-        log.info("peer id %s, listening on %s", self.host.peer_id, " ".join(await self.host.visible_maddrs()))
+        announced = await self.host.visible_maddrs()
+        log.info("peer id %s, listening on %s", self.host.peer_id, " ".join(announced) or "nothing (client mode)")
+        warning = announce_warning(announced, c.initial_peers)
+        if warning:
+            log.warning(warning)
         caps = await asyncio.get_running_loop().run_in_executor(None, capabilities.measure, c.device)
         if c.client_mode:
             caps["client_mode"] = 1  # the coordinator gives it a role that only calls out

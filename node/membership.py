@@ -56,6 +56,7 @@ class Membership:
         self._publish_wake = asyncio.Event()
         self.leaving = False  # deregistered on purpose: no more heartbeats or registrations
         self._deregistered = False
+        self._announced: tuple[str, ...] | None = None  # the addresses our member record last carried
 
     def heartbeat_soon(self) -> None:
         """Report progress now instead of at the next interval (e.g. right after an outer step)."""
@@ -208,10 +209,14 @@ class Membership:
 
     async def publish_record(self) -> None:
         now = time.time()
+        maddrs = tuple(await self.host.visible_maddrs())
+        if maddrs != self._announced:  # (a relay reservation adds an address; a NAT's mapping may change)
+            log.info("announcing %s", " ".join(maddrs) or "no address (client mode: others cannot dial us)")
+            self._announced = maddrs
         rec = MemberRecord(
             swarm_id=self.config.swarm_id,
             peer_id=self.host.peer_id,
-            maddrs=tuple(await self.host.visible_maddrs()),
+            maddrs=maddrs,
             role=role_label(self.assignment),
             step=self.progress.step,
             issued_at=now,

@@ -67,6 +67,18 @@ def tcp_ip4s(maddrs: Sequence[str]) -> list[str]:
     return out
 
 
+def announce_warning(announced: Sequence[str], initial_peers: Sequence[str]) -> str | None:
+    """What is wrong with announcing `announced` to a swarm joined through `initial_peers`: a
+    node whose peers are at public addresses while it announces only loopback or private ones
+    (a home LAN address, a container's) cannot be dialled by them. None if nothing is."""
+    public_peers = [ip for ip in tcp_ip4s(initial_peers) if ipaddress.ip_address(ip).is_global]
+    own = [ip for ip in tcp_ip4s(announced) if ip != "0.0.0.0"]
+    if not public_peers or not own or any(ipaddress.ip_address(ip).is_global for ip in own) or any("/p2p-circuit" in a for a in announced):
+        return None
+    return (f"announcing only {', '.join(own)} (loopback or private) to a swarm at public addresses ({', '.join(public_peers)}): its peers cannot dial us there. "
+            "Announce the public address (and forward the port) with --announce-maddrs, or join with --client-mode (no inbound calls)")  # fmt: skip
+
+
 def _ip4(v: str) -> bool:
     try:
         ipaddress.IPv4Address(v)

@@ -229,3 +229,22 @@ def test_bad_coordinator_settings_are_named_with_their_source(tmp_path, toml, en
     with pytest.raises(ConfigError) as e:
         _load_coordinator(tmp_path, toml, env, cli)
     assert expect in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "announced,peers,warned",
+    [
+        (["/ip4/192.168.1.5/tcp/4001"], ["/ip4/8.8.8.8/tcp/31337/p2p/X"], True),  # a home LAN address to a public swarm
+        (["/ip4/127.0.0.1/tcp/4001"], ["/ip4/8.8.8.8/tcp/31337/p2p/X"], True),
+        (["/ip4/192.168.1.5/tcp/4001", "/ip4/8.8.4.4/tcp/4001"], ["/ip4/8.8.8.8/tcp/31337/p2p/X"], False),  # its public address too
+        (["/ip4/8.8.8.8/tcp/1/p2p/R/p2p-circuit/p2p/Y", "/ip4/192.168.1.5/tcp/4001"], ["/ip4/8.8.8.8/tcp/31337/p2p/X"], False),  # through a relay
+        (["/ip4/192.168.1.5/tcp/4001"], ["/ip4/192.168.1.1/tcp/31337/p2p/X"], False),  # a private swarm on the LAN
+        (["/ip4/127.0.0.1/tcp/4001"], [], False),  # a swarm of its own
+    ],
+)
+def test_announcing_a_private_address_to_a_public_swarm_is_warned_about(announced, peers, warned):
+    from node.preflight import announce_warning
+
+    w = announce_warning(announced, peers)
+    assert (w is not None) == warned, w
+    assert not warned or ("cannot dial us" in w and "--announce-maddrs" in w)
