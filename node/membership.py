@@ -283,6 +283,6 @@ async def read_members(host: Host, swarm_id: str) -> dict[str, MemberRecord]:
         except RemoteProtocolError as e:
             log.debug("ignoring a member record: %s", e)
             continue
-        if rec.peer_id == subkey and rec.peer_id not in host.revoked:
+        if rec.peer_id == subkey and rec.peer_id not in getattr(host, "revoked", ()):
             out[rec.peer_id] = rec
     return out
