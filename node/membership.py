@@ -210,7 +210,7 @@ class Membership:
     async def publish_record(self) -> None:
         now = time.time()
         maddrs = tuple(await self.host.visible_maddrs())
-        if maddrs != self._announced:  # (a relay reservation adds an address; a NAT's mapping may change)
+        if maddrs != self._announced:  # (what p2pd reports may change: interfaces, an observed address)
             log.info("announcing %s", " ".join(maddrs) or "no address (client mode: others cannot dial us)")
             self._announced = maddrs
         rec = MemberRecord(
