@@ -1154,6 +1154,7 @@ class Trainer(Role):
         self.bytes_sent = self.bytes_received = 0
         self.history: list[dict[str, Any]] = []
         self._losses: list[float] = []
+        self.first_loss: float | None = None  # the mean of the first REPORT_EVERY micro-batches
         self._norms: dict[int, tuple[str, int, float]] = {}  # stage -> (peer, its steps due, squared norm of the latest): handed on in every call
         self._stages_known = asyncio.Event()
         self._t0 = time.monotonic()
@@ -1392,13 +1393,15 @@ class Trainer(Role):
         elapsed = time.monotonic() - self._t0
         rate = self.micro_batches * self.run_config.batch_size / elapsed if elapsed > 0 else None
         self.history.append({"micro_batches": self.micro_batches, "loss": mean, "time": time.time()})
+        if self.first_loss is None:
+            self.first_loss = mean  # (the history keeps only its latest entries)
         del self.history[:-500]
         log.info("trainer | %d micro-batches | loss %.4f | %.1f samples/s | %d retries, %d lost", self.micro_batches, mean, rate or 0, self.retries, self.lost)
         p = self.membership.progress
         p.step, p.loss, p.samples_per_second = self.micro_batches, mean, rate
         stats = {
             "micro_batches": self.micro_batches, "samples": self.micro_batches * self.run_config.batch_size, "lost": self.lost,
-            "retries": self.retries, "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "loss": mean,
+            "retries": self.retries, "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "loss": mean, "first_loss": self.first_loss,
             "samples_per_second": rate, "history": self.history,
         }  # fmt: skip
         write_json(self.stats_path, stats)

