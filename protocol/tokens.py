@@ -33,6 +33,17 @@ ANY_PEER = "*"
 MAX_TOKEN_SIZE = 4096
 
 
+def _fields(data: bytes, what: str, names: tuple[str, ...]) -> list:
+    """The msgpack list of `names` that a token or certificate is; RemoteProtocolError otherwise."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise RemoteProtocolError(f"not a {what} ({type(e).__name__})", what) from None
+    if not (isinstance(obj, list) and len(obj) == len(names)):
+        raise RemoteProtocolError(f"must be [{', '.join(names)}]", what)
+    return obj
+
+
 @dataclass(frozen=True)
 class JoinToken:
     swarm_id: str
@@ -54,13 +65,7 @@ class JoinToken:
     def from_bytes(cls, data: bytes) -> JoinToken:
         if len(data) > MAX_TOKEN_SIZE:
             raise RemoteProtocolError(f"token is {len(data)} bytes, over {MAX_TOKEN_SIZE}", "token")
-        try:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        except Exception as e:
-            raise RemoteProtocolError(f"not a token ({type(e).__name__})", "token") from None
-        if not (isinstance(obj, list) and len(obj) == 5):
-            raise RemoteProtocolError("must be [swarm_id, peer_id, roles, expires_at, signature]", "token")
-        swarm_id, peer_id, roles, expires_at, sig = obj
+        swarm_id, peer_id, roles, expires_at, sig = _fields(data, "token", ("swarm_id", "peer_id", "roles", "expires_at", "signature"))
         if not (
             isinstance(swarm_id, str)
             and isinstance(peer_id, str)
@@ -143,13 +148,7 @@ class MemberCertificate:
     def from_bytes(cls, data: bytes) -> MemberCertificate:
         if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_CERT_SIZE:
             raise RemoteProtocolError(f"must be bytes of at most {MAX_CERT_SIZE}", "certificate")
-        try:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        except Exception as e:
-            raise RemoteProtocolError(f"not a certificate ({type(e).__name__})", "certificate") from None
-        if not (isinstance(obj, list) and len(obj) == 6):
-            raise RemoteProtocolError("must be [swarm_id, peer_id, role, issued_at, expires_at, signature]", "certificate")
-        swarm_id, peer_id, role, issued, expires, sig = obj
+        swarm_id, peer_id, role, issued, expires, sig = _fields(data, "certificate", ("swarm_id", "peer_id", "role", "issued_at", "expires_at", "signature"))
         times_ok = all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) for t in (issued, expires))
         if not (isinstance(swarm_id, str) and isinstance(peer_id, str) and isinstance(role, str) and times_ok and isinstance(sig, bytes)):
             raise RemoteProtocolError("a field has the wrong type", "certificate")

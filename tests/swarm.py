@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from node.osutil import session_pids
@@ -227,6 +227,23 @@ class Coordinator:
 
     def members(self) -> dict[str, dict]:
         return {m["peer_id"]: m for m in self.status()["members"]}
+
+
+@contextlib.contextmanager
+def netns_topology(**kwargs) -> Iterator:
+    """A bench/netns.py Topology for a test (its arguments), removed afterwards; the test is
+    skipped, saying why, where network namespaces cannot be used (not root)."""
+    import pytest
+
+    from bench import netns
+
+    try:
+        netns.check_available()
+    except netns.NetnsUnavailable as e:
+        pytest.skip(str(e))
+    netns.remove_stale()
+    with netns.Topology.create(**kwargs) as topo:
+        yield topo
 
 
 def node_peer_id(proc: Proc, timeout: float = 60) -> str:

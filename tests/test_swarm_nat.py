@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.swarm import free_port, node_peer_id, wait_for
+from tests.swarm import free_port, netns_topology, node_peer_id, wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
@@ -23,18 +23,8 @@ CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.ar
 
 @pytest.fixture
 def topo():
-    from bench import netns
-
-    try:
-        netns.check_available()
-    except netns.NetnsUnavailable as e:
-        pytest.skip(str(e))
-    netns.remove_stale()
-    t = netns.Topology.create(4, "1gbit", natted=frozenset({3}))
-    try:
+    with netns_topology(n_peers=4, rate="1gbit", natted=frozenset({3})) as t:
         yield t
-    finally:
-        t.destroy()
 
 
 def averaged(swarm, name) -> dict[int, str]:

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import netns
-from tests.swarm import Proc, Swarm, node_peer_id, session_pids, wait_for
+from tests.swarm import Proc, Swarm, netns_topology, node_peer_id, session_pids, wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
@@ -116,12 +115,7 @@ def test_a_frozen_leader_costs_the_others_at_most_a_round_and_is_back_after_it_r
 
 @pytest.fixture
 def topology():
-    try:
-        netns.check_available()
-    except netns.NetnsUnavailable as e:
-        pytest.skip(str(e))
-    netns.remove_stale()
-    with netns.Topology.create(n_peers=1 + len(NAMES), rate="1gbit", shape_download=False) as topo:
+    with netns_topology(n_peers=1 + len(NAMES), rate="1gbit", shape_download=False) as topo:
         yield topo
 
 
