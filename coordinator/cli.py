@@ -26,6 +26,7 @@ def build_parser():
     p.add_argument("--mode", choices=SERVED_MODES, help=f"how roles are planned (default {c.mode})")
     p.add_argument("--heartbeat-timeout-s", type=float, help=f"evict members silent this long (default {c.heartbeat_timeout_s})")
     p.add_argument("--keep-checkpoints", type=int, help=f"checkpoints kept on disk (default {c.keep_checkpoints})")
+    p.add_argument("--serve-relay", action="store_true", default=None, help="carry streams to nodes behind NATs that name this coordinator as their relay (node --relays)")
     p.add_argument("--private", action="store_true", default=None, help="an owned swarm (see `init`): Register needs a join token signed by the owner's key (`token`)")
     p.add_argument("--owner-public-key", metavar="HEX", help="private swarm of an unowned swarm id: require join tokens signed by this key")
     p.add_argument("--record-interval-s", type=float, help=f"seconds between refreshes of the coordinator's DHT record and revocation list (default {c.record_interval_s})")

@@ -29,6 +29,7 @@ class CoordinatorConfig:
     heartbeat_timeout_s: float = 15.0  # seconds; members silent for longer are evicted
     keep_checkpoints: int = 3  # how many checkpoints to keep on disk
     owner_public_key: str = ""  # hex Ed25519 public key of the swarm owner; set: Register needs a join token signed by it
+    serve_relay: bool = False  # carry streams to nodes behind NATs that name this coordinator as their relay (node --relays)
     private: bool = False  # an owned swarm (swarm_id name@<owner>, see `init`): Register needs a join token signed by the owner's key, this coordinator's identity
     record_interval_s: float = 10.0  # seconds between two refreshes of the coordinator's DHT record
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR

@@ -39,7 +39,7 @@ from node.preflight import check_coordinator
 from node.p2p import Host, HostConfig
 from node.roles import label_of
 from node.state_server import CheckpointServer
-from node.transport import CallContext, RPCError, Transport
+from node.transport import CallContext, RPCError, Transport, TransportConfig
 
 from .checkpoints import CheckpointError, CheckpointStore
 from .config import CoordinatorConfig, expert_slots
@@ -197,7 +197,7 @@ class Coordinator:
         # grace after a restart: members get a full timeout to check in before eviction
         await self.registry.run(_refresh_all, time.time())
         self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs, swarm_id=c.swarm_id))
-        self.transport = Transport(self.host)
+        self.transport = Transport(self.host, TransportConfig(relay_service=c.serve_relay))
         if self.owned:  # members only, but for what joining takes
             self.gate = MemberGate(c.swarm_id, exempt=(Hello, Register, Heartbeat, Deregister, Probe))
             self.gate.set_revoked(self.revoked)

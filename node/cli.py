@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help=f"listen addresses (default {' '.join(d.host_maddrs)})")
     p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial")
     p.add_argument("--client-mode", action="store_true", default=None, help="accept no inbound connections (behind a NAT or firewall): dial out only; the coordinator gives such a node a role that only calls out (a trainer)")
+    p.add_argument("--relays", nargs="+", metavar="MADDR", help="behind a NAT nobody can dial through: be reached through these relays (nodes or a coordinator started with --serve-relay; each multiaddr with /p2p/<peer id>)")
+    p.add_argument("--serve-relay", action="store_true", default=None, help="carry streams to peers behind NATs that name this node as their relay (needs a public address)")
     p.add_argument("--direct-port", type=int, metavar="PORT", help="TCP port for bulk transfers between nodes (default: any free port; -1: off, all traffic over libp2p)")
     p.add_argument("--device", help=f"torch device (default {d.device})")
     p.add_argument("--data-dir", metavar="DIR", help=f"working directory (default ./{d.data_dir})")

@@ -233,6 +233,8 @@ class NodeConfig:
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # where to listen
     announce_maddrs: tuple[str, ...] = ()  # where others should dial us
     client_mode: bool = False  # accept no inbound connections (behind a NAT or firewall): dial out only, serve no DHT; takes roles that only call out (a pipeline's or experts' trainer)
+    relays: tuple[str, ...] = ()  # relays to be reached through when nobody can dial us (behind a NAT): each a relay's multiaddr with /p2p/<its peer id>
+    serve_relay: bool = False  # carry streams for peers behind NATs that announce us as their relay
     direct_port: int = 0  # TCP port for bulk transfers over direct sealed TCP (forward it behind NAT); 0: any free port; -1: off, all over libp2p
     device: str = "cpu"  # torch device for training: cpu, cuda, cuda:1, mps
     data_dir: str = "swarmtrain-node"  # working directory for identity, state, logs
@@ -274,6 +276,7 @@ _NODE_CHECKS: dict[str, Check] = {
     "bandwidth_mbps": non_negative, "log_level": one_of(*LOG_LEVELS), "shard_index": at_least(-1), "num_shards": at_least(1),
     "threads": at_least(0), "fault_delay_parts_s": non_negative,
     "fault_slowdown": lambda v: None if 1.0 <= v <= 100.0 else "must be in [1, 100]",
+    "relays": lambda v: next((f"{m!r} must be a relay's own multiaddr ending in /p2p/<its peer id>" for m in v if "/p2p/" not in m or "/p2p-circuit" in m), None),
 }  # fmt: skip
 
 
@@ -281,7 +284,7 @@ def transport_config(c: NodeConfig):
     """The daemon's `TransportConfig`: the [transport] settings, and --direct-port."""
     from .transport import TransportConfig
 
-    tc = TransportConfig(direct=c.direct_port >= 0, direct_port=max(c.direct_port, 0), **c.transport.transport_kwargs())
+    tc = TransportConfig(direct=c.direct_port >= 0, direct_port=max(c.direct_port, 0), relay_service=c.serve_relay, **c.transport.transport_kwargs())
     if tc.max_bytes_in_flight_per_peer < tc.max_frame_size:
         n, limit = tc.max_bytes_in_flight_per_peer, tc.max_frame_size
         raise ConfigError(f"[transport] max_bytes_in_flight_per_peer must be at least the frame size limit ({limit} bytes), got {n}")

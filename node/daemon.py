@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import torch
 
@@ -18,6 +19,7 @@ from protocol.records import owner_of
 from . import capabilities
 from .config import ConfigError, NodeConfig, averager_config, transport_config
 from .membership import Membership
+from .osutil import write_json
 from .p2p import Host, HostConfig
 from .gate import MemberGate
 from .preflight import announce_warning, check_data_dir, check_node, load_identity  # noqa: F401 (check_data_dir, load_identity: imported from here too)
@@ -67,7 +69,7 @@ class Node:
         # before any thread computes: a thread takes torch's thread count when it first
         # computes and keeps it; set_num_threads later changes only the caller's and new threads'
         torch.set_num_threads(c.torch_threads())
-        self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs, swarm_id=c.swarm_id, client_mode=c.client_mode))
+        self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs, swarm_id=c.swarm_id, client_mode=c.client_mode, relays=c.relays))
         self.transport = Transport(self.host, transport_config(c))
         if owner_of(c.swarm_id) is not None:  # an owned swarm: members only (node/gate.py)
             self.transport.use_gate(MemberGate(c.swarm_id))
@@ -88,7 +90,17 @@ class Node:
             asyncio.create_task(self.membership.run(), name="membership"),
             asyncio.create_task(self.membership.publish_records(), name="member-records"),
             asyncio.create_task(self.host.keep_joined(self.membership.known_peers, on_rejoined=self.membership.publish_soon), name="dht-rejoin"),
+            asyncio.create_task(self._write_transport_stats(), name="transport-stats"),
         ]
+        if c.relays:
+            self._tasks.append(asyncio.create_task(self.transport.keep_relays(c.relays), name="relays"))
+
+    async def _write_transport_stats(self, every_s: float = 2.0) -> None:
+        """The transport's counters (calls, pipes, relayed bytes...) in DATA_DIR/transport-stats.json."""
+        path = Path(self.config.data_dir) / "transport-stats.json"
+        while True:
+            await asyncio.sleep(every_s)
+            write_json(path, dict(self.transport.stats))
 
     def _make_role(self, assignment: RoleAssignment) -> Role | None:
         """The role object for an assignment (see node/roles.py); RoleError if this node

@@ -285,4 +285,5 @@ async def read_members(host: Host, swarm_id: str) -> dict[str, MemberRecord]:
             continue
         if rec.peer_id == subkey and rec.peer_id not in getattr(host, "revoked", ()):
             out[rec.peer_id] = rec
+            host.learn_routes(rec.peer_id, rec.maddrs)  # relays it is reached through, if any
     return out

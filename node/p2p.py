@@ -66,6 +66,7 @@ from protocol.signatures import SigningKey, libp2p_private_key, peer_id_from_pub
 from . import compat
 from .osutil import children_of
 from .preflight import split_peer_maddr, tcp_ip4s  # here too: other modules import them from here
+from .relay import CIRCUIT, circuit_addr, relay_ids, relay_maddr_problem
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,9 @@ class HostConfig:
     # listen nowhere (p2pd opens no listener) and serve no DHT: only outbound connections,
     # which carry calls both ways once open (a node behind a NAT or firewall)
     client_mode: bool = False
+    # relays we keep a connection to and announce `<relay>/p2p-circuit` through (node/relay.py):
+    # callers that cannot dial us reach us through them
+    relays: tuple[str, ...] = ()
 
 
 class Host:
@@ -163,6 +167,7 @@ class Host:
         self._closed = False
         self.config = config
         self.revoked: frozenset[str] = frozenset()  # an owned swarm's revocation list, as last read: member records of these are not trusted
+        self.routes: dict[str, tuple[str, ...]] = {}  # peer -> the relays it announced (node/relay.py), from member records
 
     @classmethod
     async def start(cls, key: SigningKey, config: HostConfig) -> Host:
@@ -177,6 +182,14 @@ class Host:
         for maddr in config.initial_peers:
             if "/p2p/" not in maddr:
                 raise HostError(f"initial peer {maddr} lacks its /p2p/<peer id> part")
+        for maddr in config.relays:
+            problem = relay_maddr_problem(maddr)
+            if problem:
+                raise HostError(problem)
+            try:
+                Multiaddr(maddr)
+            except Exception:
+                raise HostError(f"not a multiaddr: {maddr!r}") from None
         keyfile_dir = tempfile.mkdtemp(prefix="swarmtrain-id-")
         keyfile = os.path.join(keyfile_dir, "p2pd.key")
         fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -219,14 +232,23 @@ class Host:
         return [] if self.config.client_mode else tcp_ip4s(self.config.host_maddrs)
 
     async def visible_maddrs(self) -> list[str]:
-        if self.config.client_mode:  # listens nowhere: nobody can dial it
-            return []
-        return [str(m) for m in await self.p2p.get_visible_maddrs()]
+        """Where others reach us: p2pd's addresses (none in client mode: it listens nowhere),
+        then a circuit address through each of our relays."""
+        own = [] if self.config.client_mode else [str(m) for m in await self.p2p.get_visible_maddrs()]
+        return own + [circuit_addr(r) for r in self.config.relays]
+
+    def learn_routes(self, peer_id: str, maddrs: Sequence[str]) -> None:
+        """Remember the relays a peer announced (its member record's addresses)."""
+        relays = relay_ids(maddrs)
+        if relays:
+            self.routes[peer_id] = relays
+        else:
+            self.routes.pop(peer_id, None)
 
     async def connect(self, peer_id: str, maddrs: Sequence[str]) -> None:
         """Tell p2pd where a peer is (it may also find out through the libp2p DHT)."""
         # p2pd wants transport addresses: hivemind's encoding of a /p2p/<id> suffix is refused
-        addrs = [Multiaddr(m.split("/p2p/")[0]) for m in maddrs]
+        addrs = [Multiaddr(m.split("/p2p/")[0]) for m in maddrs if CIRCUIT not in m]
         try:
             await compat.p2pd_connect(self.p2p, PeerID.from_base58(peer_id), addrs)
         except (ControlFailure, DispatchFailure, OSError, ValueError) as e:

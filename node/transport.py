@@ -22,19 +22,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from protocol import Decoder, DirectAddress, DirectOpen, Error, MemberProof, Message, Ping, Pong, Probe, RemoteProtocolError
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE, encode_buffers
 from protocol.messages import ERROR_CODES
+from protocol.records import RelayHello
 from protocol.sealing import KEY_BYTES
 
-from . import compat, direct
+from . import compat, direct, relay
 from .p2p import Host, HostError, PeerUnreachable, tcp_ip4s
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,9 @@ class TransportConfig:
     # Measured with 4 peers averaging 25 MB on 100 Mbit token-bucket links (50 ms queue): with
     # BBR rounds took 1.40-1.46x the bandwidth bound, with CUBIC 1.12-1.23x
     direct_congestion: str | None = "cubic"
+    # serve relay hops (node/relay.py): carry streams to peers that keep a connection to us for
+    # callers that cannot dial them (members only, in an owned swarm)
+    relay_service: bool = False
 
 
 @dataclass
@@ -373,6 +378,7 @@ class Transport:
         self.gate = None  # an owned swarm's MemberGate (node/gate.py): who we serve, and the certificate we present
         self._presented: dict[str, bytes] = {}  # peer -> the certificate of ours it accepted
         self._presenting: dict[tuple[str, bytes], asyncio.Future] = {}
+        self._nonces = relay.Nonces()  # of the relay hellos we took
 
     def use_gate(self, gate) -> None:
         """Serve members only (`gate.check` before every handler but `gate.exempt`'s), and
@@ -406,6 +412,9 @@ class Transport:
     async def start(self) -> None:
         await self.host.add_stream_handler(RPC_PROTOCOL, self._serve)
         await self.host.add_stream_handler(PIPE_PROTOCOL, self._serve_pipe)
+        await self.host.add_stream_handler(relay.RELAYED_PROTOCOL, self._serve_relayed)
+        if self.config.relay_service:
+            await self.host.add_stream_handler(relay.HOP_PROTOCOL, self._serve_hop)
         ips = self.host.listen_ips() if self.config.direct else []
         if ips:
             self._direct = direct.DirectListener(self._serve_pipe, self.config.direct_congestion)
@@ -421,7 +430,7 @@ class Transport:
     async def _announced(self, port: int) -> tuple[str, ...]:
         """Where others reach our direct listener: the IPv4 addresses libp2p announces, on our
         port; loopback last (a peer on another machine that tries it reaches its own)."""
-        ips = [ip for ip in tcp_ip4s(await self.host.visible_maddrs()) if ip != "0.0.0.0"]
+        ips = [ip for ip in tcp_ip4s([m for m in await self.host.visible_maddrs() if relay.CIRCUIT not in m]) if ip != "0.0.0.0"]
         ips.sort(key=lambda ip: ip.startswith("127."))
         return tuple(f"{ip}:{port}" for ip in ips[:16])
 
@@ -450,6 +459,68 @@ class Transport:
 
     async def _serve_pipe(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._serve_calls(peer_id, reader, writer, pipe=True)
+
+    async def _serve_hop(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """As a relay: carry `peer_id`'s stream to the target its hello names (node/relay.py)."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            try:
+                data = await asyncio.wait_for(relay.read_hello(reader), self.config.request_read_timeout_s)
+                hello = RelayHello.from_bytes(data, self.host.config.swarm_id)
+                if hello.peer_id != peer_id:
+                    raise RemoteProtocolError(f"the hello is {hello.peer_id}'s, not the caller's", "RelayHello")
+                if hello.target == self.peer_id or hello.protocol not in (RPC_PROTOCOL, PIPE_PROTOCOL):
+                    raise RPCError("bad_request", f"cannot relay {hello.protocol!r} to {hello.target}")
+                if self.gate is not None:
+                    self.gate.check(peer_id)
+                try:
+                    async with asyncio.timeout(self.config.call_timeout_s):
+                        target = await self.host.open_stream(hello.target, relay.RELAYED_PROTOCOL)
+                except (PeerUnreachable, TimeoutError) as e:
+                    raise RPCError("not_found", f"relay {self.peer_id[-8:]} cannot reach {hello.target}: {e or 'no answer'}") from None
+            except (RemoteProtocolError, RPCError, ValueError, TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+                self.stats["relay_refused"] += 1
+                code = e.code if isinstance(e, RPCError) else "bad_request"
+                log.info("refused to relay for %s: %s", peer_id[-8:], getattr(e, "message", None) or e or type(e).__name__)
+                await self._reply_error(writer, code, f"relay: {getattr(e, 'message', None) or e or type(e).__name__}", 0)
+                _close(writer)
+                return
+            self.stats["relayed_streams"] += 1
+            target[1].write(relay.frame_hello(data))
+
+            def count(n: int) -> None:
+                self.stats["relayed_bytes"] += n
+
+            await relay.splice((reader, writer), target, count)
+        finally:
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def _serve_relayed(self, relay_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A stream a relay carried to us: served as the origin's own, once its hello holds."""
+        try:
+            data = await asyncio.wait_for(relay.read_hello(reader), self.config.request_read_timeout_s)
+            hello = RelayHello.from_bytes(data, self.host.config.swarm_id)
+            now = time.time()
+            if hello.target != self.peer_id:
+                raise RemoteProtocolError(f"the hello is for {hello.target}, not us", "RelayHello")
+            if abs(now - hello.issued_at) > relay.HELLO_FRESH_S:
+                raise RemoteProtocolError(f"the hello is {now - hello.issued_at:.0f} s old", "RelayHello")
+            if hello.protocol not in (RPC_PROTOCOL, PIPE_PROTOCOL):
+                raise RemoteProtocolError(f"no relayed protocol {hello.protocol!r}", "RelayHello")
+            if not self._nonces.fresh(hello.nonce, now):
+                raise RemoteProtocolError("the hello was used before (a replay)", "RelayHello")
+        except (RemoteProtocolError, ValueError, TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+            self.stats["relayed_refused"] += 1
+            self.scores.penalize(relay_id, 2.0, time.monotonic())
+            log.info("refused a stream relayed by %s: %s", relay_id[-8:], e or type(e).__name__)
+            await self._reply_error(writer, "bad_request", f"relayed stream refused: {e or type(e).__name__}", 0)
+            _close(writer)
+            return
+        self.stats["relayed_served"] += 1
+        await self._serve_calls(hello.peer_id, reader, writer, pipe=hello.protocol == PIPE_PROTOCOL)
 
     async def _serve_calls(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pipe: bool) -> None:
         """Serve one call (an RPC stream) or calls one after another until the caller closes
@@ -579,20 +650,27 @@ class Transport:
         not retried here."""
         await self._check_route(peer_id)
         loop = asyncio.get_running_loop()
+        # a peer that announced relays (node/relay.py): after the first open, through each of them
+        relays = [r for r in self.host.routes.get(peer_id, ()) if r != self.peer_id]
+        if relays:
+            openers = [functools.partial(self._open_relayed, r, peer_id, protocol) for r in relays]
+        else:
+            openers = [functools.partial(self.host.open_stream, peer_id, protocol)] * (OPEN_ATTEMPTS - 1)
         attempts = [loop.create_task(self.host.open_stream(peer_id, protocol))]
-        started, winner = 1, None
+        errors: list[BaseException] = []
+        winner = None
         try:
             while True:
                 done, _ = await asyncio.wait(attempts, timeout=OPEN_AGAIN_S, return_when=asyncio.FIRST_COMPLETED)
                 if winner := next((t for t in done if t.exception() is None), None):
                     return winner.result()
-                if done and all(t.done() for t in attempts):
-                    raise next(iter(done)).exception()  # every open failed (none is pending)
+                errors += [t.exception() for t in done]
                 attempts = [t for t in attempts if not t.done()]
-                if started < OPEN_ATTEMPTS:
-                    started += 1
-                    self.stats["opens_again"] += 1
-                    attempts.append(loop.create_task(self.host.open_stream(peer_id, protocol)))
+                if not attempts and (not relays or not openers):
+                    raise errors[-1] if relays else errors[0]  # every open failed (none is pending)
+                if openers:  # beside a pending open; through a relay also after a failed one
+                    self.stats["opens_again" if not relays else "relay_opens"] += 1
+                    attempts.append(loop.create_task(openers.pop(0)()))
         finally:
             for t in attempts:
                 if t is winner:
@@ -632,6 +710,21 @@ class Transport:
             self.stats["route_checks_failed"] += 1
             raise PeerUnreachable(f"no route to {peer_id[-8:]} at {addr[0]}:{addr[1]} yet ({e or 'no answer'}); not dialing it through libp2p") from None
         self._dropped.pop(peer_id, None)  # (calls checking together: each may get here)
+
+    async def _open_relayed(self, relay_id: str, peer_id: str, protocol: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A stream to `peer_id` through the relay `relay_id` (see node/relay.py). Should the
+        relay not reach the peer, it answers with an Error frame: the call fails as refused."""
+        if self.gate is not None and self.gate.credential:
+            await self._present(relay_id, None)  # a relay serves members only
+        hello = RelayHello(self.host.config.swarm_id, self.peer_id, peer_id, protocol, time.time(), os.urandom(16)).sign(self.host.key)
+        reader, writer = await self.host.open_stream(relay_id, relay.HOP_PROTOCOL)
+        try:
+            writer.write(relay.frame_hello(hello.to_bytes()))
+            await writer.drain()
+        except (ConnectionError, OSError) as e:
+            _close(writer)
+            raise PeerUnreachable(f"relay {relay_id} dropped the stream to {peer_id}: {e}") from None
+        return reader, writer
 
     def _check_reply(self, peer_id: str, reply: Message | None) -> Message:
         if reply is None:
@@ -860,6 +953,27 @@ class Transport:
         if disconnect is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(disconnect(peer_id), timeout)
+
+    async def keep_relays(self, maddrs: Sequence[str]) -> None:
+        """Keep a connection open to each relay we announce (node/relay.py): the relay carries
+        callers' streams to us over it. Each is pinged every KEEPALIVE_S and dialed again at its
+        address when a ping fails."""
+        up: dict[str, bool] = {}
+        while True:
+            for maddr in maddrs:
+                rid = maddr.rsplit("/p2p/", 1)[1]
+                try:
+                    if not up.get(rid):
+                        await self.host.connect(rid, [maddr])
+                    await self.ping(rid, timeout=5.0)
+                    if not up.get(rid):
+                        log.info("reachable through relay %s", maddr)
+                    up[rid] = True
+                except (CallTimeout, PeerUnreachable, RemoteError, ConnectionError, OSError) as e:
+                    if up.get(rid, True):
+                        log.warning("relay %s unreachable (%s): dialing it again every %.0f s", maddr, e, relay.KEEPALIVE_S)
+                    up[rid] = False
+            await asyncio.sleep(relay.KEEPALIVE_S)
 
     async def ping(self, peer_id: str, timeout: float = 5.0) -> float:
         """Round-trip time in seconds."""

@@ -179,6 +179,27 @@ class RevocationRecord(_SignedRecord):
     CHECKS = (_str, _str, _strs, _time, _time, _bytes, _bytes)
 
 
+@dataclass(frozen=True)
+class RelayHello(_SignedRecord):
+    """The first bytes of a stream a relay carries (node/transport.py): who opened it, signed by
+    them, to whom, for which of the target's protocols. The target serves the calls on it as
+    calls of `peer_id` only if the signature holds, it is the target, the hello is fresh and its
+    nonce new: a relay cannot make up a caller, send one caller's hello to another peer, or open
+    a second stream with a hello it carried once."""
+
+    swarm_id: str
+    peer_id: str  # who opened the stream (the origin)
+    target: str
+    protocol: str
+    issued_at: float
+    nonce: bytes
+    public_key: bytes = b""
+    signature: bytes = b""
+
+    DOMAIN = "swarmtrain/relay-hello/v1"
+    CHECKS = (_str, _str, _str, _str, _time, _bytes, _bytes, _bytes)
+
+
 RECORDS = {"coordinator": CoordinatorRecord, "members": MemberRecord, "revoked": RevocationRecord}
 
 

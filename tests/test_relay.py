@@ -1,0 +1,191 @@
+"""Relay hops (node/relay.py) over real p2pd on loopback: a peer nobody can dial (client mode: it
+listens nowhere) is called through the relay it keeps a connection to, unary calls and pipes,
+megabytes each way, and serves the calls as the caller's own; hellos that a relay forged, sent
+to the wrong peer, replayed or kept too long are refused with the reason (and get the relay
+banned), and a relay refuses to carry a hello that is not its caller's. The NAT case, in network namespaces, is in
+tests/test_swarm_relay.py."""
+
+import asyncio
+import dataclasses
+import os
+import time
+
+import pytest
+
+from node.p2p import Host, HostConfig, PeerUnreachable
+from node.relay import HOP_PROTOCOL, RELAYED_PROTOCOL, circuit_addr, frame_hello
+from node.transport import RPC_PROTOCOL, RemoteError, Transport, TransportConfig
+from protocol import Ack, Decoder, Error, Ping, Pong, Probe, SigningKey, StateChunk, encode
+from protocol.records import RelayHello
+from tests.swarm import start_hosts
+
+pytestmark = pytest.mark.timeout(120)
+
+MB = 1 << 20
+
+
+async def _replies(reader: asyncio.StreamReader, timeout: float = 10.0) -> list:
+    """The first message a stream carries ([] if it ends without one)."""
+    dec, out = Decoder(), []
+    async with asyncio.timeout(timeout):
+        while not out and (data := await reader.read(1 << 16)):
+            out += dec.feed(data)
+    return out
+
+
+def test_a_peer_nobody_can_dial_is_called_through_its_relay_both_ways_and_in_bulk():
+    async def main():
+        hosts, transports, keeper = await start_hosts(1), [], None
+        try:
+            relay_host = hosts[0]
+            relay_maddr = next(m for m in await relay_host.visible_maddrs() if "/p2p/" in m)
+            hosts.append(await Host.start(SigningKey.generate(), HostConfig(initial_peers=(relay_maddr,), client_mode=True, relays=(relay_maddr,))))
+            for _ in range(2):
+                hosts.append(await Host.start(SigningKey.generate(), HostConfig(initial_peers=(relay_maddr,))))
+            _, hidden, caller, stranger = hosts
+            transports += [Transport(relay_host, TransportConfig(relay_service=True)), Transport(hidden), Transport(caller), Transport(stranger)]
+            t_relay, t_hidden, t_caller, t_stranger = transports
+            for t in transports:
+                await t.start()
+            keeper = asyncio.create_task(t_hidden.keep_relays([relay_maddr]))
+            seen = []
+
+            async def chunk(ctx):
+                seen.append(ctx.peer_id)
+                return Ack()
+
+            t_hidden.on(StateChunk, chunk)
+            assert await hidden.visible_maddrs() == [circuit_addr(relay_maddr)]  # listens nowhere: only its relay's circuit
+
+            # without the route (its member record's addresses), nothing reaches it
+            with pytest.raises(PeerUnreachable):
+                await t_stranger.call(hidden.peer_id, Ping(), timeout=10)
+
+            caller.learn_routes(hidden.peer_id, await hidden.visible_maddrs())
+            assert caller.routes[hidden.peer_id] == (relay_host.peer_id,)
+            assert isinstance(await t_caller.call(hidden.peer_id, Ping(), timeout=20), Pong)
+            await t_caller.call(hidden.peer_id, StateChunk(name="x", offset=0, total_size=0, sha256="0" * 64), timeout=20)
+            assert seen == [caller.peer_id]  # served as the caller's own call, not the relay's
+
+            # 4 MB each way, as a unary call and twice on a pipe (the second reuses it)
+            before = t_relay.stats["relayed_bytes"]
+            reply = await t_caller.call(hidden.peer_id, Probe(data=os.urandom(4 * MB), want=4 * MB), timeout=60)
+            assert len(reply.data) == 4 * MB
+            for _ in range(2):
+                reply = await t_caller.send(hidden.peer_id, Probe(data=os.urandom(4 * MB), want=4 * MB), timeout=60, reuse=True)
+                assert len(reply.data) == 4 * MB
+            assert t_relay.stats["relayed_bytes"] - before >= 24 * MB, dict(t_relay.stats)
+            assert t_caller.stats["pipes_opened"] == 1 and t_caller.stats["relay_opens"] >= 3, dict(t_caller.stats)
+            assert t_hidden.stats["relayed_served"] >= 5 and t_hidden.stats["relayed_refused"] == 0, dict(t_hidden.stats)
+
+            # a relay that serves no hops: the call fails at once, saying so
+            caller.routes[hidden.peer_id] = (stranger.peer_id,)
+            with pytest.raises(PeerUnreachable):
+                await t_caller.call(hidden.peer_id, Ping(), timeout=10)
+        finally:
+            if keeper is not None:
+                keeper.cancel()
+            for t in transports:
+                await t.close()
+            for h in hosts:
+                await h.shutdown()
+
+    asyncio.run(main())
+
+
+def test_forged_misdirected_replayed_and_stale_hellos_are_refused_naming_why():
+    async def main():
+        hosts = await start_hosts(4)
+        target, relay_host, origin, liar = hosts
+        transports = [Transport(target), Transport(relay_host, TransportConfig(relay_service=True)), Transport(origin), Transport(liar)]
+        t_target, t_relay = transports[:2]
+        try:
+            for t in transports:
+                await t.start()
+            seen = []
+
+            async def chunk(ctx):
+                seen.append(ctx.peer_id)
+                return Ack()
+
+            t_target.on(StateChunk, chunk)
+            sid = target.config.swarm_id
+
+            def hello(key: SigningKey, to: str, **changes) -> RelayHello:
+                h = RelayHello(sid, "", to, RPC_PROTOCOL, time.time(), os.urandom(16)).sign(key)
+                return dataclasses.replace(h, **changes)
+
+            async def relayed(h: RelayHello, then=None) -> list:
+                """What the target answers a stream the liar carries to it with hello `h` (and `then`)."""
+                reader, writer = await liar.open_stream(target.peer_id, RELAYED_PROTOCOL)
+                writer.write(frame_hello(h.to_bytes()) + (encode(then) if then else b""))
+                await writer.drain()
+                try:
+                    return await _replies(reader)
+                finally:
+                    writer.close()
+
+            def refused(replies: list, why: str) -> None:
+                assert len(replies) == 1 and isinstance(replies[0], Error) and why in replies[0].message, replies
+
+            good = hello(origin.key, target.peer_id)
+            refused(await relayed(hello(origin.key, relay_host.peer_id)), "not us")  # another peer's hello
+            refused(await relayed(dataclasses.replace(good, nonce=os.urandom(16))), "forged")  # altered after signing
+            refused(await relayed(dataclasses.replace(good, peer_id=liar.peer_id)), "public key does not match")
+            stale = RelayHello(sid, "", target.peer_id, RPC_PROTOCOL, time.time() - 600, os.urandom(16)).sign(origin.key)
+            refused(await relayed(stale), "old")
+            # a good one is served as the origin's call, once
+            chunk_call = StateChunk(name="x", offset=0, total_size=0, sha256="0" * 64)
+            replies = await relayed(good, chunk_call)
+            assert len(replies) == 1 and isinstance(replies[0], Ack), replies
+            assert seen == [origin.peer_id]
+            refused(await relayed(good, chunk_call), "replay")
+            assert seen == [origin.peer_id]
+            assert t_target.stats["relayed_refused"] == 5 and t_target.stats["relayed_served"] == 1
+
+            # the relay carries only its caller's own hello
+            reader, writer = await liar.open_stream(relay_host.peer_id, HOP_PROTOCOL)
+            writer.write(frame_hello(hello(origin.key, target.peer_id).to_bytes()))
+            await writer.drain()
+            refused(await _replies(reader), "not the caller's")
+            writer.close()
+            assert t_relay.stats["relay_refused"] == 1 and t_relay.stats["relayed_streams"] == 0
+
+            # the peer that carried five bad hellos is banned like any peer sending bad frames;
+            # the origin it tried to speak for is still served
+            with pytest.raises(RemoteError, match="banned"):
+                await transports[3].call(target.peer_id, Ping(), timeout=10)
+            assert isinstance(await transports[2].call(target.peer_id, Ping(), timeout=10), Pong)
+        finally:
+            for t in transports:
+                await t.close()
+            for h in hosts:
+                await h.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_relay_names_a_target_it_cannot_reach():
+    async def main():
+        hosts = await start_hosts(2)
+        relay_host, caller = hosts
+        gone = SigningKey.generate()
+        transports = [Transport(relay_host, TransportConfig(relay_service=True)), Transport(caller)]
+        try:
+            for t in transports:
+                await t.start()
+            from protocol.signatures import peer_id_from_public_key
+
+            nobody = peer_id_from_public_key(gone.public_key)
+            caller.learn_routes(nobody, [circuit_addr(next(m for m in await relay_host.visible_maddrs() if "/p2p/" in m))])
+            with pytest.raises(RemoteError) as e:
+                await transports[1].call(nobody, Ping(), timeout=30)
+            assert e.value.code == "not_found" and "cannot reach" in e.value.message, e.value
+            assert transports[0].stats["relay_refused"] == 1
+        finally:
+            for t in transports:
+                await t.close()
+            for h in hosts:
+                await h.shutdown()
+
+    asyncio.run(main())
