@@ -76,7 +76,7 @@ def announce_warning(announced: Sequence[str], initial_peers: Sequence[str]) -> 
     if not public_peers or not own or any(ipaddress.ip_address(ip).is_global for ip in own) or any("/p2p-circuit" in a for a in announced):
         return None
     return (f"announcing only {', '.join(own)} (loopback or private) to a swarm at public addresses ({', '.join(public_peers)}): its peers cannot dial us there. "
-            "Announce the public address (and forward the port) with --announce-maddrs, or join with --client-mode (no inbound calls)")  # fmt: skip
+            "Announce the public address (and forward the port) with --announce-maddrs, be reached through a relay with --relays, or join with --client-mode (no inbound calls)")  # fmt: skip
 
 
 def _ip4(v: str) -> bool:

@@ -79,6 +79,7 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
             "node-device-cuda-missing": Case(NODE, ("--data-dir", "{tmp}/data", "--device", "cuda:99"), ("cuda:99",)),
             "node-bad-direct-port": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", "70000"), ("--direct-port", "70000"), light=True),
             "node-direct-port-in-use": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", str(busy_port)), ("cannot listen for direct connections", f"port {busy_port}", "in use"), light=True),
+            "node-relay-without-peer-id": Case(NODE, ("--data-dir", "{tmp}/data", "--relays", "/ip4/127.0.0.1/tcp/1"), ("--relays", "/ip4/127.0.0.1/tcp/1", "/p2p/<its peer id>"), light=True),
             "node-initial-peer-without-peer-id": Case(NODE, ("--data-dir", "{tmp}/data", "--initial-peers", "/ip4/127.0.0.1/tcp/1"), ("lacks its /p2p/<peer id>",), light=True),
             "coordinator-bad-mode": Case(COORD, ("--mode", "anarchy"), ("--mode", "invalid choice", "anarchy"), light=True),
             "coordinator-experts-without-shards": Case(COORD, ("--mode", "experts", "--model", "tiny-moe"), ("experts mode needs --expert-shards",), light=True),

@@ -382,6 +382,7 @@ class _OpensHang:
 
     def __init__(self, hanging: int, fail: bool = False):
         self.hanging, self.fail, self.opens, self.closed = hanging, fail, 0, 0
+        self.routes: dict = {}  # no peer announced relays
 
     async def open_stream(self, peer_id, protocol):
         self.opens += 1
