@@ -2,7 +2,8 @@
 listens nowhere) is called through the relay it keeps a connection to, unary calls and pipes,
 megabytes each way, and serves the calls as the caller's own; hellos that a relay forged, sent
 to the wrong peer, replayed or kept too long are refused with the reason (and get the relay
-banned), and a relay refuses to carry a hello that is not its caller's. The NAT case, in network namespaces, is in
+banned), and a relay refuses to carry a hello that is not its caller's; in an owned swarm a
+relay carries members only. The NAT case, in network namespaces, is in
 tests/test_swarm_relay.py."""
 
 import asyncio
@@ -183,6 +184,56 @@ def test_a_relay_names_a_target_it_cannot_reach():
             assert e.value.code == "not_found" and "cannot reach" in e.value.message, e.value
             assert transports[0].stats["relay_refused"] == 1
         finally:
+            for t in transports:
+                await t.close()
+            for h in hosts:
+                await h.shutdown()
+
+    asyncio.run(main())
+
+
+def test_in_an_owned_swarm_a_relay_carries_members_only_and_the_target_serves_members_only():
+    from node.gate import NOT_PRESENTED, MemberGate
+    from protocol.signatures import peer_id_from_public_key
+    from protocol.tokens import issue_certificate
+
+    owner = SigningKey.generate()
+    swarm = f"lab@{peer_id_from_public_key(owner.public_key)}"
+
+    async def main():
+        hosts, transports, keeper = [await Host.start(SigningKey.generate(), HostConfig(swarm_id=swarm))], [], None
+        try:
+            relay_maddr = next(m for m in await hosts[0].visible_maddrs() if "/p2p/" in m)
+            hosts.append(await Host.start(SigningKey.generate(), HostConfig(initial_peers=(relay_maddr,), client_mode=True, relays=(relay_maddr,), swarm_id=swarm)))
+            for _ in range(2):
+                hosts.append(await Host.start(SigningKey.generate(), HostConfig(initial_peers=(relay_maddr,), swarm_id=swarm)))
+            relay_host, hidden, member, stranger = hosts
+            transports += [Transport(relay_host, TransportConfig(relay_service=True)), Transport(hidden), Transport(member), Transport(stranger)]
+            for t in transports:
+                await t.start()
+                t.use_gate(MemberGate(swarm))
+            for t in transports[:3]:  # the stranger has no certificate
+                t.gate.credential = issue_certificate(owner, swarm, t.peer_id, "replica", time.time()).to_bytes()
+            t_relay, t_hidden, t_member, t_stranger = transports
+            keeper = asyncio.create_task(t_hidden.keep_relays([relay_maddr]))
+            seen = []
+
+            async def chunk(ctx):
+                seen.append(ctx.peer_id)
+                return Ack()
+
+            t_hidden.on(StateChunk, chunk)
+            call = StateChunk(name="x", offset=0, total_size=0, sha256="0" * 64)
+            for h in (member, stranger):
+                h.learn_routes(hidden.peer_id, await hidden.visible_maddrs())
+            assert isinstance(await t_member.call(hidden.peer_id, call, timeout=20), Ack)
+            assert seen == [member.peer_id]
+            with pytest.raises(RemoteError, match=f"relay: {NOT_PRESENTED}"):
+                await t_stranger.call(hidden.peer_id, call, timeout=20)
+            assert seen == [member.peer_id] and t_relay.stats["relay_refused"] == 1 and t_hidden.stats["relayed_served"] >= 2
+        finally:
+            if keeper is not None:
+                keeper.cancel()
             for t in transports:
                 await t.close()
             for h in hosts:
