@@ -10,6 +10,8 @@ the call's shape, which both sides know from the method used:
 
 Bulk calls (`send(..., reuse=True)`) go on pipes: streams kept open between calls, over direct
 TCP sealed with AES-GCM where the peer can be reached (`node/direct.py`), else over libp2p.
+A peer that cannot be dialed (behind a NAT) and announced relays is reached through one of them
+(`node/relay.py`): the stream is the same, the relay copies its bytes.
 
 A reply of type `Error` ends any call and raises `RemoteError` at the caller. Every call has a
 deadline. Per peer, the server caps concurrent calls and bytes in flight. A peer whose frames
