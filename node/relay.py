@@ -6,7 +6,9 @@ own addresses. A caller whose libp2p open to such a peer fails (or hangs past `O
 opens a stream to one of its relays instead (`HOP_PROTOCOL`) and writes a `RelayHello` signed
 with its own key: origin, target, protocol, time, nonce. The relay checks that the hello is the
 caller's own, opens `RELAYED_PROTOCOL` to the target over the connection the target keeps to it,
-writes the hello there and copies bytes both ways. The target verifies the hello (signature,
+writes the hello there and copies bytes both ways. It carries streams only to peers that pinged
+it lately (every `KEEPALIVE_S`: it is nobody's proxy to the rest of the network), at most
+`RELAY_STREAMS_PER_PEER` at once for one caller, and refuses callers it has banned. The target verifies the hello (signature,
 itself as target, fresh, nonce not seen) and serves the stream as a call or pipe of the origin:
 the gate, scores and limits apply to the origin as on a direct stream.
 

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import time
 from collections import defaultdict, deque
@@ -49,6 +50,8 @@ ROUTE_CHECK_S = 1.0  # a plain TCP connect's wait, before dialing a peer whose c
 ROUTE_FALLBACK_S = 10.0  # libp2p dials it anyway this often (its direct address may be what is broken)
 OPEN_AGAIN_S = 0.5  # a libp2p stream open still pending after this gets a companion (see _open_stream)
 OPEN_ATTEMPTS = 3
+RELAY_STREAMS_PER_PEER = 128  # streams a relay carries for one caller at once (pipes stay open between calls)
+RELAY_FIRST_S = 60.0  # after an open a relay won, opens to that peer try the relay at once for this long
 LINGER_BYTES = 16 << 20  # what a refused caller may still send us before we close on it
 
 
@@ -381,6 +384,8 @@ class Transport:
         self._presented: dict[str, bytes] = {}  # peer -> the certificate of ours it accepted
         self._presenting: dict[tuple[str, bytes], asyncio.Future] = {}
         self._nonces = relay.Nonces()  # of the relay hellos we took
+        self._hops: dict[str, int] = defaultdict(int)  # caller -> streams we relay for it now
+        self._via_relay: dict[str, tuple[str, float]] = {}  # peer -> (relay, when) of the last open to it a relay won
 
     def use_gate(self, gate) -> None:
         """Serve members only (`gate.check` before every handler but `gate.exempt`'s), and
@@ -463,12 +468,21 @@ class Transport:
         await self._serve_calls(peer_id, reader, writer, pipe=True)
 
     async def _serve_hop(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """As a relay: carry `peer_id`'s stream to the target its hello names (node/relay.py)."""
+        """As a relay: carry `peer_id`'s stream to the target its hello names (node/relay.py),
+        if the target keeps a connection to us (its pings: we are not a proxy to anyone else)."""
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
+        counted = False
         try:
             try:
+                left = self.scores.banned(peer_id, time.monotonic())
+                if left:
+                    raise RPCError("unauthorized", f"banned for {left:.0f} more seconds after repeated bad frames")
+                if self._hops[peer_id] >= RELAY_STREAMS_PER_PEER:
+                    raise RPCError("overloaded", f"more than {RELAY_STREAMS_PER_PEER} streams relayed for one peer at once")
+                self._hops[peer_id] += 1
+                counted = True
                 data = await asyncio.wait_for(relay.read_hello(reader), self.config.request_read_timeout_s)
                 hello = RelayHello.from_bytes(data, self.host.config.swarm_id)
                 if hello.peer_id != peer_id:
@@ -477,6 +491,8 @@ class Transport:
                     raise RPCError("bad_request", f"cannot relay {hello.protocol!r} to {hello.target}")
                 if self.gate is not None:
                     self.gate.check(peer_id)
+                if time.monotonic() - self.heard.get(hello.target, -math.inf) > 3 * relay.KEEPALIVE_S:
+                    raise RPCError("not_found", f"relay {self.peer_id[-8:]} carries streams only to peers that keep a connection to it; {hello.target} does not")
                 try:
                     async with asyncio.timeout(self.config.call_timeout_s):
                         target = await self.host.open_stream(hello.target, relay.RELAYED_PROTOCOL)
@@ -484,6 +500,8 @@ class Transport:
                     raise RPCError("not_found", f"relay {self.peer_id[-8:]} cannot reach {hello.target}: {e or 'no answer'}") from None
             except (RemoteProtocolError, RPCError, ValueError, TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
                 self.stats["relay_refused"] += 1
+                if isinstance(e, (RemoteProtocolError, ValueError)):
+                    self.scores.penalize(peer_id, 2.0, time.monotonic())
                 code = e.code if isinstance(e, RPCError) else "bad_request"
                 log.info("refused to relay for %s: %s", peer_id[-8:], getattr(e, "message", None) or e or type(e).__name__)
                 await self._reply_error(writer, code, f"relay: {getattr(e, 'message', None) or e or type(e).__name__}", 0)
@@ -497,6 +515,8 @@ class Transport:
 
             await relay.splice((reader, writer), target, count)
         finally:
+            if counted:
+                self._hops[peer_id] -= 1
             if task is not None:
                 self._tasks.discard(task)
 
@@ -652,27 +672,48 @@ class Transport:
         not retried here."""
         await self._check_route(peer_id)
         loop = asyncio.get_running_loop()
-        # a peer that announced relays (node/relay.py): after the first open, through each of them
+        # a peer that announced relays (node/relay.py): after the first open, through each of them;
+        # at once beside it, through the relay that carried the last open, should one have
+        # (a dial towards a NAT hangs rather than fails: each open would wait OPEN_AGAIN_S)
         relays = [r for r in self.host.routes.get(peer_id, ()) if r != self.peer_id]
+        last = self._via_relay.get(peer_id)
+        at_once = last is not None and last[0] in relays and time.monotonic() - last[1] < RELAY_FIRST_S
+        if at_once:
+            relays.remove(last[0])
+            relays.insert(0, last[0])
         if relays:
-            openers = [functools.partial(self._open_relayed, r, peer_id, protocol) for r in relays]
+            openers = [(r, functools.partial(self._open_relayed, r, peer_id, protocol)) for r in relays]
         else:
-            openers = [functools.partial(self.host.open_stream, peer_id, protocol)] * (OPEN_ATTEMPTS - 1)
+            openers = [("", functools.partial(self.host.open_stream, peer_id, protocol))] * (OPEN_ATTEMPTS - 1)
         attempts = [loop.create_task(self.host.open_stream(peer_id, protocol))]
+        through: dict[asyncio.Task, str] = {}  # relayed attempts -> their relay
+
+        def another() -> None:
+            relay_id, opener = openers.pop(0)
+            self.stats["opens_again" if not relays else "relay_opens"] += 1
+            attempts.append(task := loop.create_task(opener()))
+            if relay_id:
+                through[task] = relay_id
+
+        if at_once:
+            another()
         errors: list[BaseException] = []
         winner = None
         try:
             while True:
                 done, _ = await asyncio.wait(attempts, timeout=OPEN_AGAIN_S, return_when=asyncio.FIRST_COMPLETED)
                 if winner := next((t for t in done if t.exception() is None), None):
+                    if winner in through:
+                        self._via_relay[peer_id] = (through[winner], time.monotonic())
+                    elif relays:
+                        self._via_relay.pop(peer_id, None)  # it is reachable without a relay now
                     return winner.result()
                 errors += [t.exception() for t in done]
                 attempts = [t for t in attempts if not t.done()]
                 if not attempts and (not relays or not openers):
                     raise errors[-1] if relays else errors[0]  # every open failed (none is pending)
                 if openers:  # beside a pending open; through a relay also after a failed one
-                    self.stats["opens_again" if not relays else "relay_opens"] += 1
-                    attempts.append(loop.create_task(openers.pop(0)()))
+                    another()
         finally:
             for t in attempts:
                 if t is winner:
