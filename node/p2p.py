@@ -202,7 +202,9 @@ class Host:
             validators.append(SwarmRecords(config.swarm_id))
         dht = _DHT(
             record_validators=validators,
-            **({"client_mode": True, "no_listen": True} if config.client_mode else {}),
+            # a node nobody can dial (client mode, or reached through relays) serves no DHT:
+            # peers that put it in their routing tables would wait on it until their timeouts
+            **({"client_mode": True, "no_listen": True} if config.client_mode else {"client_mode": True} if config.relays else {}),
             initial_peers=list(config.initial_peers) or None,
             host_maddrs=list(config.host_maddrs),
             announce_maddrs=list(config.announce_maddrs) or None,
