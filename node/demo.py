@@ -308,7 +308,9 @@ def watch_pipeline(http: int, args, run_dir: Path, t0: float, procs: Procs) -> i
             continue
         shown = done
         loss = sum(st["loss"] for st in stats) / len(stats)
-        first_loss = first_loss if first_loss is not None else loss
+        if first_loss is None:  # the trainers' first report (the first row shown may come later)
+            firsts = [st.get("first_loss") for st in stats]
+            first_loss = sum(firsts) / len(firsts) if None not in firsts else loss
         rate = sum(st.get("samples_per_second") or 0 for st in stats)
         stages = "  ".join(
             f"{s}: {len(v['peers'])} {'/'.join(h[:8] for h in v['state_hashes']) or '-'}"
