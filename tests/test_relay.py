@@ -7,6 +7,7 @@ relay carries members only. The NAT case, in network namespaces, is in
 tests/test_swarm_relay.py."""
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
@@ -18,11 +19,65 @@ from node.relay import HOP_PROTOCOL, RELAYED_PROTOCOL, circuit_addr, frame_hello
 from node.transport import RPC_PROTOCOL, RemoteError, Transport, TransportConfig
 from protocol import Ack, Decoder, Error, Ping, Pong, Probe, SigningKey, StateChunk, encode
 from protocol.records import RelayHello
+from protocol.signatures import peer_id_from_public_key
 from tests.swarm import start_hosts
 
 pytestmark = pytest.mark.timeout(120)
 
 MB = 1 << 20
+CHUNK = StateChunk(name="x", offset=0, total_size=0, sha256="0" * 64)  # a call whose handler records its caller
+
+
+@contextlib.asynccontextmanager
+async def serving(hosts: list, relay: int):
+    """A started Transport on each of `hosts` (the one at index `relay` serves relay hops);
+    the transports, then the hosts, closed afterwards."""
+    transports = []
+    try:
+        transports += [Transport(h, TransportConfig(relay_service=i == relay)) for i, h in enumerate(hosts)]
+        for t in transports:
+            await t.start()
+        yield transports
+    finally:
+        for t in transports:
+            await t.close()
+        for h in hosts:
+            await h.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def hidden_behind_relay(swarm_id: str = ""):
+    """Four hosts: a relay; a peer nobody can dial (client mode: it listens nowhere) that keeps
+    a connection to the relay (`keep_relays`); two more peers. Yields (hosts, their transports,
+    the relay's multiaddr); everything closed afterwards."""
+    hosts = [await Host.start(SigningKey.generate(), HostConfig(swarm_id=swarm_id))]
+    try:
+        relay_maddr = next(m for m in await hosts[0].visible_maddrs() if "/p2p/" in m)
+        hosts.append(await Host.start(SigningKey.generate(), HostConfig(initial_peers=(relay_maddr,), client_mode=True, relays=(relay_maddr,), swarm_id=swarm_id)))
+        for _ in range(2):
+            hosts.append(await Host.start(SigningKey.generate(), HostConfig(initial_peers=(relay_maddr,), swarm_id=swarm_id)))
+    except BaseException:
+        for h in hosts:
+            await h.shutdown()
+        raise
+    async with serving(hosts, relay=0) as transports:
+        keeper = asyncio.create_task(transports[1].keep_relays([relay_maddr]))
+        try:
+            yield hosts, transports, relay_maddr
+        finally:
+            keeper.cancel()
+
+
+def callers_of(transport: Transport) -> list[str]:
+    """The peers whose CHUNK calls `transport` serves, in order (a list that fills as they come)."""
+    seen: list[str] = []
+
+    async def chunk(ctx):
+        seen.append(ctx.peer_id)
+        return Ack()
+
+    transport.on(StateChunk, chunk)
+    return seen
 
 
 async def _replies(reader: asyncio.StreamReader, timeout: float = 10.0) -> list:
@@ -36,26 +91,10 @@ async def _replies(reader: asyncio.StreamReader, timeout: float = 10.0) -> list:
 
 def test_a_peer_nobody_can_dial_is_called_through_its_relay_both_ways_and_in_bulk():
     async def main():
-        hosts, transports, keeper = await start_hosts(1), [], None
-        try:
-            relay_host = hosts[0]
-            relay_maddr = next(m for m in await relay_host.visible_maddrs() if "/p2p/" in m)
-            hosts.append(await Host.start(SigningKey.generate(), HostConfig(initial_peers=(relay_maddr,), client_mode=True, relays=(relay_maddr,))))
-            for _ in range(2):
-                hosts.append(await Host.start(SigningKey.generate(), HostConfig(initial_peers=(relay_maddr,))))
-            _, hidden, caller, stranger = hosts
-            transports += [Transport(relay_host, TransportConfig(relay_service=True)), Transport(hidden), Transport(caller), Transport(stranger)]
+        async with hidden_behind_relay() as (hosts, transports, relay_maddr):
+            relay_host, hidden, caller, stranger = hosts
             t_relay, t_hidden, t_caller, t_stranger = transports
-            for t in transports:
-                await t.start()
-            keeper = asyncio.create_task(t_hidden.keep_relays([relay_maddr]))
-            seen = []
-
-            async def chunk(ctx):
-                seen.append(ctx.peer_id)
-                return Ack()
-
-            t_hidden.on(StateChunk, chunk)
+            seen = callers_of(t_hidden)
             assert await hidden.visible_maddrs() == [circuit_addr(relay_maddr)]  # listens nowhere: only its relay's circuit
 
             # without the route (its member record's addresses), nothing reaches it
@@ -65,7 +104,7 @@ def test_a_peer_nobody_can_dial_is_called_through_its_relay_both_ways_and_in_bul
             caller.learn_routes(hidden.peer_id, await hidden.visible_maddrs())
             assert caller.routes[hidden.peer_id] == (relay_host.peer_id,)
             assert isinstance(await t_caller.call(hidden.peer_id, Ping(), timeout=20), Pong)
-            await t_caller.call(hidden.peer_id, StateChunk(name="x", offset=0, total_size=0, sha256="0" * 64), timeout=20)
+            await t_caller.call(hidden.peer_id, CHUNK, timeout=20)
             assert seen == [caller.peer_id]  # served as the caller's own call, not the relay's
 
             # 4 MB each way, as a unary call and twice on a pipe (the second reuses it)
@@ -83,13 +122,6 @@ def test_a_peer_nobody_can_dial_is_called_through_its_relay_both_ways_and_in_bul
             caller.routes[hidden.peer_id] = (stranger.peer_id,)
             with pytest.raises(PeerUnreachable):
                 await t_caller.call(hidden.peer_id, Ping(), timeout=10)
-        finally:
-            if keeper is not None:
-                keeper.cancel()
-            for t in transports:
-                await t.close()
-            for h in hosts:
-                await h.shutdown()
 
     asyncio.run(main())
 
@@ -98,18 +130,9 @@ def test_forged_misdirected_replayed_and_stale_hellos_are_refused_naming_why():
     async def main():
         hosts = await start_hosts(4)
         target, relay_host, origin, liar = hosts
-        transports = [Transport(target), Transport(relay_host, TransportConfig(relay_service=True)), Transport(origin), Transport(liar)]
-        t_target, t_relay = transports[:2]
-        try:
-            for t in transports:
-                await t.start()
-            seen = []
-
-            async def chunk(ctx):
-                seen.append(ctx.peer_id)
-                return Ack()
-
-            t_target.on(StateChunk, chunk)
+        async with serving(hosts, relay=1) as transports:
+            t_target, t_relay = transports[:2]
+            seen = callers_of(t_target)
             sid = target.config.swarm_id
 
             def hello(key: SigningKey, to: str, **changes) -> RelayHello:
@@ -136,11 +159,10 @@ def test_forged_misdirected_replayed_and_stale_hellos_are_refused_naming_why():
             stale = RelayHello(sid, "", target.peer_id, RPC_PROTOCOL, time.time() - 600, os.urandom(16)).sign(origin.key)
             refused(await relayed(stale), "old")
             # a good one is served as the origin's call, once
-            chunk_call = StateChunk(name="x", offset=0, total_size=0, sha256="0" * 64)
-            replies = await relayed(good, chunk_call)
+            replies = await relayed(good, CHUNK)
             assert len(replies) == 1 and isinstance(replies[0], Ack), replies
             assert seen == [origin.peer_id]
-            refused(await relayed(good, chunk_call), "replay")
+            refused(await relayed(good, CHUNK), "replay")
             assert seen == [origin.peer_id]
             assert t_target.stats["relayed_refused"] == 5 and t_target.stats["relayed_served"] == 1
 
@@ -157,11 +179,6 @@ def test_forged_misdirected_replayed_and_stale_hellos_are_refused_naming_why():
             with pytest.raises(RemoteError, match="banned"):
                 await transports[3].call(target.peer_id, Ping(), timeout=10)
             assert isinstance(await transports[2].call(target.peer_id, Ping(), timeout=10), Pong)
-        finally:
-            for t in transports:
-                await t.close()
-            for h in hosts:
-                await h.shutdown()
 
     asyncio.run(main())
 
@@ -170,73 +187,39 @@ def test_a_relay_carries_streams_only_to_peers_that_keep_a_connection_to_it():
     async def main():
         hosts = await start_hosts(2)
         relay_host, caller = hosts
-        gone = SigningKey.generate()
-        transports = [Transport(relay_host, TransportConfig(relay_service=True)), Transport(caller)]
-        try:
-            for t in transports:
-                await t.start()
-            from protocol.signatures import peer_id_from_public_key
-
-            nobody = peer_id_from_public_key(gone.public_key)
+        async with serving(hosts, relay=0) as transports:
+            nobody = peer_id_from_public_key(SigningKey.generate().public_key)
             caller.learn_routes(nobody, [circuit_addr(next(m for m in await relay_host.visible_maddrs() if "/p2p/" in m))])
             with pytest.raises(RemoteError) as e:
                 await transports[1].call(nobody, Ping(), timeout=30)
             assert e.value.code == "not_found" and "carries streams only to peers that keep a connection to it" in e.value.message, e.value
             assert transports[0].stats["relay_refused"] == 1
-        finally:
-            for t in transports:
-                await t.close()
-            for h in hosts:
-                await h.shutdown()
 
     asyncio.run(main())
 
 
 def test_in_an_owned_swarm_a_relay_carries_members_only_and_the_target_serves_members_only():
     from node.gate import NOT_PRESENTED, MemberGate
-    from protocol.signatures import peer_id_from_public_key
     from protocol.tokens import issue_certificate
 
     owner = SigningKey.generate()
     swarm = f"lab@{peer_id_from_public_key(owner.public_key)}"
 
     async def main():
-        hosts, transports, keeper = [await Host.start(SigningKey.generate(), HostConfig(swarm_id=swarm))], [], None
-        try:
-            relay_maddr = next(m for m in await hosts[0].visible_maddrs() if "/p2p/" in m)
-            hosts.append(await Host.start(SigningKey.generate(), HostConfig(initial_peers=(relay_maddr,), client_mode=True, relays=(relay_maddr,), swarm_id=swarm)))
-            for _ in range(2):
-                hosts.append(await Host.start(SigningKey.generate(), HostConfig(initial_peers=(relay_maddr,), swarm_id=swarm)))
+        async with hidden_behind_relay(swarm) as (hosts, transports, _):
             relay_host, hidden, member, stranger = hosts
-            transports += [Transport(relay_host, TransportConfig(relay_service=True)), Transport(hidden), Transport(member), Transport(stranger)]
             for t in transports:
-                await t.start()
                 t.use_gate(MemberGate(swarm))
             for t in transports[:3]:  # the stranger has no certificate
                 t.gate.credential = issue_certificate(owner, swarm, t.peer_id, "replica", time.time()).to_bytes()
             t_relay, t_hidden, t_member, t_stranger = transports
-            keeper = asyncio.create_task(t_hidden.keep_relays([relay_maddr]))
-            seen = []
-
-            async def chunk(ctx):
-                seen.append(ctx.peer_id)
-                return Ack()
-
-            t_hidden.on(StateChunk, chunk)
-            call = StateChunk(name="x", offset=0, total_size=0, sha256="0" * 64)
+            seen = callers_of(t_hidden)
             for h in (member, stranger):
                 h.learn_routes(hidden.peer_id, await hidden.visible_maddrs())
-            assert isinstance(await t_member.call(hidden.peer_id, call, timeout=20), Ack)
+            assert isinstance(await t_member.call(hidden.peer_id, CHUNK, timeout=20), Ack)
             assert seen == [member.peer_id]
             with pytest.raises(RemoteError, match=f"relay: {NOT_PRESENTED}"):
-                await t_stranger.call(hidden.peer_id, call, timeout=20)
+                await t_stranger.call(hidden.peer_id, CHUNK, timeout=20)
             assert seen == [member.peer_id] and t_relay.stats["relay_refused"] == 1 and t_hidden.stats["relayed_served"] >= 2
-        finally:
-            if keeper is not None:
-                keeper.cancel()
-            for t in transports:
-                await t.close()
-            for h in hosts:
-                await h.shutdown()
 
     asyncio.run(main())
