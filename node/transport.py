@@ -467,6 +467,18 @@ class Transport:
     async def _serve_pipe(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._serve_calls(peer_id, reader, writer, pipe=True)
 
+    def _check_not_banned(self, peer_id: str) -> None:
+        """RPCError(unauthorized) while `peer_id` is banned after repeated bad frames."""
+        left = self.scores.banned(peer_id, time.monotonic())
+        if left:
+            raise RPCError("unauthorized", f"banned for {left:.0f} more seconds after repeated bad frames")
+
+    async def _read_hello(self, reader: asyncio.StreamReader) -> tuple[bytes, RelayHello]:
+        """The RelayHello a relayed stream starts with: its bytes and the verified record
+        (RemoteProtocolError if malformed or forged, ValueError if oversized)."""
+        data = await asyncio.wait_for(relay.read_hello(reader), self.config.request_read_timeout_s)
+        return data, RelayHello.from_bytes(data, self.host.config.swarm_id)
+
     async def _serve_hop(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """As a relay: carry `peer_id`'s stream to the target its hello names (node/relay.py),
         if the target keeps a connection to us (its pings: we are not a proxy to anyone else)."""
@@ -476,15 +488,12 @@ class Transport:
         counted = False
         try:
             try:
-                left = self.scores.banned(peer_id, time.monotonic())
-                if left:
-                    raise RPCError("unauthorized", f"banned for {left:.0f} more seconds after repeated bad frames")
+                self._check_not_banned(peer_id)
                 if self._hops[peer_id] >= RELAY_STREAMS_PER_PEER:
                     raise RPCError("overloaded", f"more than {RELAY_STREAMS_PER_PEER} streams relayed for one peer at once")
                 self._hops[peer_id] += 1
                 counted = True
-                data = await asyncio.wait_for(relay.read_hello(reader), self.config.request_read_timeout_s)
-                hello = RelayHello.from_bytes(data, self.host.config.swarm_id)
+                data, hello = await self._read_hello(reader)
                 if hello.peer_id != peer_id:
                     raise RemoteProtocolError(f"the hello is {hello.peer_id}'s, not the caller's", "RelayHello")
                 if hello.target == self.peer_id or hello.protocol not in (RPC_PROTOCOL, PIPE_PROTOCOL):
@@ -523,8 +532,7 @@ class Transport:
     async def _serve_relayed(self, relay_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A stream a relay carried to us: served as the origin's own, once its hello holds."""
         try:
-            data = await asyncio.wait_for(relay.read_hello(reader), self.config.request_read_timeout_s)
-            hello = RelayHello.from_bytes(data, self.host.config.swarm_id)
+            _, hello = await self._read_hello(reader)
             now = time.time()
             if hello.target != self.peer_id:
                 raise RemoteProtocolError(f"the hello is for {hello.target}, not us", "RelayHello")
@@ -589,10 +597,7 @@ class Transport:
                             return
                     st.active += 1
                     active = True
-                    now = time.monotonic()
-                    left = self.scores.banned(peer_id, now)
-                    if left:
-                        raise RPCError("unauthorized", f"banned for {left:.0f} more seconds after repeated bad frames")
+                    self._check_not_banned(peer_id)
                     if st.active > self.config.max_concurrent_per_peer:
                         raise RPCError("overloaded", f"more than {self.config.max_concurrent_per_peer} concurrent calls")
                     request = first if pipe else await receive()
