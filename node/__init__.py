@@ -4,6 +4,9 @@ Files:
     p2p.py               the only hivemind import: p2pd + DHT host, streams, DHT get/store
     transport.py         RPC over libp2p streams (unary, server/client streaming), limits, peer scores
     membership.py        find the coordinator, register, heartbeat, publish signed member records
+    dht_records.py       the DHT's record validator: only valid, owner-signed records under the swarm's keys
+    gate.py              an owned swarm's membership gate: certificates presented, checked before every call
+    relay.py             relay hops to peers nobody can dial (behind a NAT): hello, splice, nonces
     compat.py            each touch of a library's private internals (asyncio, hivemind), version-stamped
     averaging/           fault-tolerant compressed all-reduce, one averager per namespace (its
                          __init__ maps its files: matchmaking, round, schedule, buffers, decisions)

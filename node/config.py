@@ -8,8 +8,9 @@
 
 Precedence: flag > env var > file > default. Every config is a frozen dataclass that checks
 itself on construction, so a bad value is refused with one line that names it and where it came
-from, before anything starts. This module imports only the standard library: the CLIs read their
-config before torch and hivemind load.
+from, before anything starts. This module imports only the standard library (and node/relay.py's
+address check, itself standard library only): the CLIs read their config before torch and
+hivemind load.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .relay import relay_maddr_problem
 
 
 class ConfigError(Exception):
@@ -276,7 +279,7 @@ _NODE_CHECKS: dict[str, Check] = {
     "bandwidth_mbps": non_negative, "log_level": one_of(*LOG_LEVELS), "shard_index": at_least(-1), "num_shards": at_least(1),
     "threads": at_least(0), "fault_delay_parts_s": non_negative,
     "fault_slowdown": lambda v: None if 1.0 <= v <= 100.0 else "must be in [1, 100]",
-    "relays": lambda v: next((f"{m!r} must be a relay's own multiaddr ending in /p2p/<its peer id>" for m in v if "/p2p/" not in m or "/p2p-circuit" in m), None),
+    "relays": lambda v: next(filter(None, map(relay_maddr_problem, v)), None),
 }  # fmt: skip
 
 

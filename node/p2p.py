@@ -172,7 +172,7 @@ class Host:
     @classmethod
     async def start(cls, key: SigningKey, config: HostConfig) -> Host:
         """Start p2pd and the DHT; join `initial_peers` (HostError if none answers)."""
-        for maddr in (*config.initial_peers, *config.host_maddrs, *config.announce_maddrs):
+        for maddr in (*config.initial_peers, *config.host_maddrs, *config.announce_maddrs, *config.relays):
             try:
                 Multiaddr(maddr)
             except Exception:
@@ -183,13 +183,8 @@ class Host:
             if "/p2p/" not in maddr:
                 raise HostError(f"initial peer {maddr} lacks its /p2p/<peer id> part")
         for maddr in config.relays:
-            problem = relay_maddr_problem(maddr)
-            if problem:
+            if problem := relay_maddr_problem(maddr):
                 raise HostError(problem)
-            try:
-                Multiaddr(maddr)
-            except Exception:
-                raise HostError(f"not a multiaddr: {maddr!r}") from None
         keyfile_dir = tempfile.mkdtemp(prefix="swarmtrain-id-")
         keyfile = os.path.join(keyfile_dir, "p2pd.key")
         fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -8,9 +8,10 @@ with its own key: origin, target, protocol, time, nonce. The relay checks that t
 caller's own, opens `RELAYED_PROTOCOL` to the target over the connection the target keeps to it,
 writes the hello there and copies bytes both ways. It carries streams only to peers that pinged
 it lately (every `KEEPALIVE_S`: it is nobody's proxy to the rest of the network), at most
-`RELAY_STREAMS_PER_PEER` at once for one caller, and refuses callers it has banned. The target verifies the hello (signature,
-itself as target, fresh, nonce not seen) and serves the stream as a call or pipe of the origin:
-the gate, scores and limits apply to the origin as on a direct stream.
+`RELAY_STREAMS_PER_PEER` at once for one caller, and refuses callers it has banned. The target
+verifies the hello (signature, itself as target, fresh, nonce not seen) and serves the stream as
+a call or pipe of the origin: the gate, scores and limits apply to the origin as on a direct
+stream.
 
 Why not the libp2p daemon's own circuit relay: the p2pd hivemind ships serves relay hops with
 go-libp2p's default limits (a relayed connection is reset after 128 KiB or 2 minutes: measured,
