@@ -283,7 +283,7 @@ async def read_members(host: Host, swarm_id: str) -> dict[str, MemberRecord]:
         except RemoteProtocolError as e:
             log.debug("ignoring a member record: %s", e)
             continue
-        if rec.peer_id == subkey and rec.peer_id not in getattr(host, "revoked", ()):
+        if rec.peer_id == subkey and rec.peer_id not in host.revoked:
             out[rec.peer_id] = rec
             host.learn_routes(rec.peer_id, rec.maddrs)  # relays it is reached through, if any
     return out
