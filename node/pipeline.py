@@ -250,10 +250,11 @@ class StageServer(Role):
         self.hash = ""
         # kept: backwards through a kept graph (stale: of a forward on older weights than now);
         # failed_after: through calls whose later stage failed
-        self.calls = {"forward": 0, "backward": 0, "train": 0, "through": 0, "refused": 0, "batched": 0, "kept": 0, "stale": 0, "failed_after": 0}
+        self.calls = {"forward": 0, "backward": 0, "train": 0, "through": 0, "refused": 0, "batched": 0, "kept": 0, "stale": 0, "failed_after": 0, "norms": 0}
         self.bytes_sent = self.bytes_received = 0  # of through calls to the next stage
-        self.due_norm: tuple[int, float] = (0, -1.0)  # (steps due so far, the squared norm of the latest one's gradient); set on the compute thread
+        self.due_norm: tuple[int, float] = (0, -1.0)  # (steps due so far, the squared norm of the latest one's gradient); set as batches run
         self._others2: float | None = None  # the other stages' squared norms together, from the latest call that carried them all
+        self._norms_due = False  # _others2 came while our step was due: the step need not wait for the next call
         self.clips = {"global": 0, "alone": 0}  # steps clipped by every stage's norm, by this stage's alone
         self.last_norm = (-1.0, -1.0)  # the last step's gradient norm: this stage's, the other stages' (-1: not known)
         self._stages: dict[int, set[str]] = {}  # the peers of each stage, from the member records (through calls' routes)
@@ -269,14 +270,16 @@ class StageServer(Role):
         self._busy = asyncio.Lock()  # held while the parameters are used: a batch's compute, a sync
         self._stage_peers: list[str] = []  # the other peers of this stage, from the DHT
         self.averager = sync_averager(host, transport, node_config, run, namespace)
-        self._saved: dict[tuple[str, str], tuple[float, torch.Tensor, torch.Tensor, int]] = {}  # key -> (when, input, output, weights_version); the compute thread's
+        self._saved: dict[tuple[str, str], tuple[float, torch.Tensor, torch.Tensor, int]] = {}  # key -> (when, input, output, weights_version)
         self.weights_version = 0  # counts changes of the parameters (steps, syncs, states taken)
         self._stash: dict[tuple, torch.Tensor] = {}  # a weight (or view of one) -> its value for the graphs kept since the last step
         self._param_storages: set[int] = set()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="stage", initializer=torch.set_num_threads, initargs=(node_config.torch_threads(),))
 
     async def _compute(self, fn, *args):
-        """On the stage's one compute thread (see Replica._compute for why a thread of our own)."""
+        """On the stage's one compute thread (see Replica._compute for why a thread of our own), for
+        what may take long: building the stage, loading a state, a sync's arithmetic. Batches and
+        optimizer steps run on the event loop's thread (see _serve_forever), both under `_busy`."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ---- lifecycle
@@ -339,6 +342,9 @@ class StageServer(Role):
             while not self._queue:
                 self._wake.clear()
                 if self.CLIP_ACROSS and self._step_due():  # the next call brings the other stages' norms of this step
+                    if self._norms_due:  # a norms call brought them
+                        await self._step_now()
+                        continue
                     try:
                         await asyncio.wait_for(self._wake.wait(), PENDING_S)
                     except TimeoutError:  # none came: step with the norms heard last
@@ -349,16 +355,13 @@ class StageServer(Role):
                 await self._step_now()
             await self._busy.acquire()
             batch = self._take_batch()
-            work = asyncio.ensure_future(self._compute(self._run_batch, batch))
             try:
-                try:
-                    results = await asyncio.shield(work)
-                except asyncio.CancelledError:  # leaving: what is in flight finishes, its callers get their answers
-                    results = await work
-                    for p, r in zip(batch, results):
-                        if not p.done.done():
-                            p.done.set_result(r)
-                    raise
+                # on the event loop's thread, which waits meanwhile: handing each batch to a
+                # compute thread and back cost two thread wake-ups and GIL hand-overs (up to the
+                # 5-ms switch interval each, while the loop decodes the next call), and each
+                # stands on the pipeline's critical path (measured on 2 cores, 3 stages, arm (c)
+                # of bench/pipeline.py: 151 -> 165 samples/s, three runs each)
+                results = self._run_batch(batch)
             except (RPCError, RemoteProtocolError) as e:  # the call's own problem, found in compute: its caller hears it
                 for p in batch:
                     if not p.done.done():
@@ -375,12 +378,13 @@ class StageServer(Role):
             for p, r in zip(batch, results):
                 if not p.done.done():
                     p.done.set_result(r)
+            await asyncio.sleep(0)  # their callers hand the results on (and new calls come in) before the next batch
             if self._step_due() and not self.CLIP_ACROSS:
                 await self._step_now()
 
     async def _step_now(self) -> None:
         async with self._busy:
-            await self._compute(self._step, *([self._others2] if self.CLIP_ACROSS else []))
+            self._step(*([self._others2] if self.CLIP_ACROSS else []))  # (on the loop's thread, as batches run)
         self._report()
 
     # ---- keeping the stage's peers in step
@@ -708,6 +712,10 @@ class StageServer(Role):
         if req.stage != self.index:
             raise RPCError("not_found", f"this peer serves stage {self.index}, not {req.stage}")
         self._heard(req.norms2)
+        if req.op == "norms":
+            self.calls["norms"] += 1
+            steps, norm2 = self.due_norm
+            return StageResult(norms2=(norm2,), norm_steps=(steps,))
         try:
             x, extra = self._inputs(req)
         except (RemoteProtocolError, StageInputError) as e:
@@ -726,11 +734,15 @@ class StageServer(Role):
 
     def _heard(self, norms2: tuple[float, ...]) -> None:
         """A call's norms of every stage's latest step: ours clips by them with its own (only
-        when it names them all; a caller that has not heard of every stage yet changes nothing)."""
+        when it names them all; a caller that has not heard of every stage yet changes nothing).
+        Heard while our step is due, they are that step's: it need wait no longer."""
         if len(norms2) == len(self.plan):
             others = [v for i, v in enumerate(norms2) if i != self.index]
             if all(v >= 0 for v in others):
                 self._others2 = sum(others)
+                if self._step_due():
+                    self._norms_due = True
+                    self._wake.set()
 
     async def _through(self, caller: str, req: StageCall, x: torch.Tensor, targets: torch.Tensor) -> StageResult:
         """A micro-batch on its way through this and the later stages (see StageCall): forward
@@ -757,7 +769,7 @@ class StageServer(Role):
             reply = StageResult(failed=nxt, failed_stage=self.index + 1, reason=_short(e))
         self.bytes_sent += len(call.data)
         if reply.failed:  # the trainer sends the micro-batch again another way
-            await self._compute(self._saved.pop, key, None)
+            self._saved.pop(key, None)
             self.calls["failed_after"] += 1
             return StageResult(failed=reply.failed, failed_stage=reply.failed_stage, reason=reply.reason)
         self.bytes_received += len(reply.data)
@@ -862,7 +874,7 @@ class StageServer(Role):
                 raise StageInputError(f"targets must be token ids in [0, {vocab}), got {int(extra.min())}..{int(extra.max())}")
         return x, extra
 
-    # ---- compute (on the stage's thread)
+    # ---- compute (on the event loop's thread, under _busy)
 
     def _run_batch(self, batch: list[_Pending]) -> list[tuple[float | None, torch.Tensor | None]]:
         t0 = time.thread_time()  # CPU time of this thread: time others had the core is not our speed
@@ -984,9 +996,8 @@ class StageServer(Role):
             self.weights_version += 1
         self.opt.zero_grad(set_to_none=True)
         self._acc_samples = self._acc_calls = 0
+        self._norms_due = False
         self.hash = self._params_hash()
-        # (on the compute thread, read on the event loop's: the count moves after the hash, so
-        # whoever sees a step sees its parameters' hash)
         self.steps += stepped
 
     # ---- reporting
@@ -1156,6 +1167,8 @@ class Trainer(Role):
         self._losses: list[float] = []
         self.first_loss: float | None = None  # the mean of the first REPORT_EVERY micro-batches
         self._norms: dict[int, tuple[str, int, float]] = {}  # stage -> (peer, its steps due, squared norm of the latest): handed on in every call
+        self._step_peers: set[tuple[int, str]] = set()  # (stage, peer) that answered since the last step's norms went out
+        self._telling: set[asyncio.Task] = set()
         self._stages_known = asyncio.Event()
         self._t0 = time.monotonic()
 
@@ -1180,6 +1193,8 @@ class Trainer(Role):
             window = self.run_config.stage_step_samples // self.run_config.batch_size if self.run_config.synchronous_steps else 0
             while True:
                 while len(tasks) < self.run_config.micro_batches_in_flight and not (window and n % window == 0 and tasks):
+                    if window and n and n % window == 0:  # the last step's micro-batches all came back
+                        self._tell_norms()
                     x, y = batches.next()
                     tasks.add(asyncio.create_task(send(f"{self.host.peer_id[-6:]}-{n}", x, y)))
                     n += 1
@@ -1191,9 +1206,30 @@ class Trainer(Role):
                     else:
                         self._record(loss)
         finally:
-            for t in (refresh, *tasks):
+            for t in (refresh, *tasks, *self._telling):
                 t.cancel()
-            await asyncio.gather(refresh, *tasks, return_exceptions=True)
+            await asyncio.gather(refresh, *tasks, *self._telling, return_exceptions=True)
+
+    def _tell_norms(self) -> None:
+        """Synchronous steps: a step's micro-batches all came back, and with them every stage's
+        norm of the step. The peers of the later stages hear them now (a norms call), not when the
+        next micro-batch reaches them: the stages then step side by side instead of one after
+        another, each on the way of the next step's first micro-batch (the first stage hears them
+        with that micro-batch)."""
+        norms2, peers = self._norms2(), sorted(p for p in self._step_peers if p[0] > 0)
+        self._step_peers.clear()
+        if min(norms2, default=-1.0) < 0:
+            return
+        for stage, peer in peers:
+            task = asyncio.create_task(self._send_norms(stage, peer, norms2))
+            self._telling.add(task)
+            task.add_done_callback(self._telling.discard)
+
+    async def _send_norms(self, stage: int, peer: str, norms2: tuple[float, ...]) -> None:
+        try:
+            await self.transport.send(peer, StageCall(stage=stage, op="norms", norms2=norms2), timeout=self.peers.timeout(peer), reuse=True)
+        except (*NETWORK_ERRORS, RemoteProtocolError) as e:  # only a hint: the next micro-batch brings the norms too
+            log.debug("norms to stage %d peer %s: %s", stage, peer[-8:], _short(e))
 
     async def _refresh_peers(self) -> None:
         """Who serves which stage, from the DHT's member records, in the background: a step never
@@ -1221,6 +1257,7 @@ class Trainer(Role):
         for i, (steps, norm2) in enumerate(zip(reply.norm_steps, reply.norms2)):
             if i >= len(peers) or norm2 < 0:
                 continue
+            self._step_peers.add((first + i, peers[i]))
             held = self._norms.get(first + i)
             if held is None or held[0] != peers[i] or steps > held[1]:
                 self._norms[first + i] = (peers[i], steps, norm2)

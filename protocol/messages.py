@@ -597,7 +597,7 @@ class AvgDecisionQuery(Message):
 # ---------------------------------------------------------------------------------------------
 # Pipeline stages (a trainer's calls to a stage server)
 
-STAGE_OPS = ("forward", "backward", "train", "through")
+STAGE_OPS = ("forward", "backward", "train", "through", "norms")
 MAX_ROUTE = 64  # stages after the called one a `through` call may name
 
 
@@ -641,6 +641,9 @@ class StageCall(Message):
       the gradient that comes back and answers the `loss`, `grad` of `x` and every stage's
       `times`; the last stage does what `train` does. Activations go stage to stage, not through
       the trainer.
+    - norms: no tensors, only `norms2`: a synchronous trainer's word, once a step's micro-batches
+      all came back, of every stage's norm of that step; a stage whose step is due takes it
+      then, rather than when the next micro-batch reaches it (so stages step side by side).
     Every call may carry `norms2`: for each stage of the cut, the squared norm of its gradient
     at its latest step as the caller last heard it (-1: not heard). A stage clips its next step
     by the norm of all of them together (one global clip, as one process clips the model's);
@@ -665,6 +668,7 @@ class StageCall(Message):
         _require(len(self.micro_batch) <= MAX_ID_LEN, "micro_batch", "at most 256 characters")
         _require(len(self.route) <= MAX_ROUTE, "route", f"at most {MAX_ROUTE} peers")
         _require(self.op == "through" or not self.route, "route", f"only a through call names a route, not {self.op}")
+        _require(self.op != "norms" or (self.norms2 and not self.tensors), "norms2", "a norms call carries norms2 and no tensors")
         _require(all(0 < len(p) <= MAX_ID_LEN for p in self.route), "route", "peer ids of 1..256 characters")
         _require(len(self.deadlines) == len(self.route), "deadlines", "one per peer of the route")
         _require(all(0 < d <= MAX_DEADLINE_S for d in self.deadlines), "deadlines", f"seconds in (0, {MAX_DEADLINE_S:.0f}]")

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import math
 import re
-import threading
 import time
 
 import pytest
@@ -175,9 +174,8 @@ def test_a_stalled_host_costs_one_deadline_and_its_experts_are_routed_around_unt
                 _, loss, skipped = await run(f"warm-{i}")
                 assert skipped == 0
             stalled = servers[1]
-            # its one compute thread stalls (swap, a stuck driver): calls reach it, no answer comes
-            release = threading.Event()
-            stalled._pool.submit(release.wait)
+            # its compute stalls (swap, a stuck driver): calls reach it, no answer comes
+            await stalled._busy.acquire()
             try:
                 t0 = time.monotonic()
                 _, loss, skipped = await run("frozen-0")
@@ -189,7 +187,7 @@ def test_a_stalled_host_costs_one_deadline_and_its_experts_are_routed_around_unt
                 routed_around = time.monotonic() - t0
                 assert skipped == 0 and math.isfinite(loss.item())  # the router gave shard 1 no tokens
             finally:
-                release.set()
+                stalled._busy.release()
             deadline = client.peers.timeout(stalled.transport.peer_id)
             # after its ban the host is called again and answers
             await asyncio.sleep(client.peers.peers[stalled.transport.peer_id].banned_until - time.monotonic() + 0.1)
