@@ -118,6 +118,7 @@ SAVED_S = 60.0  # seconds a kept forward graph waits for its backward
 KEEP_STATES = 2  # states a stage server keeps on disk (the latest is served)
 MIN_RATE_BATCHES = 16  # batches a stage server computes before it reports how fast it is
 HANDOVER_S = 60.0  # longest the last peer of a stage waits on SIGTERM for a peer to take its state
+REPORT_S = 0.5  # a stage server's stats after its steps: written at most this often (syncs and the like at once)
 PENDING_S = 1.0  # longest a due step waits for the next call (which brings the other stages' norms)
 
 
@@ -247,13 +248,14 @@ class StageServer(Role):
         self.samples = 0  # samples whose gradients were accumulated (all steps)
         self._acc_samples = 0
         self._acc_calls = 0  # micro-batches in the current accumulation (gradients are averaged over them)
-        self.hash = ""
+        self._hash, self._hash_version = "", -1  # (see `hash`)
         # kept: backwards through a kept graph (stale: of a forward on older weights than now);
         # failed_after: through calls whose later stage failed
         self.calls = {"forward": 0, "backward": 0, "train": 0, "through": 0, "refused": 0, "batched": 0, "kept": 0, "stale": 0, "failed_after": 0, "norms": 0}
         self.bytes_sent = self.bytes_received = 0  # of through calls to the next stage
         self.due_norm: tuple[int, float] = (0, -1.0)  # (steps due so far, the squared norm of the latest one's gradient); set as batches run
         self._others2: float | None = None  # the other stages' squared norms together, from the latest call that carried them all
+        self._next_report, self._unreported = 0.0, False  # when a step may write the stats next; steps since the last
         self._norms_due = False  # _others2 came while our step was due: the step need not wait for the next call
         self.clips = {"global": 0, "alone": 0}  # steps clipped by every stage's norm, by this stage's alone
         self.last_norm = (-1.0, -1.0)  # the last step's gradient norm: this stage's, the other stages' (-1: not known)
@@ -297,7 +299,7 @@ class StageServer(Role):
         except (NamespaceTaken, HandlerTaken) as e:
             raise RoleError(str(e)) from None
         await self._obtain_state()
-        self.hash = self.synced_hash = self._params_hash()
+        self.synced_hash = self.hash
         await self._save_state(self.state_step)
         try:
             self._registration = self.transport.serve({self.CALL: self._on_call}, owner=self.what)
@@ -349,6 +351,11 @@ class StageServer(Role):
                         await asyncio.wait_for(self._wake.wait(), PENDING_S)
                     except TimeoutError:  # none came: step with the norms heard last
                         await self._step_now()
+                elif self._unreported:  # steps since the last report: written once the calls pause
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), REPORT_S)
+                    except TimeoutError:
+                        self._report()
                 else:
                     await self._wake.wait()
             if self.CLIP_ACROSS and self._step_due():  # (due after the last batch: before this one uses the weights)
@@ -385,7 +392,10 @@ class StageServer(Role):
     async def _step_now(self) -> None:
         async with self._busy:
             self._step(*([self._others2] if self.CLIP_ACROSS else []))  # (on the loop's thread, as batches run)
-        self._report()
+        if time.monotonic() >= self._next_report:  # (a report hashes the parameters: not at every step)
+            self._report()
+        else:
+            self._unreported = True
 
     # ---- keeping the stage's peers in step
 
@@ -396,6 +406,16 @@ class StageServer(Role):
 
     def _params_hash(self) -> str:
         return state_hash({n: p for n, p in self.stage.named_parameters()})
+
+    @property
+    def hash(self) -> str:
+        """The hash of the parameters, computed when read after they changed (every change moves
+        `weights_version`), not at every step: most steps' hashes are never read. Read on the
+        event loop's thread, where steps run; what changes the parameters on the compute thread
+        (a sync, a state taken) holds `_busy` and is awaited by the task that reads next."""
+        if self._hash_version != self.weights_version:
+            self._hash, self._hash_version = self._params_hash(), self.weights_version
+        return self._hash
 
     def _meta(self) -> dict[str, Any]:
         """What a state is for: the model and where this stage cuts it (checked on download)."""
@@ -445,7 +465,6 @@ class StageServer(Role):
             state = await self._compute(load_checkpoint_dir, path)
             async with self._busy:
                 await self._compute(self._adopt, state, manifest.get("state_hash") or "")
-                self.hash = self._params_hash()
         except (CheckpointDirError, ValueError, KeyError, RuntimeError, OSError) as e:
             log.warning("%s: could not take the state it saved before (%s): %s", self.what, path, _short(e))
             return False
@@ -482,7 +501,6 @@ class StageServer(Role):
             state = await self._compute(load_checkpoint_dir, path)
             async with self._busy:
                 await self._compute(self._adopt, state, manifest.get("state_hash") or "")
-                self.hash = self._params_hash()
         except (*NETWORK_ERRORS, CheckpointDirError, ValueError, KeyError, RuntimeError) as e:
             log.warning("%s: could not take the state from %s: %s", self.what, peer[-8:], _short(e))
             return False
@@ -626,7 +644,6 @@ class StageServer(Role):
         copy_into(self.stage.parameters(), self.outer.apply(avg))
         self._stash = {}
         self.weights_version += 1
-        self.hash = self._params_hash()
 
     async def stop(self, planned: bool = True) -> None:
         """Give everything back. Planned (SIGTERM, Ctrl-C, a new assignment): new calls are
@@ -667,7 +684,6 @@ class StageServer(Role):
         step = max(self.state_step + 1, math.floor(time.time() / self.run_config.stage_sync_every_s))
         async with self._busy:
             params = [p.detach().clone() for p in self.stage.parameters()]
-            self.hash = self._params_hash()
         await self._save_state(step, params)
         files = set(read_manifest(self.state_dir / step_dir_name(step))["files"])
         answer = await self.membership.leave()  # the coordinator re-plans without us: a peer moves to this stage
@@ -775,6 +791,10 @@ class StageServer(Role):
         self.bytes_received += len(reply.data)
         t1 = time.monotonic()
         _, gx = await self._queued(_Pending("backward", None, grad, key))
+        if self.stage.first and self._step_due() and all(n == self.due_norm[0] for n in reply.norm_steps):
+            # the answer brought every later stage's norm of the step this backward completed
+            # (their counts of steps due are ours): step now, not when the next call brings them
+            self._heard((self.due_norm[1], *reply.norms2))
         self.calls["through"] += 1
         self.calls["kept"] += 1
         tensors = {} if gx is None or self.stage.first else {"grad": encode_floats(self.codec, gx)}
@@ -997,7 +1017,6 @@ class StageServer(Role):
         self.opt.zero_grad(set_to_none=True)
         self._acc_samples = self._acc_calls = 0
         self._norms_due = False
-        self.hash = self._params_hash()
         self.steps += stepped
 
     # ---- reporting
@@ -1015,6 +1034,7 @@ class StageServer(Role):
         return {"stage": self.index, "num_stages": len(self.plan), "blocks": list(self.plan[self.index])}
 
     def _report(self, **entry: Any) -> None:
+        self._next_report, self._unreported = time.monotonic() + REPORT_S, False
         p = self.membership.progress
         p.step, p.state_hash = self.state_step, self.synced_hash  # the same on every peer of the stage after a sync
         rate = self.samples_per_second()

@@ -222,11 +222,12 @@ def test_a_stage_server_steps_after_its_samples_and_reports_a_new_hash(tmp_path)
 
 def test_stages_clip_their_steps_by_one_global_norm_as_one_process_clips_the_model(tmp_path, monkeypatch):
     """Synchronous steps as a trainer makes them: a step's micro-batches, then the next step's,
-    each call carrying the norms the last answers brought. Each stage's step waits for the next
-    call, whose norms make its clip the whole model's; at the last step the later stage hears
-    them from a norms call instead (Trainer._tell_norms) and steps before the next micro-batch
-    comes. After two steps the stages hold what one process's clip_grad_norm_ over the whole
-    model gives, not what clipping each stage alone does."""
+    each call carrying the norms the last answers brought. The first stage steps once the
+    backward that completes its step is done (the answer brought the later stages' norms); the
+    later stage waits for the norms of the first: from the next call, or at the last step from a
+    norms call (Trainer._tell_norms), before any next micro-batch. After two steps the stages
+    hold what one process's clip_grad_norm_ over the whole model gives, not what clipping each
+    stage alone does."""
     monkeypatch.setattr(pipeline, "PENDING_S", 600.0)  # no step on a timeout: only the norms a call brings step a stage
     run = RunConfig(model="tiny", num_stages=2, stage_step_samples=6, seed=3, warmup_steps=1, stage_sync_every_s=NO_SYNC)  # a step every 2 micro-batches of 3
     cfg = run.model_config()
@@ -248,11 +249,11 @@ def test_stages_clip_their_steps_by_one_global_norm_as_one_process_clips_the_mod
                     r = await client.send(s1.transport.peer_id, StageCall(stage=1, op="norms", norms2=tuple(norms2)), timeout=30, reuse=True)
                     assert r.norm_steps == (2,) and s1.calls["norms"] == 1, r
                     deadline = time.monotonic() + 20
-                    while s1.steps < 2 and time.monotonic() < deadline:
+                    while (s0.steps, s1.steps) != (2, 2) and time.monotonic() < deadline:
                         await asyncio.sleep(0.01)
-                    assert (s0.steps, s1.steps) == (1, 2)  # s0 steps with the next micro-batch
+                    assert (s0.steps, s1.steps) == (2, 2)  # both stepped before the next micro-batch
             assert heard == [(0, 0), (1, 1), (1, 1), (2, 2), (2, 2)]  # a step was due after the 2nd and 4th micro-batch, at both stages
-            assert s0.steps == s1.steps == 2 and s0.clips == s1.clips == {"global": 2, "alone": 0}  # steps 1 and 2 came with the next calls' norms
+            assert s0.steps == s1.steps == 2 and s0.clips == s1.clips == {"global": 2, "alone": 0}  # both steps clipped by every stage's norm
             return {n: p.detach().clone() for s in (s0, s1) for n, p in s.stage.named_parameters()}, norms2
 
     got, norms2 = asyncio.run(main())
