@@ -179,8 +179,9 @@ class Membership:
                     await self.heartbeat()
                 backoff = 0.5
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), self.config.heartbeat_interval_s)
+                try:  # (asyncio.timeout: a wait_for on 3.11 loses a cancel that comes as the event is set)
+                    async with asyncio.timeout(self.config.heartbeat_interval_s):
+                        await self._wake.wait()
                 except TimeoutError:
                     pass
             except (*NETWORK_ERRORS, CoordinatorNotFound) as e:
@@ -203,7 +204,8 @@ class Membership:
             if self.transport.gate is None or self.transport.gate.credential:  # (an owned swarm's DHT keeps no record without a certificate)
                 await self.publish_record()
             try:
-                await asyncio.wait_for(self._publish_wake.wait(), self.config.record_ttl_s / 3)
+                async with asyncio.timeout(self.config.record_ttl_s / 3):
+                    await self._publish_wake.wait()
             except TimeoutError:
                 pass
 

@@ -347,13 +347,15 @@ class StageServer(Role):
                     if self._norms_due:  # a norms call brought them
                         await self._step_now()
                         continue
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), PENDING_S)
+                    try:  # (asyncio.timeout, not wait_for: on 3.11 a wait_for whose event is set as the task is cancelled loses the cancel, and the loop serves on after stop)
+                        async with asyncio.timeout(PENDING_S):
+                            await self._wake.wait()
                     except TimeoutError:  # none came: step with the norms heard last
                         await self._step_now()
                 elif self._unreported:  # steps since the last report: written once the calls pause
                     try:
-                        await asyncio.wait_for(self._wake.wait(), REPORT_S)
+                        async with asyncio.timeout(REPORT_S):
+                            await self._wake.wait()
                     except TimeoutError:
                         self._report()
                 else:
@@ -361,6 +363,9 @@ class StageServer(Role):
             if self.CLIP_ACROSS and self._step_due():  # (due after the last batch: before this one uses the weights)
                 await self._step_now()
             await self._busy.acquire()
+            if not self._queue:  # refused while we waited (the role is leaving: stop)
+                self._busy.release()
+                continue
             batch = self._take_batch()
             try:
                 # on the event loop's thread, which waits meanwhile: handing each batch to a

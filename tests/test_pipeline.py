@@ -58,6 +58,7 @@ async def stage_servers(tmp_path, run: RunConfig, config: TransportConfig = Tran
             await s.start()
             servers.append(s)
             tasks.append(asyncio.create_task(s.run()))
+            s.run_task = tasks[-1]  # (for tests that stop it)
         yield servers, (transports[-1] if clients == 1 else transports[run.num_stages :])
     finally:
         for t in tasks:
@@ -218,6 +219,28 @@ def test_a_stage_server_steps_after_its_samples_and_reports_a_new_hash(tmp_path)
             assert s1.membership.published == 1  # announced itself once, on start
 
     asyncio.run(main())
+
+
+def test_a_stage_server_waiting_for_the_norms_stops_when_cancelled_as_a_call_wakes_it(tmp_path):
+    """The role runner stops a stage server by cancelling its run. A server whose step is due
+    waits for the next call (it brings the other stages' norms) with a timeout; a call that wakes
+    it just as the cancel comes must not swallow the cancel (asyncio.wait_for on Python 3.11
+    does: the node then serves on and a SIGTERM never ends it)."""
+    run = dataclasses.replace(RUN, stage_step_samples=3)  # a step due after one micro-batch of 3
+    _, x, y, _ = reference()
+
+    async def main():
+        async with stage_servers(tmp_path, run) as ((s0, s1), client):
+            act = out(await call(client, s0, "forward", x=x), "y")
+            await call(client, s1, "train", x=act, targets=y)
+            assert s1._step_due() and s1.steps == 0  # waiting for the norms of the stage before it
+            await asyncio.sleep(0.05)
+            s1._wake.set()  # a call comes ...
+            s1.run_task.cancel()  # ... as the runner stops the role
+            done, _ = await asyncio.wait({s1.run_task}, timeout=10)
+            return bool(done) and s1.run_task.cancelled()
+
+    assert asyncio.run(main())
 
 
 def test_stages_clip_their_steps_by_one_global_norm_as_one_process_clips_the_model(tmp_path, monkeypatch):
