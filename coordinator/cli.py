@@ -25,6 +25,7 @@ def build_parser():
     p.add_argument("--http", metavar="HOST:PORT", help=f"status/metrics address (default {c.http}; '' disables)")
     p.add_argument("--mode", choices=SERVED_MODES, help=f"how roles are planned (default {c.mode})")
     p.add_argument("--heartbeat-timeout-s", type=float, help=f"evict members silent this long (default {c.heartbeat_timeout_s})")
+    p.add_argument("--rebalance-margin", type=float, metavar="FRACTION", help=f"pipeline: move a peer to the slowest stage only if that raises it by this fraction (default {c.rebalance_margin}; higher: fewer moves)")
     p.add_argument("--keep-checkpoints", type=int, help=f"checkpoints kept on disk (default {c.keep_checkpoints})")
     p.add_argument("--serve-relay", action="store_true", default=None, help="carry streams to nodes behind NATs that name this coordinator as their relay (node --relays)")
     p.add_argument("--private", action="store_true", default=None, help="an owned swarm (see `init`): Register needs a join token signed by the owner's key (`token`)")

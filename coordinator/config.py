@@ -27,6 +27,7 @@ class CoordinatorConfig:
     http: str = "127.0.0.1:8080"  # HOST:PORT of /status and /metrics; port 0 picks a free one; "" disables
     mode: str = "replica"  # role planning: replica | pipeline | experts
     heartbeat_timeout_s: float = 15.0  # seconds; members silent for longer are evicted
+    rebalance_margin: float = 0.2  # pipeline: a peer moves to the slowest stage only if that raises its throughput by this fraction
     keep_checkpoints: int = 3  # how many checkpoints to keep on disk
     owner_public_key: str = ""  # hex Ed25519 public key of the swarm owner; set: Register needs a join token signed by it
     serve_relay: bool = False  # carry streams to nodes behind NATs that name this coordinator as their relay (node --relays)
@@ -47,7 +48,7 @@ class CoordinatorConfig:
 
 _CHECKS: dict[str, Check] = {
     "swarm_id": swarm_id, "data_dir": non_empty, "host_maddrs": non_empty, "mode": one_of(*SERVED_MODES),
-    "heartbeat_timeout_s": positive, "keep_checkpoints": at_least(1),
+    "heartbeat_timeout_s": positive, "rebalance_margin": positive, "keep_checkpoints": at_least(1),
     "owner_public_key": lambda v: None if re.fullmatch(r"([0-9a-fA-F]{64})?", v) else "must be 64 hex digits (an Ed25519 public key)",
     "record_interval_s": lambda v: record_ttl(v, 3), "log_level": one_of(*LOG_LEVELS),
 }  # fmt: skip

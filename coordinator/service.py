@@ -153,7 +153,7 @@ class Coordinator:
         try:
             self.planner = PlannerConfig(
                 mode=config.mode, num_stages=config.run.num_stages, heartbeat_timeout_s=config.heartbeat_timeout_s,
-                stage_costs=stage_costs(config), experts=expert_slots(config),
+                rebalance_margin=config.rebalance_margin, stage_costs=stage_costs(config), experts=expert_slots(config),
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None

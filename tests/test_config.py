@@ -209,6 +209,14 @@ def test_the_coordinator_nests_the_run_config(tmp_path):
     assert CoordinatorConfig().run == RunConfig()
 
 
+def test_the_coordinators_planner_takes_its_rebalance_margin(tmp_path):
+    from coordinator.service import Coordinator
+
+    c = _load_coordinator(tmp_path, "mode = \"pipeline\"\nnum_stages = 2\n", {}, {"rebalance_margin": 3.0})
+    assert Coordinator(c).planner.rebalance_margin == 3.0
+    assert Coordinator(CoordinatorConfig(mode="pipeline", run=RunConfig(num_stages=2))).planner.rebalance_margin == 0.2
+
+
 @pytest.mark.parametrize(
     "toml,env,cli,expect",
     [
@@ -216,6 +224,7 @@ def test_the_coordinator_nests_the_run_config(tmp_path):
         ("join_timeout_s = -1\n", {}, {}, "c.toml: join_timeout_s must be > 0 and finite, got -1.0"),
         ("", {"SWARMTRAIN_COORDINATOR_MODEL": "huge"}, {}, "env SWARMTRAIN_COORDINATOR_MODEL: model is an unknown model preset"),
         ("", {}, {"heartbeat_timeout_s": 0.0}, "--heartbeat-timeout-s: heartbeat_timeout_s must be > 0"),
+        ("rebalance_margin = -0.5\n", {}, {}, "c.toml: rebalance_margin must be > 0"),
         ("", {}, {"keep_checkpoints": 0}, "--keep-checkpoints: keep_checkpoints must be ≥ 1"),
         ("", {}, {"owner_public_key": "abc"}, "--owner-public-key: owner_public_key must be 64 hex digits"),
         ("", {}, {"num_stages": -1}, "--num-stages: num_stages must be ≥ 0"),

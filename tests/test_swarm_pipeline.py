@@ -168,7 +168,9 @@ def start_entry(swarm, name) -> dict:
 
 
 def test_a_joiner_takes_its_stage_state_and_the_last_peer_of_a_stage_hands_it_over_on_sigterm(swarm):
-    coord = swarm.coordinator("coordinator", None, None, *TWO_STAGES)
+    # no move by measured throughput: the two tiny stages' speeds differ by about the default
+    # margin (20 %), and such a move took the joiner away before it synced (2 runs in 27)
+    coord = swarm.coordinator("coordinator", None, None, *TWO_STAGES, "--rebalance-margin", "10")
     maddr = coord.wait_ready()["maddrs"][0]
     nodes = {n: swarm.node(n, [maddr], *NODE) for n in ("a", "b")}
     wait_for(lambda: sorted(m.get("stage") for m in coord.status()["members"] if m.get("role") == "stage") == [0, 1], 120, "one peer per stage")
