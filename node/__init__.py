@@ -25,7 +25,7 @@ Files:
     checkpoint_client.py download / upload checkpoints between peers, verified
     state_server.py      serve checkpoint directories over RPC (replicas and the coordinator)
     capabilities.py      device, memory, FLOP/s probe
-    osutil.py            fsync, hashing, /proc helpers
+    osutil.py            fsync, hashing, /proc helpers, a cancellable event wait
     config.py            NodeConfig, its [averager] / [transport] tables, the flag > env > file merge
     runconfig.py         RunConfig: the training run's settings, coordinator -> members
     daemon.py            Node: start/stop of all of the above; which role object an assignment makes

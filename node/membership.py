@@ -15,6 +15,7 @@ from protocol import Deregister, Heartbeat, Probe, Register, RemoteProtocolError
 from protocol.records import CoordinatorRecord, MemberRecord, RevocationRecord, coordinator_key, members_key, revoked_key
 
 from .config import NodeConfig
+from .osutil import woken
 from .p2p import Host, split_peer_maddr
 from .roles import role_label
 from .transport import NETWORK_ERRORS, RemoteError, Transport
@@ -179,11 +180,7 @@ class Membership:
                     await self.heartbeat()
                 backoff = 0.5
                 self._wake.clear()
-                try:  # (asyncio.timeout: a wait_for on 3.11 loses a cancel that comes as the event is set)
-                    async with asyncio.timeout(self.config.heartbeat_interval_s):
-                        await self._wake.wait()
-                except TimeoutError:
-                    pass
+                await woken(self._wake, self.config.heartbeat_interval_s)
             except (*NETWORK_ERRORS, CoordinatorNotFound) as e:
                 if isinstance(e, RemoteError) and e.code == "unauthorized":
                     log.error("the coordinator refused us: %s", e.message)
@@ -203,11 +200,7 @@ class Membership:
                 await self.read_revocations()
             if self.transport.gate is None or self.transport.gate.credential:  # (an owned swarm's DHT keeps no record without a certificate)
                 await self.publish_record()
-            try:
-                async with asyncio.timeout(self.config.record_ttl_s / 3):
-                    await self._publish_wake.wait()
-            except TimeoutError:
-                pass
+            await woken(self._publish_wake, self.config.record_ttl_s / 3)
 
     async def publish_record(self) -> None:
         now = time.time()

@@ -1,8 +1,10 @@
 """Small operating-system helpers shared by the node, the coordinator, tests and benchmarks:
-durable files (fsync, hashing, removal) and process bookkeeping through /proc (Linux)."""
+durable files (fsync, hashing, removal), process bookkeeping through /proc (Linux), and a
+wait for an event with a timeout that keeps a task cancellable."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -10,6 +12,19 @@ import shutil
 from pathlib import Path
 
 HASH_BLOCK = 4 << 20  # bytes read at a time when hashing a file
+
+
+async def woken(event: asyncio.Event, timeout: float) -> bool:
+    """Wait until `event` is set (True) or `timeout` seconds pass (False). Not asyncio.wait_for:
+    on Python 3.11, when the event is set in the loop iteration the waiting task is cancelled,
+    wait_for returns and the cancel is lost, so a loop that waits this way serves on after its
+    task was stopped (a SIGTERMed stage server did)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+        return True
+    except TimeoutError:
+        return False
 
 
 def write_json(path: Path, value) -> None:

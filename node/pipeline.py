@@ -99,7 +99,7 @@ from .checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manife
 from .data import Batches, DataError, load_corpus
 from .diloco import OuterOptimizer, adamw, copy_into, lr_at, state_hash
 from .membership import read_members
-from .osutil import write_json
+from .osutil import woken, write_json
 from .roles import Role, RoleError, label_of
 from .runconfig import RunConfig, RunConfigError
 from .replica import choose_state
@@ -347,16 +347,10 @@ class StageServer(Role):
                     if self._norms_due:  # a norms call brought them
                         await self._step_now()
                         continue
-                    try:  # (asyncio.timeout, not wait_for: on 3.11 a wait_for whose event is set as the task is cancelled loses the cancel, and the loop serves on after stop)
-                        async with asyncio.timeout(PENDING_S):
-                            await self._wake.wait()
-                    except TimeoutError:  # none came: step with the norms heard last
+                    if not await woken(self._wake, PENDING_S):  # none came: step with the norms heard last
                         await self._step_now()
                 elif self._unreported:  # steps since the last report: written once the calls pause
-                    try:
-                        async with asyncio.timeout(REPORT_S):
-                            await self._wake.wait()
-                    except TimeoutError:
+                    if not await woken(self._wake, REPORT_S):
                         self._report()
                 else:
                     await self._wake.wait()
