@@ -513,8 +513,7 @@ class Transport:
                     self.scores.penalize(peer_id, 2.0, time.monotonic())
                 code = e.code if isinstance(e, RPCError) else "bad_request"
                 log.info("refused to relay for %s: %s", peer_id[-8:], getattr(e, "message", None) or e or type(e).__name__)
-                await self._reply_error(writer, code, f"relay: {getattr(e, 'message', None) or e or type(e).__name__}", 0)
-                _close(writer)
+                await self._refuse(reader, writer, code, f"relay: {getattr(e, 'message', None) or e or type(e).__name__}")
                 return
             self.stats["relayed_streams"] += 1
             target[1].write(relay.frame_hello(data))
@@ -546,8 +545,7 @@ class Transport:
             self.stats["relayed_refused"] += 1
             self.scores.penalize(relay_id, 2.0, time.monotonic())
             log.info("refused a stream relayed by %s: %s", relay_id[-8:], e or type(e).__name__)
-            await self._reply_error(writer, "bad_request", f"relayed stream refused: {e or type(e).__name__}", 0)
-            _close(writer)
+            await self._refuse(reader, writer, "bad_request", f"relayed stream refused: {e or type(e).__name__}")
             return
         self.stats["relayed_served"] += 1
         await self._serve_calls(hello.peer_id, reader, writer, pipe=hello.protocol == PIPE_PROTOCOL)
@@ -656,6 +654,16 @@ class Transport:
             log.warning(text + " (further problems from this peer are logged at debug level for 60 s)")
         else:
             log.debug(text)
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, code: str, message: str) -> None:
+        """An error reply to a stream refused before its call was read, then its close once the
+        caller hung up (or after linger_s): a stream closed with the caller's request unread is
+        reset, and a reset may overtake the reply that says why."""
+        try:
+            await self._reply_error(writer, code, message, 0)
+            await _FrameReader(reader, writer, self.config.max_frame_size, lambda n: None).drain(self.config.linger_s, LINGER_BYTES)
+        finally:
+            _close(writer)
 
     async def _reply_error(self, writer: asyncio.StreamWriter, code: str, message: str, request_id: int) -> None:
         try:

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 
 MB = 1 << 20
 CHUNK = StateChunk(name="x", offset=0, total_size=0, sha256="0" * 64)  # a call whose handler records its caller
+BULKY = StateChunk(name="x", offset=0, total_size=4 << 20, sha256="0" * 64, data=bytes(4 << 20))  # still being sent when refused
 
 
 @contextlib.asynccontextmanager
@@ -162,7 +163,7 @@ def test_forged_misdirected_replayed_and_stale_hellos_are_refused_naming_why():
             replies = await relayed(good, CHUNK)
             assert len(replies) == 1 and isinstance(replies[0], Ack), replies
             assert seen == [origin.peer_id]
-            refused(await relayed(good, CHUNK), "replay")
+            refused(await relayed(good, BULKY), "replay")  # (the rest of its call still on its way)
             assert seen == [origin.peer_id]
             assert t_target.stats["relayed_refused"] == 5 and t_target.stats["relayed_served"] == 1
 
@@ -218,8 +219,9 @@ def test_in_an_owned_swarm_a_relay_carries_members_only_and_the_target_serves_me
                 h.learn_routes(hidden.peer_id, await hidden.visible_maddrs())
             assert isinstance(await t_member.call(hidden.peer_id, CHUNK, timeout=20), Ack)
             assert seen == [member.peer_id]
-            with pytest.raises(RemoteError, match=f"relay: {NOT_PRESENTED}"):
-                await t_stranger.call(hidden.peer_id, CHUNK, timeout=20)
-            assert seen == [member.peer_id] and t_relay.stats["relay_refused"] == 1 and t_hidden.stats["relayed_served"] >= 2
+            for request in (CHUNK, BULKY):  # the refusal reaches the stranger even while it is still sending
+                with pytest.raises(RemoteError, match=f"relay: {NOT_PRESENTED}"):
+                    await t_stranger.call(hidden.peer_id, request, timeout=20)
+            assert seen == [member.peer_id] and t_relay.stats["relay_refused"] == 2 and t_hidden.stats["relayed_served"] >= 2
 
     asyncio.run(main())
