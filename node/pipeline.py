@@ -592,10 +592,14 @@ class StageServer(Role):
             avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=self._stage_peers, state_key="outer")
         except AveragingFailed as e:
             log.warning("%s: sync %d failed (%s); training on, the next one covers it", self.what, n, e.report.reason)
-            if not await self._catch_up() and e.report.late:
-                # nobody else averaged and nobody holds a newer state: the peers the DHT still
+            if await self._catch_up() is None and e.report.late:
+                # nobody else averaged and no peer of the stage answered: the peers the DHT still
                 # lists are gone (a killed peer's record outlives it). Our parameters become the
-                # stage's state, as for a lone peer: a peer that takes the stage next gets them
+                # stage's state, as for a lone peer: a peer that takes the stage next gets them.
+                # A peer that answered with an older state (one that just joined, or lost a
+                # round) takes ours now: our state stays as it was, so that both enter the next
+                # round from the same hash (advancing alone here kept a joiner a round behind,
+                # failing sync after sync, for up to 20 s)
                 await self._advance_alone(n)
             return
         async with self._busy:
@@ -609,11 +613,12 @@ class StageServer(Role):
         log.info("%s: sync %d with %d peers in %.2f s, hash %s (%d steps of the round dropped)", self.what, n, len(report.members), report.seconds, synced, dropped)
         self._report(sync=n, group=len(report.members), dropped_steps=dropped, state_hash=synced)
 
-    async def _catch_up(self) -> bool:
+    async def _catch_up(self) -> bool | None:
         """After a failed sync: if the stage's other peers hold a newer state than ours (or, at
         the same round, the one more of them hold; a tie goes to the smaller hash), take it, so
         peers that drifted apart (a round that failed only for us, two peers that each thought
-        they were alone) average together again. Our steps since our last sync are dropped."""
+        they were alone) average together again. Our steps since our last sync are dropped.
+        True: taken; False: ours is the one to keep; None: no peer of the stage answered."""
         held: dict[str, tuple[int, str]] = {}
         manifests: dict[str, dict] = {}
 
@@ -626,6 +631,8 @@ class StageServer(Role):
                 held[peer], manifests[peer] = (step, manifest["state_hash"]), manifest
 
         await asyncio.gather(*(ask(p) for p in self._stage_peers))
+        if not held:
+            return None
         choice = choose_state((self.state_step, self.synced_hash), held)
         if choice is None:
             return False
