@@ -26,6 +26,9 @@ samples went through:
       directions; root only), once per activation codec: none, fp16, int8;
   (f-relay) (f) with activations none, the trainer relaying them.
 
+With --loss-seeds K, arms a, a-rounding and c run again with seeds seed+1 .. seed+K-1 and the
+ratios compare their mean final losses (float rounding alone moves one seed's by a few percent).
+
 Reported per arm: samples/s (from the end of the first optimizer step, or the trainer's first
 report, to the last sample), the training loss over the last window of micro-batches before
 `samples`, bytes per sample across stage boundaries, lost micro-batches. Every process gets one
@@ -421,6 +424,10 @@ def main(argv=None) -> int:
     p.add_argument("--arms", default="a,b,c,d", help="which arms to run, e.g. a,b,c,d,e,f (f: root, network namespaces)")
     p.add_argument("--work-dir", default="", help="where the arms' logs go (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each arm may take")
+    p.add_argument(
+        "--loss-seeds", type=int, default=1,
+        help="run arms a, a-rounding and c (those asked for) with this many seeds (seed, seed+1, ...) and compare their mean final losses",
+    )  # fmt: skip
     for f in Settings.__dataclass_fields__.values():
         kind = (lambda v: v.lower() in ("1", "true", "yes", "on")) if isinstance(f.default, bool) else type(f.default)
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
@@ -434,6 +441,9 @@ def main(argv=None) -> int:
     s = Settings(**{k: getattr(args, k) for k in Settings.__dataclass_fields__})
     if s.step_samples % s.batch_size or s.samples % (2 * s.step_samples):
         print("error: --step-samples must be a multiple of --batch-size, and --samples of 2 x --step-samples", file=sys.stderr)
+        return 2
+    if args.loss_seeds < 1:
+        print("error: --loss-seeds must be at least 1", file=sys.stderr)
         return 2
     import tempfile
 
@@ -470,9 +480,20 @@ def main(argv=None) -> int:
     if unknown:
         print(f"error: unknown arm(s) {', '.join(unknown)}; known: {', '.join(arms)} (f: all three f-*)", file=sys.stderr)
         return 2
+    # the same arms with more seeds: a final loss moves by a few percent with float rounding
+    # alone (a-rounding against a), more than the gap a swarm must stay within; the mean over
+    # seeds tells a real gap from that noise
+    runs = [(key, *arms[key]) for key in wanted]
+    for k in range(1, args.loss_seeds):
+        other = dataclasses.replace(s, seed=s.seed + k)
+        seeded = {
+            "a": lambda other=other: run_single(other),
+            "a-rounding": lambda other=other: run_single(other, "stages-global"),
+            "c": lambda other=other: run_swarm(other, work / f"c-seed{other.seed}", 1, 1, False, args.timeout),
+        }
+        runs += [(f"{key}@seed{other.seed}", f"{arms[key][0]}, seed {other.seed}", fn) for key, fn in seeded.items() if key in wanted]
     rows = []
-    for key in wanted:
-        name, fn = arms[key]
+    for key, name, fn in runs:
         t0 = time.monotonic()
         try:
             row = {"arm": key, "name": name, "status": "ok", **fn()}
@@ -494,6 +515,14 @@ def main(argv=None) -> int:
         other = "c-relay" if arm == "c" else "f-relay"
         if arm in by and other in by:  # through routing against relay, the same swarm otherwise
             ratios[f"{arm.replace('-', '_')}_over_relay_samples_per_s"] = round(by[arm]["samples_per_s"] / by[other]["samples_per_s"], 3)
+    if args.loss_seeds > 1 and "a" in by:
+        def mean_loss(arm: str) -> float | None:
+            got = [by[k]["final_loss"] for k in [arm, *(f"{arm}@seed{s.seed + i}" for i in range(1, args.loss_seeds))] if k in by]
+            return sum(got) / len(got) if len(got) == args.loss_seeds else None
+
+        for arm in ("c", "a-rounding"):
+            if (mean := mean_loss(arm)) is not None and (base := mean_loss("a")) is not None:
+                ratios[f"{arm.replace('-', '_')}_loss_over_a_mean_of_{args.loss_seeds}_seeds"] = round(mean / base, 4)
     if "d" in by and "e" in by:
         ratios["e_over_d_samples_per_s"] = round(by["e"]["samples_per_s"] / by["d"]["samples_per_s"], 3)
     for codec in ("fp16", "int8"):

@@ -26,3 +26,22 @@ def test_pipeline_bench_runs_one_process_and_torch_pipelining_on_the_same_micro_
 def test_pipeline_bench_refuses_settings_that_do_not_divide():
     out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--samples", "100", "--arms", "a"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--samples of 2 x --step-samples" in out.stderr
+
+
+def test_pipeline_bench_compares_mean_losses_over_seeds(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.pipeline", "--json", "--arms", "a,a-rounding", "--loss-seeds", "2", "--model", "tiny", "--stages", "2",
+         "--samples", "128", "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    by = {r["arm"]: r for r in result["arms"]}
+    assert sorted(by) == ["a", "a-rounding", "a-rounding@seed1", "a@seed1"] and all(r["status"] == "ok" for r in by.values())
+    assert by["a"]["final_loss"] != by["a@seed1"]["final_loss"]  # another seed: other weights, other micro-batches
+    mean = lambda arm: (by[arm]["final_loss"] + by[f"{arm}@seed1"]["final_loss"]) / 2  # noqa: E731
+    assert result["ratios"]["a_rounding_loss_over_a_mean_of_2_seeds"] == round(mean("a-rounding") / mean("a"), 4)
+
+
+def test_pipeline_bench_refuses_fewer_than_one_seed():
+    out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--loss-seeds", "0", "--arms", "a"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--loss-seeds must be at least 1" in out.stderr
