@@ -448,13 +448,24 @@ def main(argv=None) -> int:
     import tempfile
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-pipeline-"))
+
+    def seedable(st: Settings) -> dict:
+        """The arms whose final losses --loss-seeds compares, run with settings `st`."""
+        tag = "" if st.seed == s.seed else f"-seed{st.seed}"
+        return {
+            "a": lambda: run_single(st),
+            "a-rounding": lambda: run_single(st, "stages-global"),
+            "c": lambda: run_swarm(st, work / f"c{tag}", 1, 1, False, args.timeout),
+        }
+
+    base = seedable(s)
     arms = {
-        "a": ("the model in one process", lambda: run_single(s)),
+        "a": ("the model in one process", base["a"]),
         "a-stage-clip": ("(a), each stage's gradients clipped on their own, as (b)'s ranks clip", lambda: run_single(s, "stage")),
-        "a-rounding": ("(a), its global norm put together from the stages' norms as the swarm's stage servers do (float rounding apart, (a))", lambda: run_single(s, "stages-global")),
+        "a-rounding": ("(a), its global norm put together from the stages' norms as the swarm's stage servers do (float rounding apart, (a))", base["a-rounding"]),
         "b": ("torch.distributed.pipelining 1F1B over gloo, one process per stage", lambda: run_torch_pipeline(s, work / "b", args.timeout)),
         "b-kill": ("(b) with its middle stage's process SIGKILLed once", lambda: run_torch_pipeline_killed(s, work / "b-kill")),
-        "c": ("swarm: 1 peer per stage, 1 trainer", lambda: run_swarm(s, work / "c", 1, 1, False, args.timeout)),
+        "c": ("swarm: 1 peer per stage, 1 trainer", base["c"]),
         "d": ("swarm: 2 peers per stage, 2 trainers", lambda: run_swarm(s, work / "d", 2, 2, False, args.timeout)),
         "e": (f"swarm (d), a stage peer SIGKILLed and restarted every {s.kill_every_s:g} s", lambda: run_swarm(s, work / "e", 2, 2, True, args.timeout)),
     }
@@ -486,12 +497,7 @@ def main(argv=None) -> int:
     runs = [(key, *arms[key]) for key in wanted]
     for k in range(1, args.loss_seeds):
         other = dataclasses.replace(s, seed=s.seed + k)
-        seeded = {
-            "a": lambda other=other: run_single(other),
-            "a-rounding": lambda other=other: run_single(other, "stages-global"),
-            "c": lambda other=other: run_swarm(other, work / f"c-seed{other.seed}", 1, 1, False, args.timeout),
-        }
-        runs += [(f"{key}@seed{other.seed}", f"{arms[key][0]}, seed {other.seed}", fn) for key, fn in seeded.items() if key in wanted]
+        runs += [(f"{key}@seed{other.seed}", f"{arms[key][0]}, seed {other.seed}", fn) for key, fn in seedable(other).items() if key in wanted]
     rows = []
     for key, name, fn in runs:
         t0 = time.monotonic()
@@ -515,14 +521,15 @@ def main(argv=None) -> int:
         other = "c-relay" if arm == "c" else "f-relay"
         if arm in by and other in by:  # through routing against relay, the same swarm otherwise
             ratios[f"{arm.replace('-', '_')}_over_relay_samples_per_s"] = round(by[arm]["samples_per_s"] / by[other]["samples_per_s"], 3)
-    if args.loss_seeds > 1 and "a" in by:
-        def mean_loss(arm: str) -> float | None:
-            got = [by[k]["final_loss"] for k in [arm, *(f"{arm}@seed{s.seed + i}" for i in range(1, args.loss_seeds))] if k in by]
-            return sum(got) / len(got) if len(got) == args.loss_seeds else None
+    def mean_loss(arm: str) -> float | None:
+        """The arm's final loss over every seed; None unless each seed's run succeeded."""
+        got = [by[k]["final_loss"] for k in [arm, *(f"{arm}@seed{s.seed + i}" for i in range(1, args.loss_seeds))] if k in by]
+        return sum(got) / len(got) if len(got) == args.loss_seeds else None
 
+    if args.loss_seeds > 1 and (mean_a := mean_loss("a")) is not None:
         for arm in ("c", "a-rounding"):
-            if (mean := mean_loss(arm)) is not None and (base := mean_loss("a")) is not None:
-                ratios[f"{arm.replace('-', '_')}_loss_over_a_mean_of_{args.loss_seeds}_seeds"] = round(mean / base, 4)
+            if (mean := mean_loss(arm)) is not None:
+                ratios[f"{arm.replace('-', '_')}_loss_over_a_mean_of_{args.loss_seeds}_seeds"] = round(mean / mean_a, 4)
     if "d" in by and "e" in by:
         ratios["e_over_d_samples_per_s"] = round(by["e"]["samples_per_s"] / by["d"]["samples_per_s"], 3)
     for codec in ("fp16", "int8"):
