@@ -90,14 +90,14 @@ def run_single(s: Settings, clip: str = "global") -> dict:
     import torch
 
     from node.data import Batches, load_corpus
-    from node.diloco import TrainConfig, lr_at
+    from node.diloco import TrainConfig, adamw, lr_at
     from node.model import PRESETS, init_model
 
     torch.set_num_threads(1)
     cfg = PRESETS[s.model]
     model = init_model(cfg, s.seed)
     tc = TrainConfig(inner_lr=s.lr, warmup_steps=s.warmup_steps)
-    opt = _adamw(model.parameters(), tc)
+    opt = adamw(model.parameters(), tc)
     batches = Batches(load_corpus().train, 0, 1, s.batch_size, cfg.context, s.seed)
     per_step = s.step_samples // s.batch_size
     groups = [list(model.parameters())]
@@ -137,14 +137,6 @@ def run_single(s: Settings, clip: str = "global") -> dict:
     return {"samples_per_s": (s.samples - first_samples) / seconds, "final_loss": sum(losses[-WINDOW:]) / WINDOW, "bytes_per_sample": 0, "lost": 0}
 
 
-def _adamw(params, tc):
-    import torch
-
-    params = list(params)
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": tc.weight_decay}, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=tc.inner_lr, betas=(tc.beta1, tc.beta2))
-
-
 # ---- (b) torch.distributed.pipelining ------------------------------------------------------------
 
 
@@ -182,7 +174,7 @@ def rank_main(rank: int, port: int, s: Settings, out: Path) -> int:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from node.data import Batches, load_corpus
-    from node.diloco import TrainConfig, lr_at
+    from node.diloco import TrainConfig, adamw, lr_at
     from node.model import PRESETS
     from node.stages import init_stage, plan_stages
 
@@ -216,7 +208,7 @@ def rank_main(rank: int, port: int, s: Settings, out: Path) -> int:
 
     schedule = Schedule1F1B(pstage, n_micro, loss_fn=loss_fn)
     tc = TrainConfig(inner_lr=s.lr, warmup_steps=s.warmup_steps)
-    opt = _adamw(module.parameters(), tc)
+    opt = adamw(module.parameters(), tc)
     batches = Batches(load_corpus().train, 0, 1, s.batch_size, cfg.context, s.seed)  # the micro-batches of (a), in order
     steps, t_first, first_samples, done = 0, None, 0, 0
     while done < s.samples:
