@@ -881,8 +881,8 @@ class StageServer(Role):
             raise StageInputError(f"{req.op} carries tensors {sorted(want)}, got {sorted(encoded)}")
         if self.stage.first and encoded["x"].codec != "none":
             raise StageInputError(f"token ids travel uncompressed, got codec {encoded['x'].codec}")
-        x = decode_checked(encoded["x"], self.max_numel, "x")
-        self.stage.check_input(x)
+        x = decode_checked(encoded["x"], self.max_numel, "x")  # (refuses NaN, Inf and values past MAX_ABS)
+        self.stage.check_input(x, finite=False)
         if x.size(0) > MAX_BATCH_SAMPLES:
             raise StageInputError(f"{x.size(0)} sequences in one call, at most {MAX_BATCH_SAMPLES}")
         extra = None
@@ -911,18 +911,18 @@ class StageServer(Role):
         stage = self.stage
         if op == "forward":
             with torch.no_grad():
-                y = stage(x)
+                y = stage(x, checked=True)
             self._rate.append((time.thread_time() - t0, 0))
             return [(None, y_i) for y_i in y.split(sizes)]
         if not stage.first:
             x = x.detach().requires_grad_(True)
         if op == "backward":
             grad = torch.cat([p.extra for p in batch]) if len(batch) > 1 else batch[0].extra
-            stage(x).backward(grad)
+            stage(x, checked=True).backward(grad)
             losses = [None] * len(batch)
         else:  # train: each micro-batch's loss is its own mean, as if it had come alone
             targets = torch.cat([p.extra for p in batch]) if len(batch) > 1 else batch[0].extra
-            logits, _ = stage(x)
+            logits, _ = stage(x, checked=True)
             per_token = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none").view(targets.shape)
             means = [m.mean() for m in per_token.split(sizes)]
             torch.stack(means).sum().backward()
@@ -979,7 +979,7 @@ class StageServer(Role):
             x = p.x if self.stage.first else p.x.detach().requires_grad_(True)
             self._param_storages = {q.untyped_storage().data_ptr() for q in self.stage.parameters()}
             with torch.autograd.graph.saved_tensors_hooks(self._stash_weights, _same):
-                y = self.stage(x)
+                y = self.stage(x, checked=True)
             self._saved[p.key] = (now, x, y, self.weights_version)
             self._rate.append((time.thread_time() - t0, 0))
             return None, y.detach()
@@ -1218,12 +1218,13 @@ class Trainer(Role):
             # synchronous_steps: the micro-batches of one stage step in flight at a time
             window = self.run_config.stage_step_samples // self.run_config.batch_size if self.run_config.synchronous_steps else 0
             while True:
+                new_step = bool(window and n and n % window == 0 and not tasks)  # the last step's micro-batches all came back
                 while len(tasks) < self.run_config.micro_batches_in_flight and not (window and n % window == 0 and tasks):
-                    if window and n and n % window == 0:  # the last step's micro-batches all came back
-                        self._tell_norms()
                     x, y = batches.next()
                     tasks.add(asyncio.create_task(send(f"{self.host.peer_id[-6:]}-{n}", x, y)))
                     n += 1
+                if new_step:  # after the step's micro-batches: theirs are the calls the first stage waits for
+                    self._tell_norms()
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     loss = t.result()
