@@ -154,7 +154,10 @@ class InnerTrainer:
         return {"optimizer": self.opt.state_dict(), "step": self.step_count}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        fused = [g.get("fused") for g in self.opt.param_groups]
         self.opt.load_state_dict(state["optimizer"])
+        for g, f in zip(self.opt.param_groups, fused):  # the kernel this device has, not the saver's
+            g["fused"] = f
         self.step_count = int(state["step"])
 
 

@@ -14,6 +14,7 @@ import torch
 
 from node.data import Batches, load_corpus
 from node.diloco import (
+    adamw,
     InnerTrainer,
     OuterOptimizer,
     TrainConfig,
@@ -216,6 +217,37 @@ def test_inner_trainer_refuses_a_non_finite_step():
     with pytest.raises(FloatingPointError, match="non-finite gradient norm at inner step 0"):
         trainer.step()
     assert state_hash(dict(model.state_dict())) == before and trainer.step_count == 0
+
+
+def test_the_runs_adamw_steps_as_torchs_reference_adamw_and_a_loaded_state_keeps_this_devices_kernel():
+    corpus = load_corpus()
+    cfg = TrainConfig(inner_lr=3e-3, warmup_steps=0)
+    fast, ref = init_model(TINY, seed=0), init_model(TINY, seed=0)
+    opt = adamw(fast.parameters(), cfg)
+    assert opt.param_groups[0]["fused"]  # this CPU has the fused kernel
+    groups = [{"params": [p for p in ref.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    ref_opt = torch.optim.AdamW(groups, lr=3e-3, betas=(cfg.beta1, cfg.beta2), foreach=False)  # one tensor at a time
+    batches = Batches(corpus.train, 0, 1, 2, 16, seed=0)
+    for _ in range(5):
+        x, y = batches.next()
+        for model, o in ((fast, opt), (ref, ref_opt)):
+            o.zero_grad(set_to_none=True)
+            model(x, y)[1].backward()
+            o.step()
+    C = TINY.n_embd
+    for (name, a), b in zip(fast.named_parameters(), ref.parameters()):
+        if name.endswith("c_attn.bias"):  # not its key part: the loss does not depend on it, its gradient is float noise, which Adam scales up to lr-sized steps
+            a, b = torch.cat([a[:C], a[2 * C :]]), torch.cat([b[:C], b[2 * C :]])
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+    # a state saved by an optimizer without the fused kernel does not take this one's away
+    trainer = InnerTrainer(init_model(TINY, seed=0), cfg, Batches(corpus.train, 0, 1, 2, 16, seed=0))
+    saved = {"optimizer": ref_opt.state_dict(), "step": 5}
+    assert saved["optimizer"]["param_groups"][0]["fused"] in (None, False)
+    trainer.load_state_dict(saved)
+    assert all(g["fused"] for g in trainer.opt.param_groups) and trainer.step_count == 5
+    trainer.step()  # and it steps from the loaded moments
 
 
 # --- simulations ---------------------------------------------------------------------------
