@@ -176,6 +176,33 @@ def test_local_misuse_is_a_local_error():
         encode("not a message")
 
 
+def test_fields_keep_or_coerce_their_types_as_declared_and_errors_name_the_item():
+    # the checks are built once per annotation, with fast paths for values of exactly the
+    # declared type: each case here takes the other path too
+    info = m.Ack(info={"i": 1, "b": True, "f": 1.0, "s": "x"}).info
+    assert [type(info[k]) for k in "ibfs"] == [int, bool, float, str]  # a union of scalars keeps each as it is
+    hb = m.Heartbeat(peer_id="p", step=3, loss=2)
+    assert type(hb.loss) is float and hb.loss == 2.0  # an int where a float is declared becomes one
+    call = m.StageCall(stage=1, op="norms", norms2=[1, 0.5])
+    assert call.norms2 == (1.0, 0.5) and [type(v) for v in call.norms2] == [float, float]  # lists become tuples
+    head = {"name": "x", "dtype": "float32", "codec": "none", "nbytes": 24}
+    assert m.StageCall(stage=1, op="forward", tensors=[head], shapes=[[2, 3]], data=bytes(24)).shapes == ((2, 3),)
+    assert m.AvgJoin(round_key="r", numel=4, weight=2, bandwidth=1, codec="none").weight == 2.0
+    assert len(m.Probe(data=memoryview(bytearray(8)).cast("I")).data) == 8  # a view of 4-byte items counts bytes
+    for make, where in [
+        (lambda: m.Heartbeat(peer_id="p", step=True), "Heartbeat.step: expected int, got bool"),
+        (lambda: m.Heartbeat(peer_id="p", loss="2"), "Heartbeat.loss: expected float or None, got str"),
+        (lambda: m.StageCall(stage=1, op="norms", norms2=(0.5, True)), "StageCall.norms2[1]: expected float, got bool"),
+        (lambda: m.StageCall(stage=1, op="forward", shapes=((1, 2), (3, "4"))), "StageCall.shapes[1][1]: expected int, got str"),
+        (lambda: m.Ack(info={"k": [1]}), "Ack.info.k: expected int or float or str or bool, got list"),
+        (lambda: m.Ack(info={1: 2}), "Ack.info: map key 1 is not str"),
+        (lambda: m.Hello(peer_id="p", swarm_id="s", roles="replica"), "Hello.roles: expected a list, got str"),
+    ]:
+        with pytest.raises(LocalProtocolError) as e:
+            make()
+        assert str(e.value) == where
+
+
 def test_messages_are_frozen():
     msg = m.Ping(nonce=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
