@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -609,10 +608,10 @@ class Transport:
                     async with asyncio.timeout(self.config.handler_timeout_s):
                         result = await handler(CallContext(peer_id, request, receive))
                         if isinstance(result, Message):
-                            await _write(writer, _with_id(result, request_id), self.config.max_frame_size)
+                            await _write(writer, result.with_request_id(request_id), self.config.max_frame_size)
                         else:
                             async for msg in result:
-                                await _write(writer, _with_id(msg, request_id), self.config.max_frame_size)
+                                await _write(writer, msg.with_request_id(request_id), self.config.max_frame_size)
                     ok = True
                 except RemoteProtocolError as e:
                     self.stats["bad_frames"] += 1
@@ -818,7 +817,7 @@ class Transport:
                 pipe.next_id += 1
                 try:
                     for msg in (request, *more):
-                        await _write(pipe.writer, _with_id(msg, rid), self.config.max_frame_size)
+                        await _write(pipe.writer, msg.with_request_id(rid), self.config.max_frame_size)
                     reply = await pipe.frames.next()
                 except (ConnectionError, BrokenPipeError) as e:
                     reply = None
@@ -1048,10 +1047,6 @@ class Transport:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _with_id(msg: Message, request_id: int) -> Message:
-    return msg if msg.request_id == request_id else dataclasses.replace(msg, request_id=request_id)
 
 
 __all__ = [

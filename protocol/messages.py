@@ -11,6 +11,7 @@ Field types understood by the validator: int, float, str, bytes, bool, `X | None
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import types
@@ -178,6 +179,16 @@ class Message:
 
     def validate(self) -> None:
         """Semantic checks beyond types; subclasses override and call `_require`."""
+
+    def with_request_id(self, request_id: int) -> Message:
+        """This message under another request id: a copy, not checked again (its fields were)."""
+        if request_id == self.request_id:
+            return self
+        if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id < 2**63:
+            raise LocalProtocolError(f"{type(self).__name__}.request_id: must be an int in [0, 2^63)")
+        out = copy.copy(self)
+        object.__setattr__(out, "request_id", request_id)
+        return out
 
     def fields(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "request_id"}

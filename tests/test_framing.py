@@ -203,6 +203,17 @@ def test_fields_keep_or_coerce_their_types_as_declared_and_errors_name_the_item(
         assert str(e.value) == where
 
 
+def test_a_message_under_another_request_id_is_a_copy_with_only_that_changed():
+    call = m.StageCall(stage=1, op="norms", norms2=(0.5,), request_id=3)
+    moved = call.with_request_id(7)
+    assert moved.request_id == 7 and call.request_id == 3
+    assert dataclasses.replace(moved, request_id=3) == call
+    assert call.with_request_id(3) is call
+    for bad in (-1, 2**63, True, 1.0):
+        with pytest.raises(LocalProtocolError, match="request_id"):
+            call.with_request_id(bad)
+
+
 def test_messages_are_frozen():
     msg = m.Ping(nonce=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
