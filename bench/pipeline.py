@@ -414,7 +414,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (the default output)")
     p.add_argument("--arms", default="a,b,c,d", help="which arms to run, e.g. a,b,c,d,e,f (f: root, network namespaces)")
-    p.add_argument("--work-dir", default="", help="where the arms' logs go (default: a temporary directory)")
+    p.add_argument("--work-dir", default="", help="where each run's logs go, in a new directory of its own (default: the system's temporary directory)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each arm may take")
     p.add_argument(
         "--loss-seeds", type=int, default=1,
@@ -439,7 +439,11 @@ def main(argv=None) -> int:
         return 2
     import tempfile
 
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-pipeline-"))
+    # a new directory for every run: an arm started in an earlier run's directory resumed that
+    # run's swarm from its checkpoints and read its stats files, and reported them as its own
+    if args.work_dir:
+        Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-pipeline-", dir=args.work_dir or None))
 
     def seedable(st: Settings) -> dict:
         """The arms whose final losses --loss-seeds compares, run with settings `st`."""

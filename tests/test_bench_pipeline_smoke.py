@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,11 @@ def test_pipeline_bench_runs_one_process_and_torch_pipelining_on_the_same_micro_
     # both trained the same model on the same micro-batches from the same weights: close losses
     assert abs(a["final_loss"] - b["final_loss"]) < 0.25 * a["final_loss"], (a, b)
     assert b["bytes_per_sample"] == 2 * 1 * 4 * 64 * 64 * 4 / 4  # one boundary: activations and their gradients, fp32
+    # every run gets a directory of its own: one that ran in an earlier run's read that run's files
+    again = subprocess.run([sys.executable, "-m", "bench.pipeline", "--json", "--arms", "a", "--model", "tiny", "--samples", "128", "--batch-size", "4",
+                            "--step-samples", "16", "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=240, check=True)  # fmt: skip
+    first, second = Path(result["work_dir"]), Path(json.loads(again.stdout)["work_dir"])
+    assert first.parent == second.parent == tmp_path and first != second and (first / "b").is_dir()
 
 
 def test_pipeline_bench_refuses_settings_that_do_not_divide():
