@@ -26,6 +26,10 @@ samples went through:
       directions; root only), once per activation codec: none, fp16, int8;
   (f-relay) (f) with activations none, the trainer relaying them.
 
+With --repeat N, the arms run N times, every other time in reverse order (b, c, c, b, ...), and
+the ratios compare each arm's median samples/s and mean final loss over the N runs: this
+machine's own speed moves by a fifth between runs, more than most gaps worth measuring.
+
 With --loss-seeds K, arms a, a-rounding and c run again with seeds seed+1 .. seed+K-1 and the
 ratios compare their mean final losses (float rounding alone moves one seed's by a few percent).
 
@@ -42,6 +46,7 @@ import dataclasses
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -420,6 +425,7 @@ def main(argv=None) -> int:
         "--loss-seeds", type=int, default=1,
         help="run arms a, a-rounding and c (those asked for) with this many seeds (seed, seed+1, ...) and compare their mean final losses",
     )  # fmt: skip
+    p.add_argument("--repeat", type=int, default=1, help="run the arms N times, every other time in reverse order; ratios compare medians (samples/s) and means (loss)")
     for f in Settings.__dataclass_fields__.values():
         kind = (lambda v: v.lower() in ("1", "true", "yes", "on")) if isinstance(f.default, bool) else type(f.default)
         p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
@@ -436,6 +442,9 @@ def main(argv=None) -> int:
         return 2
     if args.loss_seeds < 1:
         print("error: --loss-seeds must be at least 1", file=sys.stderr)
+        return 2
+    if args.repeat < 1:
+        print("error: --repeat must be at least 1", file=sys.stderr)
         return 2
     import tempfile
 
@@ -491,6 +500,8 @@ def main(argv=None) -> int:
     # alone (a-rounding against a), more than the gap a swarm must stay within; the mean over
     # seeds tells a real gap from that noise
     runs = [(key, *arms[key]) for key in wanted]
+    for r in range(2, args.repeat + 1):  # every other run in reverse: an arm is not always the one after the same other
+        runs += [(f"{key}@run{r}", f"{arms[key][0]}, run {r}", arms[key][1]) for key in (wanted[::-1] if r % 2 == 0 else wanted)]
     for k in range(1, args.loss_seeds):
         other = dataclasses.replace(s, seed=s.seed + k)
         runs += [(f"{key}@seed{other.seed}", f"{arms[key][0]}, seed {other.seed}", fn) for key, fn in seedable(other).items() if key in wanted]
@@ -504,8 +515,20 @@ def main(argv=None) -> int:
         row["wall_s"] = round(time.monotonic() - t0, 1)
         rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
         print(json.dumps(rows[-1]), file=sys.stderr)
-    by = {r["arm"]: r for r in rows if r["status"] == "ok"}
+    ok = {r["arm"]: r for r in rows if r["status"] == "ok"}
+    # an arm's row for the ratios: its samples/s the median, its final loss the mean over --repeat runs
+    by = {}
+    for key in wanted:
+        got = [ok[k] for k in [key, *(f"{key}@run{r}" for r in range(2, args.repeat + 1))] if k in ok]
+        if key in ok and got:
+            losses = [g["final_loss"] for g in got]
+            by[key] = {**ok[key], "samples_per_s": statistics.median(g["samples_per_s"] for g in got),
+                       "final_loss": None if None in losses else sum(losses) / len(losses)}  # fmt: skip
+    by.update({k: v for k, v in ok.items() if "@seed" in k})
     ratios = {}
+    if args.repeat > 1 and "b" in by and "c" in by:
+        pairs = [(ok.get(f"c{t}"), ok.get(f"b{t}")) for t in ["", *(f"@run{r}" for r in range(2, args.repeat + 1))]]
+        ratios["c_over_b_samples_per_s_each_run"] = [round(c["samples_per_s"] / b["samples_per_s"], 3) for c, b in pairs if c and b]
     for arm in ("c", "c-async"):
         key = arm.replace("-", "_")
         if arm in by and "b" in by:

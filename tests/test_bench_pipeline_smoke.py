@@ -13,11 +13,14 @@ pytestmark = pytest.mark.timeout(300)
 def test_pipeline_bench_runs_one_process_and_torch_pipelining_on_the_same_micro_batches(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "bench.pipeline", "--json", "--arms", "a,b", "--model", "tiny", "--stages", "2", "--samples", "128",
-         "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path)],
+         "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path), "--repeat", "2"],
         capture_output=True, text=True, timeout=240, check=True,
     )  # fmt: skip
     result = json.loads(out.stdout)
-    a, b = result["arms"]
+    a, b, b2, a2 = result["arms"]  # --repeat 2: the second time in reverse order
+    assert [r["arm"] for r in (a, b, b2, a2)] == ["a", "b", "b@run2", "a@run2"] and b2["status"] == a2["status"] == "ok"
+    mean = lambda x, y: (x["final_loss"] + y["final_loss"]) / 2  # noqa: E731
+    assert result["ratios"]["b_loss_over_a"] == round(mean(b, b2) / mean(a, a2), 4)  # the ratios take every run
     assert a["status"] == b["status"] == "ok" and a["samples_per_s"] > 0 and b["samples_per_s"] > 0
     # both trained the same model on the same micro-batches from the same weights: close losses
     assert abs(a["final_loss"] - b["final_loss"]) < 0.25 * a["final_loss"], (a, b)
@@ -48,6 +51,8 @@ def test_pipeline_bench_compares_mean_losses_over_seeds(tmp_path):
     assert result["ratios"]["a_rounding_loss_over_a_mean_of_2_seeds"] == round(mean("a-rounding") / mean("a"), 4)
 
 
-def test_pipeline_bench_refuses_fewer_than_one_seed():
+def test_pipeline_bench_refuses_fewer_than_one_seed_or_one_run():
     out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--loss-seeds", "0", "--arms", "a"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--loss-seeds must be at least 1" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--repeat", "0", "--arms", "a"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--repeat must be at least 1" in out.stderr
