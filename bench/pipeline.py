@@ -145,6 +145,18 @@ def run_single(s: Settings, clip: str = "global") -> dict:
 # ---- (b) torch.distributed.pipelining ------------------------------------------------------------
 
 
+def _fresh(work: Path) -> Path:
+    """An arm's own new directory: `work`, or `work-2`, `work-3`, ... where an earlier run of the
+    arm (--repeat) used it. A swarm started in an earlier one's directory resumed from its
+    checkpoints and read its stats files: the earlier run's numbers, reported again."""
+    path, n = work, 1
+    while path.exists():
+        n += 1
+        path = work.with_name(f"{work.name}-{n}")
+    path.mkdir(parents=True)
+    return path
+
+
 def _start_ranks(s: Settings, work: Path) -> list[subprocess.Popen]:
     """One process per stage, each in its own session (rank_main below)."""
     port = _free_port()
@@ -158,6 +170,7 @@ def _start_ranks(s: Settings, work: Path) -> list[subprocess.Popen]:
 
 
 def run_torch_pipeline(s: Settings, work: Path, timeout: float) -> dict:
+    work = _fresh(work)
     procs = _start_ranks(s, work)
     try:
         deadline = time.monotonic() + timeout
@@ -253,6 +266,7 @@ def run_torch_pipeline_killed(s: Settings, work: Path, kill_after_s: float = 8.0
     """(b) with its middle rank SIGKILLed once, `kill_after_s` into the run: what the others do."""
     from bench.workers import kill_session
 
+    work = _fresh(work)
     procs = _start_ranks(s, work)
     try:
         time.sleep(kill_after_s)
@@ -281,8 +295,8 @@ def run_torch_pipeline_killed(s: Settings, work: Path, kill_after_s: float = 8.0
 def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill: bool, timeout: float, shaped: bool = False) -> dict:
     from tests.swarm import Swarm, wait_for
 
+    work = _fresh(work)
     sw = Swarm(work)
-    work.mkdir(parents=True, exist_ok=True)
     topo = None
     if shaped:  # (f): every process in its own namespace, behind its own shaped link
         from bench import netns

@@ -29,7 +29,8 @@ def test_pipeline_bench_runs_one_process_and_torch_pipelining_on_the_same_micro_
     again = subprocess.run([sys.executable, "-m", "bench.pipeline", "--json", "--arms", "a", "--model", "tiny", "--samples", "128", "--batch-size", "4",
                             "--step-samples", "16", "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=240, check=True)  # fmt: skip
     first, second = Path(result["work_dir"]), Path(json.loads(again.stdout)["work_dir"])
-    assert first.parent == second.parent == tmp_path and first != second and (first / "b").is_dir()
+    assert first.parent == second.parent == tmp_path and first != second
+    assert (first / "b" / "rank0.json").is_file() and (first / "b-2" / "rank0.json").is_file()  # each run of an arm in its own directory
 
 
 def test_pipeline_bench_refuses_settings_that_do_not_divide():
