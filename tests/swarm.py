@@ -78,8 +78,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ProcessExited(AssertionError):
+    """What a wait is for cannot come: the process that was to bring it exited (its log says why)."""
+
+
 def wait_for(cond, timeout: float, what: str, interval: float = 0.1):
-    """Poll `cond()` until it returns something truthy; fail with `what` after `timeout` s."""
+    """Poll `cond()` until it returns something truthy; fail with `what` after `timeout` s, or at
+    once when `cond` raises ProcessExited."""
     deadline = time.monotonic() + timeout
     last_exc = None
     while time.monotonic() < deadline:
@@ -87,6 +92,8 @@ def wait_for(cond, timeout: float, what: str, interval: float = 0.1):
             value = cond()
             if value:
                 return value
+        except ProcessExited:
+            raise
         except Exception as e:  # the condition may not be checkable yet (server starting)
             last_exc = e
         time.sleep(interval)
@@ -214,7 +221,7 @@ class Coordinator:
     def wait_ready(self, timeout: float = 60) -> dict:
         def ready():
             if not self.proc.alive():
-                raise AssertionError(f"coordinator exited:\n{self.proc.log()}")
+                raise ProcessExited(f"coordinator exited:\n{self.proc.log()}")
             try:
                 return self.status()
             except (urllib.error.URLError, ConnectionError, OSError):
@@ -254,7 +261,7 @@ def node_peer_id(proc: Proc, timeout: float = 60) -> str:
             if "peer id " in line:
                 return line.split("peer id ", 1)[1].split(",")[0].strip()
         if not proc.alive():
-            raise AssertionError(f"{proc.name} exited:\n{proc.log()}")
+            raise ProcessExited(f"{proc.name} exited:\n{proc.log()}")
         return None
 
     return wait_for(find, timeout, f"{proc.name} to start")

@@ -57,3 +57,15 @@ def test_pipeline_bench_refuses_fewer_than_one_seed_or_one_run():
     assert out.returncode == 2 and "--loss-seeds must be at least 1" in out.stderr
     out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--repeat", "0", "--arms", "a"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--repeat must be at least 1" in out.stderr
+
+
+def test_a_swarm_arm_whose_coordinator_refuses_the_cut_fails_with_its_reason_not_a_timeout(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.pipeline", "--json", "--arms", "c", "--model", "tiny", "--stages", "3", "--samples", "128",
+         "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr[-2000:]
+    (row,) = json.loads(out.stdout)["arms"]
+    assert row["status"] == "failed" and "coordinator exited" in row["error"] and "exceeds the model's 2 blocks" in row["error"], row
+    assert "timed out" not in row["error"], row  # it stopped waiting when the coordinator exited
