@@ -542,8 +542,8 @@ class StageServer(Role):
             self.outer.load_state_dict({"params": params, "momentum": self.outer.buffers, "step": self.outer.step_count})
             synced = self._params_hash()
         self.syncs += 1
-        self.state_step, self.synced_hash = n, synced
         await self._save_state(n)
+        self.state_step, self.synced_hash = n, synced  # (once on disk: what is offered as our state can be downloaded)
         if self.syncs % self.run_config.checkpoint_every == 0:
             self._upload(n)
         self._report(sync=n, group=1, state_hash=synced)
@@ -606,8 +606,8 @@ class StageServer(Role):
             await self._compute(self._apply_outer, avg)
             dropped, synced = self.steps - steps_before, self.hash  # (the next step changes self.hash)
         self.syncs += 1
-        self.state_step, self.synced_hash = n, synced
         await self._save_state(n)  # what a peer that takes this stage next downloads
+        self.state_step, self.synced_hash = n, synced  # (once on disk)
         if self.syncs % self.run_config.checkpoint_every == 0 and self.host.peer_id == min(report.members):
             self._upload(n)
         log.info("%s: sync %d with %d peers in %.2f s, hash %s (%d steps of the round dropped)", self.what, n, len(report.members), report.seconds, synced, dropped)
