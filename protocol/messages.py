@@ -40,17 +40,13 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp)
 
 
-def _check(value: Any, tp: Any, path: str) -> Any:
-    """Check `value` against annotation `tp`; return it, coerced (list -> tuple, int -> float)."""
-    return _checker(tp)(value, path)
-
-
 Checker = Callable[[Any, str], Any]
 _CHECKERS: dict[Any, Checker] = {}
 
 
 def _checker(tp: Any) -> Checker:
-    """The check of annotation `tp`, built once per annotation (every message is checked on
+    """The check of annotation `tp` (it returns the value, coerced: list -> tuple, int -> float),
+    built once per annotation (every message is checked on
     construction and on decode: working the annotation out for every value cost about a
     quarter of a stage call's CPU)."""
     fn = _CHECKERS.get(tp)
