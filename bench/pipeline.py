@@ -14,10 +14,15 @@ samples went through:
       stage's norm, then their squares summed in float64): the same algorithm as (a) up to
       float rounding, to show how far rounding alone moves the final loss;
   (b) torch.distributed.pipelining, Schedule1F1B over gloo, one process per stage, one optimizer
-      step per schedule step (step_samples / B micro-batches);
+      step per schedule step (step_samples / B micro-batches), each rank clipping its own
+      parameters' gradient (clip_grad_norm_ on its module, as pipelining's examples do);
+  (b-global-clip) (b), the ranks clipping by one norm of the whole model's gradient (their
+      squared norms summed with an all_reduce at every step): (a)'s and (c)'s algorithm;
   (c) the swarm: a coordinator, one stage server per stage, one trainer (real processes, real p2pd);
       synchronous steps (a step's micro-batches in flight, the next step's once they came back,
       as (b) schedules them: the same algorithm);
+  (c-stage-clip) (c), each stage clipping by its own gradient's norm (run setting stage_clip
+      stage): (b)'s algorithm, with no norms passed between the stages;
   (c-async) (c) with 2 micro-batches in flight and stages stepping as they come (asynchronous);
   (c-relay) (c) with the trainer relaying every activation (stage_routing relay);
   (d) the swarm with two peers per stage and two trainers (the samples are split between them);
@@ -74,6 +79,8 @@ class Settings:
     in_flight: int = 4
     kill_every_s: float = 30.0
     activation_codec: str = "none"
+    stage_clip: str = "global"  # the swarm's clipping (run setting stage_clip): global | stage
+    torch_clip: str = "stage"  # (b)'s ranks: stage (each its own parameters) | global (one norm, all_reduced)
     routing: str = "through"  # the swarm's stage routing (run setting stage_routing): through | relay
     synchronous: bool = True  # the swarm's trainers start a step's micro-batches once the previous step's came back (run setting synchronous_steps)
     rate: str = "100mbit"  # (f): each process's link
@@ -242,7 +249,15 @@ def rank_main(rank: int, port: int, s: Settings, out: Path) -> int:
             losses.extend(float(v) for v in step_losses)
         else:
             schedule.step()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), tc.grad_clip)
+        if s.torch_clip == "global":  # one norm over every rank's parameters, as clip_grad_norm_ takes it over the whole model
+            grads = [q.grad for q in module.parameters() if q.grad is not None]
+            total2 = torch.stack([g.norm() for g in grads]).norm().double().pow(2).reshape(1)
+            dist.all_reduce(total2)
+            coef = torch.clamp(tc.grad_clip / (total2.sqrt().float() + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef)
+        else:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), tc.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         steps += 1
@@ -315,7 +330,7 @@ def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill
         "--mode", "pipeline", "--num-stages", str(s.stages), "--model", s.model, "--batch-size", str(s.batch_size),
         "--stage-step-samples", str(s.step_samples), "--micro-batches-in-flight", str(s.in_flight), "--inner-lr", str(s.lr),
         "--warmup-steps", str(s.warmup_steps), "--seed", str(s.seed), "--activation-codec", s.activation_codec,
-        "--stage-routing", s.routing, *(["--synchronous-steps"] if s.synchronous else []),
+        "--stage-routing", s.routing, "--stage-clip", s.stage_clip, *(["--synchronous-steps"] if s.synchronous else []),
         "--heartbeat-timeout-s", "10",  # (the coordinator logs at INFO: its address, its plans)
         "--stage-outer-momentum", str(s.outer_momentum), "--stage-sync-every-s", str(s.sync_every_s),
     ]  # fmt: skip
@@ -483,6 +498,8 @@ def main(argv=None) -> int:
         "a-stage-clip": ("(a), each stage's gradients clipped on their own, as (b)'s ranks clip", lambda: run_single(s, "stage")),
         "a-rounding": ("(a), its global norm put together from the stages' norms as the swarm's stage servers do (float rounding apart, (a))", base["a-rounding"]),
         "b": ("torch.distributed.pipelining 1F1B over gloo, one process per stage", lambda: run_torch_pipeline(s, work / "b", args.timeout)),
+        "b-global-clip": ("(b), its ranks clipping by one norm of the whole model's gradient (all_reduce): (a)'s algorithm",
+                          lambda: run_torch_pipeline(dataclasses.replace(s, torch_clip="global"), work / "b-global-clip", args.timeout)),
         "b-kill": ("(b) with its middle stage's process SIGKILLed once", lambda: run_torch_pipeline_killed(s, work / "b-kill")),
         "c": ("swarm: 1 peer per stage, 1 trainer", base["c"]),
         "d": ("swarm: 2 peers per stage, 2 trainers", lambda: run_swarm(s, work / "d", 2, 2, False, args.timeout)),
@@ -491,6 +508,8 @@ def main(argv=None) -> int:
     # 2 in flight, asynchronous: on 2 cores 1 / 2 / 3 / 4 in flight gave 58 / 109 / 110 / 110
     # samples/s (arm c, an earlier machine), and every one more is staleness (loss 2.50 / 2.53 /
     # 2.63 / 2.79 against (a)'s 2.55)
+    own = dataclasses.replace(s, stage_clip="stage")
+    arms["c-stage-clip"] = ("swarm (c), each stage clipping by its own norm (stage_clip stage): (b)'s algorithm", lambda: run_swarm(own, work / "c-stage-clip", 1, 1, False, args.timeout))
     free = dataclasses.replace(s, synchronous=False, in_flight=2)
     arms["c-async"] = ("swarm (c), asynchronous steps: 2 micro-batches in flight, stages stepping as they come", lambda: run_swarm(free, work / "c-async", 1, 1, False, args.timeout))
     relay = dataclasses.replace(s, routing="relay")
@@ -530,26 +549,36 @@ def main(argv=None) -> int:
         rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
         print(json.dumps(rows[-1]), file=sys.stderr)
     ok = {r["arm"]: r for r in rows if r["status"] == "ok"}
+
+    def runs_of(key: str) -> list[str]:
+        """The row keys of an arm's --repeat runs, in order."""
+        return [key, *(f"{key}@run{r}" for r in range(2, args.repeat + 1))]
+
     # an arm's row for the ratios: its samples/s the median, its final loss the mean over --repeat runs
     by = {}
     for key in wanted:
-        got = [ok[k] for k in [key, *(f"{key}@run{r}" for r in range(2, args.repeat + 1))] if k in ok]
-        if key in ok and got:
+        got = [ok[k] for k in runs_of(key) if k in ok]
+        if key in ok:
             losses = [g["final_loss"] for g in got]
             by[key] = {**ok[key], "samples_per_s": statistics.median(g["samples_per_s"] for g in got),
                        "final_loss": None if None in losses else sum(losses) / len(losses)}  # fmt: skip
     by.update({k: v for k, v in ok.items() if "@seed" in k})
     ratios = {}
-    if args.repeat > 1 and "b" in by and "c" in by:
-        pairs = [(ok.get(f"c{t}"), ok.get(f"b{t}")) for t in ["", *(f"@run{r}" for r in range(2, args.repeat + 1))]]
-        ratios["c_over_b_samples_per_s_each_run"] = [round(c["samples_per_s"] / b["samples_per_s"], 3) for c, b in pairs if c and b]
-    for arm in ("c", "c-async"):
-        key = arm.replace("-", "_")
-        if arm in by and "b" in by:
-            ratios[f"{key}_over_b_samples_per_s"] = round(by[arm]["samples_per_s"] / by["b"]["samples_per_s"], 3)
-    for arm in ("c", "c-async", "a-rounding", "a-stage-clip", "b"):
+    # the swarm against torch's pipeline: as each runs by default, and each pair running one algorithm
+    # (global clip: (a)'s; each stage clipping alone: what (b)'s ranks do by default)
+    for num, den in (("c", "b"), ("c-async", "b"), ("c-stage-clip", "b"), ("c", "b-global-clip")):
+        key = f"{num.replace('-', '_')}_over_{den.replace('-', '_')}_samples_per_s"
+        if num in by and den in by:
+            ratios[key] = round(by[num]["samples_per_s"] / by[den]["samples_per_s"], 3)
+            if args.repeat > 1 and num != "c-async":
+                pairs = [(ok.get(n), ok.get(d)) for n, d in zip(runs_of(num), runs_of(den))]
+                ratios[f"{key}_each_run"] = [round(n["samples_per_s"] / d["samples_per_s"], 3) for n, d in pairs if n and d]
+    for arm in ("c", "c-async", "a-rounding", "a-stage-clip", "b", "b-global-clip"):
         if arm in by and "a" in by:
             ratios[f"{arm.replace('-', '_')}_loss_over_a"] = round(by[arm]["final_loss"] / by["a"]["final_loss"], 4)
+    for arm in ("c-stage-clip", "a-stage-clip"):  # (b)'s algorithm
+        if arm in by and "b" in by:
+            ratios[f"{arm.replace('-', '_')}_loss_over_b"] = round(by[arm]["final_loss"] / by["b"]["final_loss"], 4)
     for arm in ("c", "f-none"):
         other = "c-relay" if arm == "c" else "f-relay"
         if arm in by and other in by:  # through routing against relay, the same swarm otherwise

@@ -6,7 +6,7 @@ import sys
 
 from node.cli import _Parser, run_daemon, setup_logging
 from node.config import LOG_LEVELS, ConfigError, load_config
-from node.runconfig import ACTIVATION_CODECS, CODECS, STAGE_ROUTINGS
+from node.runconfig import ACTIVATION_CODECS, CODECS, STAGE_CLIPS, STAGE_ROUTINGS
 
 from .config import SERVED_MODES, CoordinatorConfig
 
@@ -57,6 +57,7 @@ def build_parser():
     pipe.add_argument("--micro-batches-in-flight", type=int, help=f"micro-batches a trainer keeps in the pipeline (default {d.micro_batches_in_flight})")
     pipe.add_argument("--synchronous-steps", action="store_true", default=None, help="a trainer starts a step's micro-batches only once the previous step's came back (one trainer: synchronous pipeline training)")
     pipe.add_argument("--stage-routing", choices=STAGE_ROUTINGS, help=f"through: stages hand activations on to each other; relay: through the trainer, stage by stage (default {d.stage_routing})")
+    pipe.add_argument("--stage-clip", choices=STAGE_CLIPS, help=f"global: clip a step's gradient by the whole model's norm, as one process does (stages wait for each other's norms); stage: each stage by its own norm, as torch.distributed.pipelining's ranks do (default {d.stage_clip})")
     pipe.add_argument("--stage-sync-every-s", type=float, help=f"seconds between two synchronisations of a stage's peers (default {d.stage_sync_every_s})")
     pipe.add_argument("--stage-outer-momentum", type=float, help="outer momentum of those syncs (default 0: plain parameter averaging)")
     moe = p.add_argument_group("the experts (--mode experts, a -moe model); the stage settings above apply to expert hosts too")

@@ -62,6 +62,8 @@ def expert_slots(config: CoordinatorConfig) -> tuple[str, ...]:
         if run.is_moe:
             raise RunConfigError(f"model {run.model!r} is a mixture of experts: it trains in experts mode (--mode experts), not {config.mode} mode", "model")
         return ()
+    if run.stage_clip != "global":
+        raise RunConfigError(f"stage_clip {run.stage_clip!r} is for pipeline mode: in experts mode the trainer clips the whole model's gradient by one norm, the hosts' experts' with its own", "stage_clip")
     if run.expert_shards < 1:
         raise RunConfigError("experts mode needs --expert-shards (how many shards the experts are split into; a host serves one)", "expert_shards")
     run.check_experts()

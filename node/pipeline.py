@@ -229,6 +229,7 @@ class StageServer(Role):
         self.model_config = run.model_config()
         self.train_config = run.train_config()
         self.codec = activation_codec(run, self.model_config.n_embd)
+        self.clip_across = self.CLIP_ACROSS and run.stage_clip == "global"  # (stage_clip "stage": by our own norm, no waiting)
         self.max_numel = MAX_BATCH_SAMPLES * self.model_config.context * self.model_config.n_embd
         self.stats_path = Path(node_config.data_dir) / f"{kind}-stats.json"
         self.state_dir = Path(node_config.data_dir) / f"{kind}-state"
@@ -312,7 +313,7 @@ class StageServer(Role):
 
     CALL = StageCall  # the message it serves
     COORDINATOR_KEEPS = True  # the coordinator keeps checkpoints of this kind of state (and offers them)
-    CLIP_ACROSS = True  # steps clip by the norm of every stage's gradient (see `_step`), not this stage's alone
+    CLIP_ACROSS = True  # steps may clip by the norm of every stage's gradient (see `_step`; run setting stage_clip), not this stage's alone
 
     def _step_due(self) -> bool:
         return self._acc_samples >= self.run_config.stage_step_samples
@@ -343,7 +344,7 @@ class StageServer(Role):
         while True:
             while not self._queue:
                 self._wake.clear()
-                if self.CLIP_ACROSS and self._step_due():  # the next call brings the other stages' norms of this step
+                if self.clip_across and self._step_due():  # the next call brings the other stages' norms of this step
                     if self._norms_due:  # a norms call brought them
                         await self._step_now()
                         continue
@@ -354,7 +355,7 @@ class StageServer(Role):
                         self._report()
                 else:
                     await self._wake.wait()
-            if self.CLIP_ACROSS and self._step_due():  # (due after the last batch: before this one uses the weights)
+            if self.clip_across and self._step_due():  # (due after the last batch: before this one uses the weights)
                 await self._step_now()
             await self._busy.acquire()
             if not self._queue:  # refused while we waited (the role is leaving: stop)
@@ -385,12 +386,12 @@ class StageServer(Role):
                 if not p.done.done():
                     p.done.set_result(r)
             await asyncio.sleep(0)  # their callers hand the results on (and new calls come in) before the next batch
-            if self._step_due() and not self.CLIP_ACROSS:
+            if self._step_due() and not self.clip_across:
                 await self._step_now()
 
     async def _step_now(self) -> None:
         async with self._busy:
-            self._step(*([self._others2] if self.CLIP_ACROSS else []))  # (on the loop's thread, as batches run)
+            self._step(*([self._others2] if self.clip_across else []))  # (on the loop's thread, as batches run)
         if time.monotonic() >= self._next_report:  # (a report hashes the parameters: not at every step)
             self._report()
         else:
@@ -962,7 +963,7 @@ class StageServer(Role):
         self._acc_calls += calls
         self.samples += samples
         self._rate.append((time.thread_time() - t0, samples))
-        if self.CLIP_ACROSS and not due and self._step_due():  # our part of the step's global norm, in the answers from now on
+        if self.clip_across and not due and self._step_due():  # our part of the step's global norm, in the answers from now on
             self.due_norm = (self.due_norm[0] + 1, self._own_norm2())
 
     def _own_norm2(self) -> float:
@@ -1223,7 +1224,7 @@ class Trainer(Role):
                     x, y = batches.next()
                     tasks.add(asyncio.create_task(send(f"{self.host.peer_id[-6:]}-{n}", x, y)))
                     n += 1
-                if new_step:  # after the step's micro-batches: theirs are the calls the first stage waits for
+                if new_step and self.run_config.stage_clip == "global":  # after the step's micro-batches: theirs are the calls the first stage waits for
                     self._tell_norms()
                 done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 MODEL_PRESETS = ("tiny", "small", "tiny-moe", "small-moe")  # *-moe: mixture-of-experts (node/moe.py MOE_PRESETS)
 MOE_EXPERTS = {"tiny-moe": 4, "small-moe": 8}  # experts per layer of each MoE preset
 CODECS = ("none", "fp16", "int8", "topk", "powersgd")
-STAGE_ROUTINGS = ("through", "relay")  # how a trainer's micro-batch travels between stages (node/pipeline.py)
+STAGE_ROUTINGS = ("through", "relay")
+STAGE_CLIPS = ("global", "stage")  # what a stage's step clips its gradient by (node/pipeline.py StageServer._step)  # how a trainer's micro-batch travels between stages (node/pipeline.py)
 ACTIVATION_CODECS = ("none", "fp16", "int8")  # element-wise codecs: an activation's every value arrives
 INT8_BLOCK_SIZES = (16, 1 << 20)
 
@@ -69,6 +70,11 @@ class RunConfig:
     # older than the last step) with one trainer, bounded staleness with several
     synchronous_steps: bool = False
     stage_routing: str = "through"  # through: stages hand activations to each other; relay: every activation goes back to the trainer
+    # global: by the norm of every stage's gradient together, as one process clips the whole
+    # model's (the stages hand each other their norms, and a step waits for the other stages');
+    # stage: each stage by its own gradient's norm, as torch.distributed.pipelining's ranks clip
+    # when each clips its own parameters (a stage steps once its share of the step is in)
+    stage_clip: str = "global"
     stage_sync_every_s: float = 10.0  # seconds between two synchronisations of a stage's peers (with the run's codec)
     stage_outer_momentum: float = 0.0  # Nesterov momentum of those syncs' outer step (lr 1); 0: plain parameter averaging
     # experts mode (--mode experts): a MoE model's experts served by expert hosts; stage_step_samples,
@@ -169,7 +175,7 @@ _CHECKS: dict[str, Check] = {
     "eval_batches": at_least(1), "seed": at_least(0), "join_timeout_s": positive, "min_replicas": at_least(1),
     "num_stages": at_least(0), "stage_blocks": lambda v: None if re.fullmatch(r"(\d+(,\d+)*)?", v.replace(" ", "")) else "must be block counts separated by commas, e.g. 2,1,1",
     "activation_codec": one_of(*ACTIVATION_CODECS), "stage_step_samples": at_least(1), "micro_batches_in_flight": at_least(1),
-    "stage_routing": one_of(*STAGE_ROUTINGS), "synchronous_steps": lambda v: None,  # (a bool: its type is all there is to check)
+    "stage_routing": one_of(*STAGE_ROUTINGS), "stage_clip": one_of(*STAGE_CLIPS), "synchronous_steps": lambda v: None,  # (a bool: its type is all there is to check)
     "stage_sync_every_s": positive, "stage_outer_momentum": below_one, "expert_shards": at_least(0),
 }  # fmt: skip
 

@@ -33,6 +33,24 @@ def test_pipeline_bench_runs_one_process_and_torch_pipelining_on_the_same_micro_
     assert (first / "b" / "rank0.json").is_file() and (first / "b-2" / "rank0.json").is_file()  # each run of an arm in its own directory
 
 
+def test_pipeline_bench_pairs_each_arm_with_the_other_systems_run_of_its_algorithm(tmp_path):
+    """(b-global-clip): torch's pipeline clipping by the whole model's norm runs (a)'s algorithm;
+    (c-stage-clip): the swarm's stages clipping alone run (b)'s. Each pair ends at one loss."""
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.pipeline", "--json", "--arms", "a,b,b-global-clip,c-stage-clip", "--model", "tiny", "--stages", "2",
+         "--samples", "128", "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    by, ratios = {r["arm"]: r for r in result["arms"]}, result["ratios"]
+    assert all(r["status"] == "ok" for r in by.values()), result["arms"]
+    assert by["c-stage-clip"]["steps_clipped"]["global"] == 0 and by["c-stage-clip"]["steps_clipped"]["alone"] > 0  # the run setting reached the stages
+    # one algorithm, one loss (to float rounding); the two algorithms end apart by more than that
+    assert abs(ratios["b_global_clip_loss_over_a"] - 1) <= 1e-4 and abs(ratios["c_stage_clip_loss_over_b"] - 1) <= 1e-4, ratios
+    assert abs(ratios["b_loss_over_a"] - 1) > 3e-4, ratios
+    assert ratios["c_stage_clip_over_b_samples_per_s"] > 0 and "c_over_b_global_clip_samples_per_s" not in ratios  # (no (c) in this run)
+
+
 def test_pipeline_bench_refuses_settings_that_do_not_divide():
     out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--samples", "100", "--arms", "a"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--samples of 2 x --step-samples" in out.stderr

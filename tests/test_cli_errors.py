@@ -122,6 +122,9 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
                 COORD, ("--mode", "pipeline", "--num-stages", "2", "--batch-size", "3", "--stage-step-samples", "16", "--synchronous-steps"),
                 ("synchronous_steps", "stage_step_samples (16)", "batch_size (3)"), light=True,
             ),
+            "coordinator-stage-clip-in-experts-mode": Case(
+                COORD, ("--mode", "experts", "--model", "tiny-moe", "--expert-shards", "2", "--stage-clip", "stage"), ("stage_clip 'stage'", "pipeline mode"), light=True,
+            ),
             "coordinator-bad-stage-routing": Case(COORD, ("--stage-routing", "mail"), ("--stage-routing", "invalid choice", "mail"), light=True),
             "coordinator-zero-heartbeat-timeout": Case(COORD, ("--heartbeat-timeout-s", "0"), ("--heartbeat-timeout-s", "heartbeat_timeout_s", "> 0"), light=True),
             "coordinator-init-bad-name": Case(COORD, ("init", "--data-dir", "{tmp}/o", "--name", "a/b"), ("init", "--name 'a/b'", "without spaces or '/'"), light=True),

@@ -62,7 +62,7 @@ BAD_RUN_FIELDS = [
     ("total_steps", 0), ("outer_lr", -1.0), ("outer_momentum", 1.0), ("outer_momentum", -0.1), ("codec", "zip"),
     ("block_size", INT8_BLOCK_SIZES[0] - 1), ("block_size", INT8_BLOCK_SIZES[1] + 1), ("max_outer_steps", -1),
     ("checkpoint_every", 0), ("eval_batches", 0), ("seed", -1), ("join_timeout_s", 0), ("join_timeout_s", None),
-    ("min_replicas", 0), ("outer_lr", 10**400), ("stage_routing", "mail"), ("synchronous_steps", "yes"), ("synchronous_steps", 1),
+    ("min_replicas", 0), ("outer_lr", 10**400), ("stage_routing", "mail"), ("stage_clip", "none"), ("synchronous_steps", "yes"), ("synchronous_steps", 1),
 ]  # fmt: skip
 
 

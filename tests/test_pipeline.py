@@ -243,6 +243,32 @@ def test_a_stage_server_waiting_for_the_norms_stops_when_cancelled_as_a_call_wak
     assert asyncio.run(main())
 
 
+def one_process(run: RunConfig, mbs, per_stage: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The parameters after a step every 2 micro-batches of `mbs`, in one process, clipping the
+    whole model's gradient by its norm or (per_stage) each stage's by its own; each step's
+    global norm before clipping."""
+    from node.diloco import adamw, lr_at
+    from node.stages import Stage
+
+    cfg, tc = run.model_config(), run.train_config()
+    owned = [{n for n, _ in Stage(cfg, i, run.stage_plan()).named_parameters()} for i in range(run.num_stages)]
+    model = init_model(cfg, run.seed)
+    opt, named = adamw(model.parameters(), tc), dict(model.named_parameters())
+    groups = [[named[n] for n in names] for names in owned] if per_stage else [list(model.parameters())]
+    norms = []
+    for step in range(len(mbs) // 2):
+        for x, y in mbs[2 * step : 2 * step + 2]:
+            (model(x, y)[1] / 2).backward()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, tc)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), float("inf"))))  # (the global norm, nothing clipped)
+        for group in groups:
+            torch.nn.utils.clip_grad_norm_(group, tc.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach() for n, p in model.named_parameters()}, norms
+
+
 def test_stages_clip_their_steps_by_one_global_norm_as_one_process_clips_the_model(tmp_path, monkeypatch):
     """Synchronous steps as a trainer makes them: a step's micro-batches, then the next step's,
     each call carrying the norms the last answers brought. The first stage steps once the
@@ -280,38 +306,50 @@ def test_stages_clip_their_steps_by_one_global_norm_as_one_process_clips_the_mod
             return {n: p.detach().clone() for s in (s0, s1) for n, p in s.stage.named_parameters()}, norms2
 
     got, norms2 = asyncio.run(main())
-
-    from node.diloco import adamw, lr_at
-    from node.stages import Stage
-
-    tc = run.train_config()
-    owned = [{n for n, _ in Stage(cfg, i, run.stage_plan()).named_parameters()} for i in range(2)]
-
-    def one_process(per_stage: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
-        model = init_model(cfg, run.seed)
-        opt, named = adamw(model.parameters(), tc), dict(model.named_parameters())
-        groups = [[named[n] for n in names] for names in owned] if per_stage else [list(model.parameters())]
-        norms = []
-        for step in range(2):
-            for x, y in mbs[2 * step : 2 * step + 2]:
-                (model(x, y)[1] / 2).backward()
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, tc)
-            norms.append(float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), float("inf"))))  # (the global norm, nothing clipped)
-            for group in groups:
-                torch.nn.utils.clip_grad_norm_(group, tc.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return {n: p.detach() for n, p in model.named_parameters()}, norms
-
-    want, norms = one_process(per_stage=False)
-    assert min(norms) > tc.grad_clip  # the clip is at work in both steps
+    want, norms = one_process(run, mbs, per_stage=False)
+    assert min(norms) > run.train_config().grad_clip  # the clip is at work in both steps
     assert math.isclose(math.sqrt(sum(norms2)), norms[1], rel_tol=1e-4)  # the stages' norms of step 2 make the model's
-    alone, _ = one_process(per_stage=True)
+    alone, _ = one_process(run, mbs, per_stage=True)
     assert set(got) == set(want)
     for n in got:  # (atol: Adam turns the float noise of near-zero gradients, such as the attention's key bias, into updates of ~1e-6)
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-5, msg=n)
     assert min((alone[n] - want[n]).abs().max().item() for n in want) > 4e-5  # clipping each stage alone moves every weight further
+
+
+def test_with_stage_clip_each_stage_steps_by_its_own_norm_once_its_share_of_the_step_is_in(tmp_path, monkeypatch):
+    """Run setting stage_clip "stage": a stage clips by its own gradient's norm, as
+    torch.distributed.pipelining's ranks do, and steps right after the batch that completes its
+    step, with no norms from the other stages to wait for (and none asked for). After two steps
+    the stages hold what one process clipping each stage's parameters alone gives."""
+    monkeypatch.setattr(pipeline, "PENDING_S", 600.0)  # a step that waited for norms would not come within the test
+    run = RunConfig(model="tiny", num_stages=2, stage_step_samples=6, seed=3, warmup_steps=1, stage_sync_every_s=NO_SYNC, stage_clip="stage")
+    cfg = run.model_config()
+    gen = torch.Generator().manual_seed(2)
+    mbs = [(torch.randint(0, cfg.vocab_size, (3, 16), generator=gen), torch.randint(0, cfg.vocab_size, (3, 16), generator=gen)) for _ in range(4)]
+
+    async def main():
+        async with stage_servers(tmp_path, run) as ((s0, s1), client):
+            s0._stages = {1: {s1.transport.peer_id}}
+            for i, (x, y) in enumerate(mbs):
+                enc = {k: NONE.encode(v) for k, v in (("x", x), ("targets", y))}
+                req = StageCall(stage=0, op="through", micro_batch=f"m{i}", route=(s1.transport.peer_id,), deadlines=(20.0,), **pack_tensors(enc))
+                r = await client.send(s0.transport.peer_id, req, timeout=30, reuse=True)
+                assert not r.failed, r
+                deadline = time.monotonic() + 20
+                while (s0.steps, s1.steps) != ((i + 1) // 2,) * 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert (s0.steps, s1.steps) == ((i + 1) // 2,) * 2, i  # a step after every 2nd micro-batch, at once, at both stages
+            assert s0.clips == s1.clips == {"global": 0, "alone": 2} and s0.calls["norms"] == s1.calls["norms"] == 0
+            return {n: p.detach().clone() for s in (s0, s1) for n, p in s.stage.named_parameters()}
+
+    got = asyncio.run(main())
+    alone, norms = one_process(run, mbs, per_stage=True)
+    assert min(norms) > run.train_config().grad_clip  # the clip is at work in both steps
+    assert set(got) == set(alone)
+    for n in got:
+        torch.testing.assert_close(got[n], alone[n], rtol=1e-5, atol=1e-5, msg=n)
+    want, _ = one_process(run, mbs, per_stage=False)
+    assert min((alone[n] - want[n]).abs().max().item() for n in want) > 4e-5  # (what the global clip would have given differs)
 
 
 BAD = [
