@@ -507,6 +507,14 @@ class Transport:
                 except (PeerUnreachable, TimeoutError) as e:
                     raise RPCError("not_found", f"relay {self.peer_id[-8:]} cannot reach {hello.target}: {e or 'no answer'}") from None
             except (RemoteProtocolError, RPCError, ValueError, TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
+                if isinstance(e, asyncio.IncompleteReadError) and not e.partial:
+                    # closed before a byte of its hello: an open the caller gave up (it opens
+                    # several side by side and closes the losers, Transport._open_stream), not
+                    # one we refused; nobody is left to read a reply
+                    self.stats["relay_abandoned"] += 1
+                    log.debug("%s closed a relayed stream before its hello", peer_id[-8:])
+                    _close(writer)
+                    return
                 self.stats["relay_refused"] += 1
                 if isinstance(e, (RemoteProtocolError, ValueError)):
                     self.scores.penalize(peer_id, 2.0, time.monotonic())

@@ -195,6 +195,13 @@ def test_a_relay_carries_streams_only_to_peers_that_keep_a_connection_to_it():
                 await transports[1].call(nobody, Ping(), timeout=30)
             assert e.value.code == "not_found" and "carries streams only to peers that keep a connection to it" in e.value.message, e.value
             assert transports[0].stats["relay_refused"] == 1
+            # a stream closed before its hello is an open its caller gave up, not a refusal
+            _, writer = await caller.open_stream(relay_host.peer_id, HOP_PROTOCOL)
+            writer.close()
+            deadline = time.monotonic() + 10
+            while transports[0].stats["relay_abandoned"] < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert transports[0].stats["relay_abandoned"] == 1 and transports[0].stats["relay_refused"] == 1, dict(transports[0].stats)
 
     asyncio.run(main())
 
