@@ -35,8 +35,9 @@ With --repeat N, the arms run N times, every other time in reverse order (b, c, 
 the ratios compare each arm's median samples/s and mean final loss over the N runs: this
 machine's own speed moves by a fifth between runs, more than most gaps worth measuring.
 
-With --loss-seeds K, arms a, a-rounding and c run again with seeds seed+1 .. seed+K-1 and the
-ratios compare their mean final losses (float rounding alone moves one seed's by a few percent).
+With --loss-seeds K, arms a, a-rounding, c and f-* run again with seeds seed+1 .. seed+K-1 and
+the ratios compare their mean final losses (float rounding alone moves one seed's by a few
+percent).
 
 Reported per arm: samples/s (from the end of the first optimizer step, or the trainer's first
 report, to the last sample), the training loss over the last window of micro-batches before
@@ -452,7 +453,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each arm may take")
     p.add_argument(
         "--loss-seeds", type=int, default=1,
-        help="run arms a, a-rounding and c (those asked for) with this many seeds (seed, seed+1, ...) and compare their mean final losses",
+        help="run arms a, a-rounding, c and f-* (those asked for) with this many seeds (seed, seed+1, ...) and compare their mean final losses",
     )  # fmt: skip
     p.add_argument("--repeat", type=int, default=1, help="run the arms N times, every other time in reverse order; ratios compare medians (samples/s) and means (loss)")
     for f in Settings.__dataclass_fields__.values():
@@ -490,6 +491,10 @@ def main(argv=None) -> int:
             "a": lambda: run_single(st),
             "a-rounding": lambda: run_single(st, "stages-global"),
             "c": lambda: run_swarm(st, work / f"c{tag}", 1, 1, False, args.timeout),
+            **{  # (f): each codec's final loss against none's, over seeds (one seed's moves 1-2% with rounding alone)
+                f"f-{codec}": lambda codec=codec: run_swarm(dataclasses.replace(st, activation_codec=codec), work / f"f-{codec}{tag}", 1, 1, False, args.timeout, shaped=True)
+                for codec in ("none", "fp16", "int8")
+            },
         }
 
     base = seedable(s)
@@ -519,11 +524,7 @@ def main(argv=None) -> int:
         lambda: run_swarm(relay, work / "f-relay", 1, 1, False, args.timeout, shaped=True),
     )
     for codec in ("none", "fp16", "int8"):
-        shaped = dataclasses.replace(s, activation_codec=codec)
-        arms[f"f-{codec}"] = (
-            f"swarm (c), each process behind a {s.rate} link (netns), activations {codec}",
-            lambda shaped=shaped, codec=codec: run_swarm(shaped, work / f"f-{codec}", 1, 1, False, args.timeout, shaped=True),
-        )
+        arms[f"f-{codec}"] = (f"swarm (c), each process behind a {s.rate} link (netns), activations {codec}", base[f"f-{codec}"])
     wanted = [k for a in args.arms.split(",") for k in (["f-none", "f-fp16", "f-int8"] if a == "f" else [a])]
     unknown = [k for k in wanted if k not in arms]
     if unknown:
@@ -598,6 +599,8 @@ def main(argv=None) -> int:
         if "f-none" in by and f"f-{codec}" in by:
             ratios[f"f_{codec}_over_none_samples_per_s"] = round(by[f"f-{codec}"]["samples_per_s"] / by["f-none"]["samples_per_s"], 3)
             ratios[f"f_{codec}_loss_over_none"] = round(by[f"f-{codec}"]["final_loss"] / by["f-none"]["final_loss"], 4)
+            if args.loss_seeds > 1 and (mean := mean_loss(f"f-{codec}")) is not None and (none := mean_loss("f-none")) is not None:
+                ratios[f"f_{codec}_loss_over_none_mean_of_{args.loss_seeds}_seeds"] = round(mean / none, 4)
     print(json.dumps({"settings": asdict(s), "arms": rows, "ratios": ratios, "work_dir": str(work)}, indent=1))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 

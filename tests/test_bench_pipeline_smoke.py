@@ -70,6 +70,30 @@ def test_pipeline_bench_compares_mean_losses_over_seeds(tmp_path):
     assert result["ratios"]["a_rounding_loss_over_a_mean_of_2_seeds"] == round(mean("a-rounding") / mean("a"), 4)
 
 
+def test_pipeline_bench_runs_the_shaped_link_arms_and_compares_codecs_over_seeds(tmp_path):
+    from bench import netns
+
+    try:
+        netns.check_available()
+    except netns.NetnsUnavailable as e:
+        pytest.skip(str(e))
+    before = set(netns.list_namespaces())
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.pipeline", "--json", "--arms", "f-none,f-int8", "--loss-seeds", "2", "--model", "tiny", "--stages", "2",
+         "--samples", "64", "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    by = {r["arm"]: r for r in result["arms"]}
+    assert sorted(by) == ["f-int8", "f-int8@seed1", "f-none", "f-none@seed1"] and all(r["status"] == "ok" for r in by.values()), by
+    assert all(r["lost"] == 0 and r["samples_per_s"] > 0 for r in by.values())
+    assert by["f-int8"]["bytes_per_sample"] < 0.4 * by["f-none"]["bytes_per_sample"]  # int8 codes and a scale per token, against float32
+    assert by["f-none"]["final_loss"] != by["f-none@seed1"]["final_loss"]
+    mean = lambda arm: (by[arm]["final_loss"] + by[f"{arm}@seed1"]["final_loss"]) / 2  # noqa: E731
+    assert result["ratios"]["f_int8_loss_over_none_mean_of_2_seeds"] == round(mean("f-int8") / mean("f-none"), 4)
+    assert set(netns.list_namespaces()) <= before  # each arm removed its namespaces
+
+
 def test_pipeline_bench_refuses_fewer_than_one_seed_or_one_run():
     out = subprocess.run([sys.executable, "-m", "bench.pipeline", "--loss-seeds", "0", "--arms", "a"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--loss-seeds must be at least 1" in out.stderr
