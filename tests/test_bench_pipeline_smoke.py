@@ -12,13 +12,14 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_pipeline_bench_runs_one_process_and_torch_pipelining_on_the_same_micro_batches(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "bench.pipeline", "--json", "--arms", "a,b", "--model", "tiny", "--stages", "2", "--samples", "128",
+        [sys.executable, "-m", "bench.pipeline", "--json", "--arms", "a,b,b-kill", "--model", "tiny", "--stages", "2", "--samples", "128",
          "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path), "--repeat", "2"],
         capture_output=True, text=True, timeout=240, check=True,
     )  # fmt: skip
     result = json.loads(out.stdout)
-    a, b, b2, a2 = result["arms"]  # --repeat 2: the second time in reverse order
-    assert [r["arm"] for r in (a, b, b2, a2)] == ["a", "b", "b@run2", "a@run2"] and b2["status"] == a2["status"] == "ok"
+    a, b, kill, kill2, b2, a2 = result["arms"]  # --repeat 2: the second time in reverse order
+    assert [r["arm"] for r in (a, b, kill, kill2, b2, a2)] == ["a", "b", "b-kill", "b-kill@run2", "b@run2", "a@run2"] and b2["status"] == a2["status"] == "ok"
+    assert kill["samples_per_s"] == kill2["samples_per_s"] == 0.0 and "final_loss" not in kill  # torch's run ends with its killed stage: no loss to average
     mean = lambda x, y: (x["final_loss"] + y["final_loss"]) / 2  # noqa: E731
     assert result["ratios"]["b_loss_over_a"] == round(mean(b, b2) / mean(a, a2), 4)  # the ratios take every run
     assert a["status"] == b["status"] == "ok" and a["samples_per_s"] > 0 and b["samples_per_s"] > 0
