@@ -286,8 +286,12 @@ def run_torch_pipeline_killed(s: Settings, work: Path, kill_after_s: float = 8.0
     work = _fresh(work)
     procs = _start_ranks(s, work)
     try:
-        time.sleep(kill_after_s)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < kill_after_s and any(p.poll() is None for p in procs):
+            time.sleep(0.2)
         victim = s.stages // 2
+        if all(p.poll() is not None for p in procs):  # a run shorter than kill_after_s: nothing left to kill
+            return {"samples_per_s": 0.0, "lost": 0, "outcome": f"every rank exited (codes {[p.poll() for p in procs]}) before the kill, {kill_after_s:g} s in"}
         kill_session(procs[victim].pid)
         t0 = time.monotonic()
         while time.monotonic() - t0 < wait_s and any(p.poll() is None for i, p in enumerate(procs) if i != victim):
