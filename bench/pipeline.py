@@ -407,16 +407,23 @@ def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill
             nbytes += st["bytes_sent"] + st["bytes_received"]
             samples += st["samples"]
         clips, stale = {"global": 0, "alone": 0}, 0
-        for n in servers:  # through routing: what stages sent each other (their calls and the answers)
+        # through routing: what each stage's peers sent the next stage (their calls and the
+        # answers), per sample that stage trained: bytes and samples from one write of its stats
+        # file, which trails the trainers' by up to REPORT_S (a tiny run is over by then)
+        by_stage: dict[int, list[int]] = {}
+        for n in servers:
             try:
                 st = json.loads((work / n / "stage-stats.json").read_text())
             except (OSError, ValueError):
                 continue
-            nbytes += st.get("bytes_sent", 0) + st.get("bytes_received", 0)
+            got = by_stage.setdefault(st["stage"], [0, 0])
+            got[0] += st.get("bytes_sent", 0) + st.get("bytes_received", 0)
+            got[1] += st["samples"]
             stale += st["calls"]["stale"]
             for k in clips:
                 clips[k] += st["clips"][k]
-        return {"samples_per_s": sum(rates), "final_loss": sum(losses) / len(losses), "bytes_per_sample": nbytes / max(samples, 1), "lost": lost, "kills": kills,
+        per_sample = nbytes / max(samples, 1) + sum(b / n for b, n in by_stage.values() if n)
+        return {"samples_per_s": sum(rates), "final_loss": sum(losses) / len(losses), "bytes_per_sample": per_sample, "lost": lost, "kills": kills,
                 "stale_backwards": stale, "steps_clipped": clips}  # fmt: skip
     finally:
         sw.close()
