@@ -236,10 +236,8 @@ class Coordinator:
         return {m["peer_id"]: m for m in self.status()["members"]}
 
 
-@contextlib.contextmanager
-def netns_topology(**kwargs) -> Iterator:
-    """A bench/netns.py Topology for a test (its arguments), removed afterwards; the test is
-    skipped, saying why, where network namespaces cannot be used (not root)."""
+def require_netns() -> None:
+    """Skip the calling test, saying why, where network namespaces cannot be used (not root)."""
     import pytest
 
     from bench import netns
@@ -248,6 +246,15 @@ def netns_topology(**kwargs) -> Iterator:
         netns.check_available()
     except netns.NetnsUnavailable as e:
         pytest.skip(str(e))
+
+
+@contextlib.contextmanager
+def netns_topology(**kwargs) -> Iterator:
+    """A bench/netns.py Topology for a test (its arguments), removed afterwards; the test is
+    skipped, saying why, where network namespaces cannot be used (not root)."""
+    from bench import netns
+
+    require_netns()
     netns.remove_stale()
     with netns.Topology.create(**kwargs) as topo:
         yield topo

@@ -7,16 +7,27 @@ from pathlib import Path
 
 import pytest
 
+from tests.swarm import require_netns
+
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_pipeline_bench_runs_one_process_and_torch_pipelining_on_the_same_micro_batches(tmp_path):
+def tiny_run(tmp_path, *args: str, samples: int = 128) -> dict:
+    """The bench's JSON for `args` on the tiny model cut in 2 stages (it must exit 0)."""
     out = subprocess.run(
-        [sys.executable, "-m", "bench.pipeline", "--json", "--arms", "a,b,b-kill", "--model", "tiny", "--stages", "2", "--samples", "128",
-         "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path), "--repeat", "2"],
+        [sys.executable, "-m", "bench.pipeline", "--json", *args, "--model", "tiny", "--stages", "2", "--samples", str(samples),
+         "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=240, check=True,
     )  # fmt: skip
-    result = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def mean_of_two_seeds(by: dict, arm: str) -> float:
+    return (by[arm]["final_loss"] + by[f"{arm}@seed1"]["final_loss"]) / 2
+
+
+def test_pipeline_bench_runs_one_process_and_torch_pipelining_on_the_same_micro_batches(tmp_path):
+    result = tiny_run(tmp_path, "--arms", "a,b,b-kill", "--repeat", "2")
     a, b, kill, kill2, b2, a2 = result["arms"]  # --repeat 2: the second time in reverse order
     assert [r["arm"] for r in (a, b, kill, kill2, b2, a2)] == ["a", "b", "b-kill", "b-kill@run2", "b@run2", "a@run2"] and b2["status"] == a2["status"] == "ok"
     assert kill["samples_per_s"] == kill2["samples_per_s"] == 0.0 and "final_loss" not in kill and kill["outcome"]  # no loss to average (this tiny run may end before the kill: the outcome says which)
@@ -37,12 +48,7 @@ def test_pipeline_bench_runs_one_process_and_torch_pipelining_on_the_same_micro_
 def test_pipeline_bench_pairs_each_arm_with_the_other_systems_run_of_its_algorithm(tmp_path):
     """(b-global-clip): torch's pipeline clipping by the whole model's norm runs (a)'s algorithm;
     (c-stage-clip): the swarm's stages clipping alone run (b)'s. Each pair ends at one loss."""
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.pipeline", "--json", "--arms", "a,b,b-global-clip,c-stage-clip", "--model", "tiny", "--stages", "2",
-         "--samples", "128", "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, check=True,
-    )  # fmt: skip
-    result = json.loads(out.stdout)
+    result = tiny_run(tmp_path, "--arms", "a,b,b-global-clip,c-stage-clip")
     by, ratios = {r["arm"]: r for r in result["arms"]}, result["ratios"]
     assert all(r["status"] == "ok" for r in by.values()), result["arms"]
     assert by["c-stage-clip"]["steps_clipped"]["global"] == 0 and by["c-stage-clip"]["steps_clipped"]["alone"] > 0  # the run setting reached the stages
@@ -58,40 +64,25 @@ def test_pipeline_bench_refuses_settings_that_do_not_divide():
 
 
 def test_pipeline_bench_compares_mean_losses_over_seeds(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.pipeline", "--json", "--arms", "a,a-rounding", "--loss-seeds", "2", "--model", "tiny", "--stages", "2",
-         "--samples", "128", "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, check=True,
-    )  # fmt: skip
-    result = json.loads(out.stdout)
+    result = tiny_run(tmp_path, "--arms", "a,a-rounding", "--loss-seeds", "2")
     by = {r["arm"]: r for r in result["arms"]}
     assert sorted(by) == ["a", "a-rounding", "a-rounding@seed1", "a@seed1"] and all(r["status"] == "ok" for r in by.values())
     assert by["a"]["final_loss"] != by["a@seed1"]["final_loss"]  # another seed: other weights, other micro-batches
-    mean = lambda arm: (by[arm]["final_loss"] + by[f"{arm}@seed1"]["final_loss"]) / 2  # noqa: E731
-    assert result["ratios"]["a_rounding_loss_over_a_mean_of_2_seeds"] == round(mean("a-rounding") / mean("a"), 4)
+    assert result["ratios"]["a_rounding_loss_over_a_mean_of_2_seeds"] == round(mean_of_two_seeds(by, "a-rounding") / mean_of_two_seeds(by, "a"), 4)
 
 
 def test_pipeline_bench_runs_the_shaped_link_arms_and_compares_codecs_over_seeds(tmp_path):
     from bench import netns
 
-    try:
-        netns.check_available()
-    except netns.NetnsUnavailable as e:
-        pytest.skip(str(e))
+    require_netns()
     before = set(netns.list_namespaces())
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.pipeline", "--json", "--arms", "f-none,f-int8", "--loss-seeds", "2", "--model", "tiny", "--stages", "2",
-         "--samples", "64", "--batch-size", "4", "--step-samples", "16", "--work-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, check=True,
-    )  # fmt: skip
-    result = json.loads(out.stdout)
+    result = tiny_run(tmp_path, "--arms", "f-none,f-int8", "--loss-seeds", "2", samples=64)
     by = {r["arm"]: r for r in result["arms"]}
     assert sorted(by) == ["f-int8", "f-int8@seed1", "f-none", "f-none@seed1"] and all(r["status"] == "ok" for r in by.values()), by
     assert all(r["lost"] == 0 and r["samples_per_s"] > 0 for r in by.values())
     assert by["f-int8"]["bytes_per_sample"] < 0.4 * by["f-none"]["bytes_per_sample"]  # int8 codes and a scale per token, against float32
     assert by["f-none"]["final_loss"] != by["f-none@seed1"]["final_loss"]
-    mean = lambda arm: (by[arm]["final_loss"] + by[f"{arm}@seed1"]["final_loss"]) / 2  # noqa: E731
-    assert result["ratios"]["f_int8_loss_over_none_mean_of_2_seeds"] == round(mean("f-int8") / mean("f-none"), 4)
+    assert result["ratios"]["f_int8_loss_over_none_mean_of_2_seeds"] == round(mean_of_two_seeds(by, "f-int8") / mean_of_two_seeds(by, "f-none"), 4)
     assert set(netns.list_namespaces()) <= before  # each arm removed its namespaces
 
 
