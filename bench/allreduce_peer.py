@@ -476,8 +476,8 @@ class SwarmtrainArm(Arm):
 
     async def _setup(self) -> dict:
         from node.averaging import Averager, AveragerConfig
-        from node.p2p import Host, HostConfig
-        from node.transport import Transport, TransportConfig
+        from node.net.host import Host, HostConfig
+        from node.net.transport import Transport, TransportConfig
         from protocol import SigningKey
 
         ip = self.cfg["ip"]

@@ -14,11 +14,11 @@ DiLoCo paper also starts from a pretrained model), then `--steps` steps each:
   (b) this system: a coordinator and N `swarmtrain-node` replicas on loopback
       (bench/convergence_swarm.py).
   (c) the same DiLoCo algorithm simulated in one process, no network:
-      node.diloco.simulate_diloco, pseudo-gradients through the codec with error feedback.
+      node.models.diloco.simulate_diloco, pseudo-gradients through the codec with error feedback.
 
 Every arm uses a fresh AdamW with the same schedule (linear warmup over `--lr-warmup-steps`,
-cosine decay over `--steps`, node.diloco.lr_at) and is evaluated every H = `--inner-steps` steps
-on the same validation windows (node.data.evaluate, eval seed 1234): (a) its model, (b) and (c)
+cosine decay over `--steps`, node.models.diloco.lr_at) and is evaluated every H = `--inner-steps` steps
+on the same validation windows (node.models.data.evaluate, eval seed 1234): (a) its model, (b) and (c)
 the outer parameters.
 
 Bytes are what one node sends after the warm start: (a) the ring all-reduce volume
@@ -70,9 +70,9 @@ def warm_start(settings: Settings, corpus, out_dir: Path) -> dict:
     """Train (or reuse from out_dir, when made with the same settings and corpus) the shared start."""
     from safetensors.torch import load_file, save_file
 
-    from node.data import evaluate
-    from node.diloco import state_hash, train_sync
-    from node.model import GPT
+    from node.models.data import evaluate
+    from node.models.diloco import state_hash, train_sync
+    from node.models.gpt import GPT
 
     path, meta_path = out_dir / "warm_start.safetensors", out_dir / "warm_start.json"
     key = {**settings.warm_key(), "corpus": corpus.fingerprint}
@@ -112,7 +112,7 @@ def warm_start(settings: Settings, corpus, out_dir: Path) -> dict:
 def run_sim_arm(settings: Settings, corpus, warm_state: dict, out_dir: Path) -> dict:
     from safetensors.torch import save_file
 
-    from node.diloco import simulate_diloco
+    from node.models.diloco import simulate_diloco
 
     n = settings.replicas
     cpu0 = time.process_time()
@@ -304,7 +304,7 @@ def main(argv=None) -> int:
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="convergence-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        from node.data import load_corpus
+        from node.models.data import load_corpus
 
         load_before = os.getloadavg()
         corpus = load_corpus()

@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
-from node.diloco import TrainConfig
-from node.model import PRESETS, GPTConfig
+from node.models.diloco import TrainConfig
+from node.models.gpt import PRESETS, GPTConfig
 
 
 @dataclass(frozen=True)
 class Settings:
     """One convergence comparison. Steps are inner (optimizer) steps of one replica."""
 
-    preset: str = "small"  # model shape, a key of node.model.PRESETS
+    preset: str = "small"  # model shape, a key of node.models.gpt.PRESETS
     warmup_steps: int = 600  # steps of the shared synchronous warm start (one stream, before any arm)
     steps: int = 800  # steps every arm trains after the warm start (per replica / per rank)
     # H: inner steps between two outer steps; also the evaluation interval. 40, not the issue's

@@ -36,7 +36,7 @@ from bench.convergence_sync import ArmFailed, _tail
 from bench.workers import kill_session, session_pids
 
 ROOT = Path(__file__).resolve().parent.parent
-EVAL_SEED = 1234  # node/replica.py's EVAL_SEED: the windows the replicas evaluate on
+EVAL_SEED = 1234  # node/roles/replica.py's EVAL_SEED: the windows the replicas evaluate on
 CHECKPOINT_EVERY = 4  # outer steps between the coordinator's checkpoints (not on the measured path)
 
 
@@ -54,10 +54,7 @@ def _help(script: str) -> str:
 
 
 def unavailable() -> str | None:
-    """Why arm (b) cannot run in this checkout (None: it can): the replica role and the run-config
-    flags must exist."""
-    if not (ROOT / "node" / "replica.py").exists():
-        return "node/replica.py (the replica role) does not exist yet"
+    """Why arm (b) cannot run in this checkout (None: it can): the run-config flags must exist."""
     coord, node = _help("swarmtrain-coordinator"), _help("swarmtrain-node")
     missing = [f for f in ("--inner-steps", "--max-outer-steps", "--min-replicas", "--eval-batches") if f not in coord]
     missing += [f for f in ("--shard-index", "--num-shards", "--threads") if f not in node]

@@ -6,7 +6,7 @@
 Every rank is its own OS process in its own session (gloo on loopback, `settings.threads` torch
 threads each). Rank r samples Batches(train, r, N, batch_size, context, seed + r): the same shard
 and stream as DiLoCo replica r in simulate_diloco. The model is wrapped in DistributedDataParallel,
-whose backward all-reduces the gradients and divides by N, so node.diloco.InnerTrainer's own step
+whose backward all-reduces the gradients and divides by N, so node.models.diloco.InnerTrainer's own step
 (AdamW, lr_at schedule, clipping of the averaged gradient) runs unchanged. Rank 0 evaluates the
 model every H steps on the same validation windows as the other arms.
 
@@ -144,9 +144,9 @@ def rank_main(argv=None) -> int:
     from safetensors.torch import load_file
     from torch.nn.parallel import DistributedDataParallel
 
-    from node.data import Batches, evaluate, load_corpus
-    from node.diloco import InnerTrainer, state_hash
-    from node.model import GPT
+    from node.models.data import Batches, evaluate, load_corpus
+    from node.models.diloco import InnerTrainer, state_hash
+    from node.models.gpt import GPT
 
     rank, n = args.rank, settings.replicas
     cfg, mcfg = settings.train_config(), settings.model_config()

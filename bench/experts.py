@@ -3,7 +3,7 @@
     python -m bench.experts --json [--model tiny-moe] [--tokens 128] [--steps 30] [--arms a,b,c,d,b-kill]
 
 Every layer arm runs the same MoE layer: the E experts of layer 0 of `model` (tiny-moe: 4
-experts of width 64, top-2), each an MLP Linear(d, 4d) GELU Linear(4d, d) (node/model.py), the
+experts of width 64, top-2), each an MLP Linear(d, 4d) GELU Linear(4d, d) (node/models/gpt.py), the
 experts split over `hosts` host processes (expert e on host e mod hosts, as the swarm's shards
 are), on the same token batches: `steps` batches of `tokens` random vectors of width d (one
 seeded sequence, the same in every arm), called in order after `warmup` calls, and again in the
@@ -12,7 +12,7 @@ calls; each row says how many it made). A call is a forward and a backward (loss
 mean square; the input's gradient is computed too: a layer inside a model hands it on) and the
 experts' optimizer step where the arm's system takes one:
 
-  (a) the MoE layer in one process (router + experts, node/moe.py MoELayer), AdamW on the
+  (a) the MoE layer in one process (router + experts, node/models/moe.py MoELayer), AdamW on the
       experts every call;
   (b) hivemind.moe: `hosts` hivemind Servers (real processes, `Server.create`, each with its own
       DHT, a DHT bootstrap process as the swarm has its coordinator), the client a
@@ -54,7 +54,7 @@ each restarted host served again.
 Training loss at equal tokens, (a) and (c): the whole tiny-moe model trained on the same
 micro-batches of the built-in corpus (`train_micro_batches` of `batch_size` sequences, data
 shard 0 of 1, the run's seed) from the same initial weights with AdamW, the run's lr schedule
-(node/diloco.py TrainConfig, lr_at) and a step every micro-batch: (a) in one process, (c) a
+(node/models/diloco.py TrainConfig, lr_at) and a step every micro-batch: (a) in one process, (c) a
 trainer (`--wanted-role trainer --shard-index 0 --num-shards 1`) with the experts on the hosts of
 (c) (trained before (c)'s layer calls). final_loss: the mean cross-entropy of the last WINDOW
 micro-batches (without the balance loss, which the trainer does not report).
@@ -76,7 +76,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-REPORT = 8  # micro-batches per loss report of a trainer (node/experts.py REPORT_EVERY)
+REPORT = 8  # micro-batches per loss report of a trainer (node/roles/experts.py REPORT_EVERY)
 WINDOW = 32  # micro-batches the final loss is the mean of (a multiple of REPORT)
 HM_PREFIX = "expert."  # hivemind expert uids: expert.0 .. expert.{E-1}
 
@@ -107,7 +107,7 @@ def _env() -> dict:
 
 
 def _presets(s: Settings):
-    from node.moe import MOE_PRESETS
+    from node.models.moe import MOE_PRESETS
 
     return MOE_PRESETS[s.model]
 
@@ -221,7 +221,7 @@ def _finite(*ts) -> bool:
 def run_single_layer(s: Settings) -> dict:
     import torch
 
-    from node.moe import combine, init_moe_model
+    from node.models.moe import combine, init_moe_model
 
     torch.set_num_threads(1)
     gpt, moe = _presets(s)
@@ -249,13 +249,13 @@ def _train_config(s: Settings):
 
 
 def run_single_train(s: Settings) -> dict:
-    """(a)'s training: the whole MoE model, AdamW every micro-batch (node/experts.py
+    """(a)'s training: the whole MoE model, AdamW every micro-batch (node/roles/experts.py
     ExpertTrainer's settings), the trainer's micro-batches (data shard 0 of 1, seed + 0)."""
     import torch
 
-    from node.data import Batches, load_corpus
-    from node.diloco import adamw, lr_at
-    from node.moe import init_moe_model
+    from node.models.data import Batches, load_corpus
+    from node.models.diloco import adamw, lr_at
+    from node.models.moe import init_moe_model
 
     torch.set_num_threads(1)
     gpt, moe = _presets(s)
@@ -353,13 +353,13 @@ async def _swarm_client(s: Settings, where: dict, started: Path | None) -> dict:
     import torch
 
     from node.config import NodeConfig
-    from node.experts import MAX_CALL_TOKENS, ExpertClient, remote_moe, shard_of_label
-    from node.membership import read_members
-    from node.moe import init_moe_model
-    from node.p2p import Host, HostConfig
-    from node.pipeline import activation_codec
+    from node.roles.experts import MAX_CALL_TOKENS, ExpertClient, remote_moe, shard_of_label
+    from node.net.membership import read_members
+    from node.models.moe import init_moe_model
+    from node.net.host import Host, HostConfig
+    from node.roles.pipeline import activation_codec
     from node.runconfig import RunConfig
-    from node.transport import Transport
+    from node.net.transport import Transport
     from protocol import SigningKey
 
     gpt, moe = _presets(s)
@@ -453,13 +453,13 @@ class _Capturing:
 
 
 def _register_mlp(s: Settings, experts: list[int]) -> str:
-    """Our expert (node/model.py MLP) as a hivemind expert class, "swarm_mlp": the i-th one built
+    """Our expert (node/models/gpt.py MLP) as a hivemind expert class, "swarm_mlp": the i-th one built
     holds the initial weights of layer 0's expert experts[i] of (a)'s model."""
     import torch
     from hivemind.moe.server.layers import name_to_block, register_expert_class
 
-    from node.model import MLP
-    from node.moe import init_moe_model
+    from node.models.gpt import MLP
+    from node.models.moe import init_moe_model
 
     gpt, moe = _presets(s)
     layer = init_moe_model(gpt, moe, s.seed).blocks[0].moe
@@ -753,7 +753,7 @@ def main(argv=None) -> int:
         return hm_server_main(args.hm_server, Settings(**json.loads(args.settings)), json.loads(args.where)["initial_peers"], Path(args.out))
 
     s = Settings(**{k: getattr(args, k) for k in Settings.__dataclass_fields__})
-    from node.moe import MOE_PRESETS
+    from node.models.moe import MOE_PRESETS
 
     wanted = [a for a in args.arms.split(",") if a]
     problems = []

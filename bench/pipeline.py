@@ -2,7 +2,7 @@
 
     python -m bench.pipeline --json [--model small] [--stages 3] [--samples 2048] [--arms a,b,c,d,e]
 
-Every arm trains the same model, cut the same way (node/stages.py plan_stages), on the same
+Every arm trains the same model, cut the same way (node/models/stages.py plan_stages), on the same
 micro-batches of the built-in corpus (batch size B sequences), with AdamW stepping every
 `step_samples` samples (gradients averaged over the micro-batches in between), until `samples`
 samples went through:
@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-REPORT = 8  # micro-batches per loss report of a trainer (node/pipeline.py REPORT_EVERY)
+REPORT = 8  # micro-batches per loss report of a trainer (node/roles/pipeline.py REPORT_EVERY)
 WINDOW = 32  # micro-batches the final loss is the mean of (a multiple of REPORT)
 
 
@@ -100,12 +100,12 @@ def _env() -> dict:
 def run_single(s: Settings, clip: str = "global") -> dict:
     """(a), clipping by one norm over all parameters; `clip` "stage": each stage's parameters
     clipped to the norm on their own, as (b)'s ranks clip; "stages-global": one global norm put
-    together from the stages' as the swarm's stage servers do (node/pipeline.py StageServer._step)."""
+    together from the stages' as the swarm's stage servers do (node/roles/pipeline.py StageServer._step)."""
     import torch
 
-    from node.data import Batches, load_corpus
-    from node.diloco import TrainConfig, adamw, lr_at
-    from node.model import PRESETS, init_model
+    from node.models.data import Batches, load_corpus
+    from node.models.diloco import TrainConfig, adamw, lr_at
+    from node.models.gpt import PRESETS, init_model
 
     torch.set_num_threads(1)
     cfg = PRESETS[s.model]
@@ -116,7 +116,7 @@ def run_single(s: Settings, clip: str = "global") -> dict:
     per_step = s.step_samples // s.batch_size
     groups = [list(model.parameters())]
     if clip != "global":
-        from node.stages import Stage, plan_stages
+        from node.models.stages import Stage, plan_stages
 
         plan = plan_stages(cfg, s.stages)
         owned = [{n for n, _ in Stage(cfg, i, plan).named_parameters()} for i in range(s.stages)]  # the model's names for them
@@ -200,10 +200,10 @@ def rank_main(rank: int, port: int, s: Settings, out: Path) -> int:
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from node.data import Batches, load_corpus
-    from node.diloco import TrainConfig, adamw, lr_at
-    from node.model import PRESETS
-    from node.stages import init_stage, plan_stages
+    from node.models.data import Batches, load_corpus
+    from node.models.diloco import TrainConfig, adamw, lr_at
+    from node.models.gpt import PRESETS
+    from node.models.stages import init_stage, plan_stages
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=s.stages, timeout=datetime.timedelta(seconds=600))

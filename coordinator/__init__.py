@@ -7,7 +7,7 @@ Files:
     registry.py     SQLite registry of members, plan epoch, progress history (restart-safe);
                     AsyncRegistry runs it on one thread of its own, off the event loop, in order
     checkpoints.py  the checkpoint store: keep-K, a verdict cache, uploads; the directory format
-                    itself is node/checkpoint_dir.py, shared with nodes
+                    itself is node/state/checkpoint_dir.py, shared with nodes
     service.py      the RPC handlers, eviction loop, DHT record; glue between the above
     http.py         GET /status (JSON) and GET /metrics (Prometheus)
     cli.py          swarmtrain-coordinator

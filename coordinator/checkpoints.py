@@ -2,7 +2,7 @@
 in chunks, and received from peers.
 
 The directory format (files, manifest written last, atomic placement, temp dirs, why it
-survives a SIGKILL) is node/checkpoint_dir.py, shared with nodes, which write, verify and
+survives a SIGKILL) is node/state/checkpoint_dir.py, shared with nodes, which write, verify and
 upload the same directories; the manifest checks and its signature are protocol/manifest.py.
 What the store adds: pruning to the newest `keep` (older checkpoints are deleted only after
 the new one is in place, by renaming them to a temp name first), a cache of verdicts so that
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from node.checkpoint_dir import (
+from node.state.checkpoint_dir import (
     CheckpointDirError,
     check_hashes,
     check_save_inputs,
@@ -233,7 +233,7 @@ class CheckpointStore:
             )
 
     def _place(self, tmp: Path, manifest: dict[str, Any]) -> CheckpointInfo:
-        """Place a fully written temp dir (see node/checkpoint_dir.py: place), then prune."""
+        """Place a fully written temp dir (see node/state/checkpoint_dir.py: place), then prune."""
         step = manifest["step"]
         with self._lock:
             final, existing = place(tmp, self.root, manifest)

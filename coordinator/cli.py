@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     cli = {k: v for k, v in vars(args).items() if k != "config"}
     try:
         config = load_config(cli, args.config, cls=CoordinatorConfig, env_prefix="SWARMTRAIN_COORDINATOR_")
-        from node.preflight import check_coordinator
+        from .config import check_coordinator
 
         check_coordinator(config)  # files, addresses, ports: before torch and hivemind load (seconds)
     except ConfigError as e:

@@ -9,8 +9,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from node.config import LOG_LEVELS, Check, at_least, check_fields, non_empty, one_of, positive, record_ttl, swarm_id
+from node.config import LOG_LEVELS, Check, ConfigError, at_least, check_fields, non_empty, one_of, positive, record_ttl, swarm_id
+from node.preflight import check_data_dir, check_http, check_maddrs, load_identity
 from node.runconfig import RunConfig, RunConfigError
+from protocol.records import owner_of
+from protocol.signatures import SigningKey, peer_id_from_public_key
 
 # the planning modes nodes serve
 SERVED_MODES = ("replica", "pipeline", "experts")
@@ -68,3 +71,28 @@ def expert_slots(config: CoordinatorConfig) -> tuple[str, ...]:
         raise RunConfigError("experts mode needs --expert-shards (how many shards the experts are split into; a host serves one)", "expert_shards")
     run.check_experts()
     return tuple(f"shard{i}" for i in range(run.expert_shards))
+
+
+def check_coordinator(c: CoordinatorConfig) -> tuple[Path, SigningKey]:
+    """A coordinator's light checks (node/preflight.py's kind: no torch, no hivemind); creates the
+    data dir and the identity if missing. Returns the data dir and the identity."""
+    if c.mode == "pipeline":  # Coordinator() checks the rest of the plan, the pipeline cut (that needs the model's code) too
+        from .planner import PlannerConfig
+
+        try:
+            PlannerConfig(mode=c.mode, num_stages=c.run.num_stages, heartbeat_timeout_s=c.heartbeat_timeout_s)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    expert_slots(c)  # a MoE model in experts mode, split into shards that fit it
+    if c.http:
+        check_http(c.http)  # before anything starts, not after p2pd is up
+    data = check_data_dir(c.data_dir)
+    key = load_identity(c.resolved_identity())
+    owner = owner_of(c.swarm_id)
+    if c.private and owner is None:
+        raise ConfigError(f"--private needs an owned swarm id (name@<owner peer id>), not {c.swarm_id!r}: `swarmtrain-coordinator init` prints one")
+    if owner is not None and peer_id_from_public_key(key.public_key) != owner:
+        raise ConfigError(f"swarm {c.swarm_id!r} is owned by {owner}: only a coordinator with that identity may serve it; "
+                          f"this identity ({c.resolved_identity()}) is {peer_id_from_public_key(key.public_key)}")  # fmt: skip
+    check_maddrs(c.initial_peers, c.host_maddrs, c.announce_maddrs)
+    return data, key

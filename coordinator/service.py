@@ -30,19 +30,17 @@ from protocol import (
     StateChunk,
     verify_token,
 )
-from protocol.records import CoordinatorRecord, RevocationRecord, coordinator_key, owner_of, revoked_key
+from protocol.records import CoordinatorRecord, RevocationRecord, coordinator_key, owner_of, revoked_key, role_label
 from protocol.tokens import CERT_TTL_S, issue_certificate
 
 from node.config import ConfigError
-from node.gate import MemberGate
-from node.preflight import check_coordinator
-from node.p2p import Host, HostConfig
-from node.roles import label_of
-from node.state_server import CheckpointServer
-from node.transport import CallContext, RPCError, Transport, TransportConfig
+from node.net.gate import MemberGate
+from node.net.host import Host, HostConfig
+from node.state.state_server import CheckpointServer
+from node.net.transport import CallContext, RPCError, Transport, TransportConfig
 
 from .checkpoints import CheckpointError, CheckpointStore
-from .config import CoordinatorConfig, expert_slots
+from .config import CoordinatorConfig, check_coordinator, expert_slots
 from .tools import read_revoked, revocation_file
 from .planner import Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
 from .registry import AsyncRegistry, Member, ProgressPoint, Registry, RegistryError
@@ -83,7 +81,7 @@ def _heartbeat(registry: Registry, req: Heartbeat, now: float) -> Member | None:
     rate = req.samples_per_second
     if req.measured_as:
         current = registry.get(req.peer_id)
-        if current is None or req.measured_as != label_of(current.role, current.stage, current.expert):
+        if current is None or req.measured_as != role_label(current.role, current.stage if current.stage is not None else current.expert):
             rate = None
     member = registry.heartbeat(req.peer_id, now, req.step, req.loss, rate, req.state_hash)
     if member is not None and req.loss is not None:
@@ -97,7 +95,7 @@ def _snapshot(registry: Registry) -> tuple[list[Member], Any, list[ProgressPoint
 
 
 class StoreSource:
-    """The checkpoint store as node/state_server.py serves it: verified checkpoints only."""
+    """The checkpoint store as node/state/state_server.py serves it: verified checkpoints only."""
 
     def __init__(self, store: CheckpointStore):
         self.store = store

@@ -80,7 +80,7 @@ def run_daemon(node_factory, fatal_errors=()) -> int:
     """Run until stopped; a bad setting or an unreachable swarm is one line on stderr, exit 2."""
     import uvloop
 
-    from .p2p import HostError
+    from .net.host import HostError
 
     try:
         code = uvloop.run(serve(node_factory))

@@ -8,7 +8,7 @@
 
 Precedence: flag > env var > file > default. Every config is a frozen dataclass that checks
 itself on construction, so a bad value is refused with one line that names it and where it came
-from, before anything starts. This module imports only the standard library (and node/relay.py's
+from, before anything starts. This module imports only the standard library (and node/net/relay.py's
 address check, itself standard library only): the CLIs read their config before torch and
 hivemind load.
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .relay import relay_maddr_problem
+from .net.relay import relay_maddr_problem
 
 
 class ConfigError(Exception):
@@ -152,7 +152,7 @@ def check_fields(obj: Any, checks: Mapping[str, Check], error: type[ConfigError]
 # ---- the node's configs --------------------------------------------------------------------------
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-# node/aggregators.py AGGREGATORS, named here without importing torch (a test keeps them equal)
+# node/averaging/aggregators.py AGGREGATORS, named here without importing torch (a test keeps them equal)
 AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
 GATHER_CODECS = ("none", "fp16", "int8")  # codecs that can carry averaged slices back
 
@@ -285,7 +285,7 @@ _NODE_CHECKS: dict[str, Check] = {
 
 def transport_config(c: NodeConfig):
     """The daemon's `TransportConfig`: the [transport] settings, and --direct-port."""
-    from .transport import TransportConfig
+    from .net.transport import TransportConfig
 
     tc = TransportConfig(direct=c.direct_port >= 0, direct_port=max(c.direct_port, 0), relay_service=c.serve_relay, **c.transport.transport_kwargs())
     if tc.max_bytes_in_flight_per_peer < tc.max_frame_size:

@@ -18,13 +18,13 @@ from protocol.records import owner_of
 
 from . import capabilities
 from .config import ConfigError, NodeConfig, averager_config, transport_config
-from .membership import Membership
+from .net.membership import Membership
 from .osutil import write_json
-from .p2p import Host, HostConfig
-from .gate import MemberGate
+from .net.host import Host, HostConfig
+from .net.gate import MemberGate
 from .preflight import announce_warning, check_data_dir, check_node, load_identity  # noqa: F401 (check_data_dir, load_identity: imported from here too)
-from .roles import Role, RoleError, RoleRunner
-from .transport import CallContext, Transport
+from .roles.runner import Role, RoleError, RoleRunner
+from .net.transport import CallContext, Transport
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class Node:
         if reason:
             raise ConfigError(reason)
         if c.data:
-            from .data import DataError, load_corpus
+            from .models.data import DataError, load_corpus
 
             try:
                 load_corpus(c.data)  # what the replica role trains on: missing, empty or unreadable data ends here
@@ -71,7 +71,7 @@ class Node:
         torch.set_num_threads(c.torch_threads())
         self.host = await Host.start(key, HostConfig(c.initial_peers, c.host_maddrs, c.announce_maddrs, swarm_id=c.swarm_id, client_mode=c.client_mode, relays=c.relays))
         self.transport = Transport(self.host, transport_config(c))
-        if owner_of(c.swarm_id) is not None:  # an owned swarm: members only (node/gate.py)
+        if owner_of(c.swarm_id) is not None:  # an owned swarm: members only (node/net/gate.py)
             self.transport.use_gate(MemberGate(c.swarm_id))
         self.transport.on(Hello, self._on_hello)
         await self.transport.start()
@@ -103,10 +103,10 @@ class Node:
             write_json(path, dict(self.transport.stats))
 
     def _make_role(self, assignment: RoleAssignment) -> Role | None:
-        """The role object for an assignment (see node/roles.py); RoleError if this node
+        """The role object for an assignment (see node/roles/runner.py); RoleError if this node
         cannot take it."""
         if assignment.role == "replica":
-            from .replica import Replica, RunConfigError, run_config_of
+            from .roles.replica import Replica, RunConfigError, run_config_of
 
             try:
                 run = run_config_of(assignment)
@@ -121,14 +121,14 @@ class Node:
             except RunConfigError as e:
                 raise RoleError(str(e)) from None
             if run.is_moe:  # experts mode: expert hosts and the trainers that call them
-                from .experts import ExpertHost, ExpertTrainer
+                from .roles.experts import ExpertHost, ExpertTrainer
 
                 if assignment.role == "trainer":
                     return ExpertTrainer(self.host, self.transport, self.membership, self.config, run)
                 if assignment.role == "expert":
                     return ExpertHost(self.host, self.transport, self.membership, self.config, run, assignment.expert)
                 raise RoleError(f"a run of the mixture-of-experts model {run.model} has no {assignment.role} role")
-            from .pipeline import StageServer, Trainer
+            from .roles.pipeline import StageServer, Trainer
 
             if assignment.role == "trainer":
                 return Trainer(self.host, self.transport, self.membership, self.config, run)

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
             ap.error(f"--mode experts trains a mixture-of-experts model (tiny-moe | small-moe), not {args.model}")
         if "--stages" not in (argv if argv is not None else sys.argv):
             args.stages = 2
-        from node.moe import MOE_PRESETS
+        from node.models.moe import MOE_PRESETS
 
         experts = MOE_PRESETS[args.model][1].num_experts
         if not 1 <= args.stages <= experts or min(args.peers_per_stage, args.trainers, args.micro_batches) < 1:
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
             ap.error("--stages, --peers-per-stage, --trainers and --micro-batches must be at least 1")
         if args.model.endswith("-moe"):
             ap.error(f"--model {args.model} is a mixture of experts: run it with --mode experts")
-        from node.model import PRESETS
+        from node.models.gpt import PRESETS
 
         blocks = PRESETS[args.model or "small"].n_layer
         if args.stages > blocks:

@@ -18,10 +18,10 @@ import socket
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from protocol.records import owner_of
-from protocol.signatures import KeyFileError, SigningKey, peer_id_from_public_key
+from protocol.signatures import KeyFileError, SigningKey
 
 from .config import ConfigError, NodeConfig
+from .net.addresses import split_peer_maddr, tcp_ip4s
 
 
 def check_data_dir(path: str | os.PathLike) -> Path:
@@ -47,24 +47,6 @@ def load_identity(path: Path) -> SigningKey:
 
 
 # ---- multiaddrs ----------------------------------------------------------------------------------
-
-
-def split_peer_maddr(maddr: str) -> tuple[str, str]:
-    """'/ip4/../p2p/<id>' -> (transport part, peer id)."""
-    head, sep, peer_id = maddr.rpartition("/p2p/")
-    if not sep or not peer_id or "/" in peer_id:
-        raise ValueError(f"{maddr} lacks a /p2p/<peer id> suffix")
-    return head, peer_id
-
-
-def tcp_ip4s(maddrs: Sequence[str]) -> list[str]:
-    """The IPv4 addresses of the /ip4/<ip>/tcp/... multiaddrs among `maddrs`, first seen first."""
-    out: list[str] = []
-    for maddr in maddrs:
-        parts = str(maddr).split("/")
-        if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp" and parts[2] not in out:
-            out.append(parts[2])
-    return out
 
 
 def announce_warning(announced: Sequence[str], initial_peers: Sequence[str]) -> str | None:
@@ -112,7 +94,7 @@ def _port(v: str) -> bool:
         return False
 
 
-# the protocols whose values are checked here, and how; hivemind's Multiaddr (node/p2p.py) knows
+# the protocols whose values are checked here, and how; hivemind's Multiaddr (node/net/host.py) knows
 # more and checks them all when the host starts
 _VALUE_CHECKS = {"ip4": _ip4, "ip6": _ip6, "tcp": _port, "udp": _port, "dccp": _port, "sctp": _port}
 _NO_VALUE = {"quic", "quic-v1", "http", "https", "tls", "ws", "wss", "utp", "udt", "p2p-circuit"}
@@ -220,7 +202,7 @@ def check_node(c: NodeConfig) -> tuple[SigningKey, bytes | None]:
 
         if c.wanted_role not in ROLES:
             raise ConfigError(f"--wanted-role must be one of {', '.join(ROLES)}, got {c.wanted_role!r}")
-    if c.data:  # Node.validate then reads it (node.data.load_corpus: the same words)
+    if c.data:  # Node.validate then reads it (node.models.data.load_corpus: the same words)
         p = Path(c.data)
         if not p.exists():
             raise ConfigError(f"--data: data path does not exist: {p}")
@@ -251,30 +233,3 @@ def check_node(c: NodeConfig) -> tuple[SigningKey, bytes | None]:
     check_maddrs(c.initial_peers, c.host_maddrs, c.announce_maddrs)
     check_direct_port(c)
     return key, token
-
-
-def check_coordinator(c) -> tuple[Path, SigningKey]:
-    """A coordinator's light checks (`c`: a coordinator.config.CoordinatorConfig); creates the
-    data dir and the identity if missing. Returns the data dir and the identity."""
-    if c.mode == "pipeline":  # Coordinator() checks the rest of the plan, the pipeline cut (that needs the model's code) too
-        from coordinator.planner import PlannerConfig
-
-        try:
-            PlannerConfig(mode=c.mode, num_stages=c.run.num_stages, heartbeat_timeout_s=c.heartbeat_timeout_s)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    from coordinator.config import expert_slots
-
-    expert_slots(c)  # a MoE model in experts mode, split into shards that fit it
-    if c.http:
-        check_http(c.http)  # before anything starts, not after p2pd is up
-    data = check_data_dir(c.data_dir)
-    key = load_identity(c.resolved_identity())
-    owner = owner_of(c.swarm_id)
-    if c.private and owner is None:
-        raise ConfigError(f"--private needs an owned swarm id (name@<owner peer id>), not {c.swarm_id!r}: `swarmtrain-coordinator init` prints one")
-    if owner is not None and peer_id_from_public_key(key.public_key) != owner:
-        raise ConfigError(f"swarm {c.swarm_id!r} is owned by {owner}: only a coordinator with that identity may serve it; "
-                          f"this identity ({c.resolved_identity()}) is {peer_id_from_public_key(key.public_key)}")  # fmt: skip
-    check_maddrs(c.initial_peers, c.host_maddrs, c.announce_maddrs)
-    return data, key

@@ -3,7 +3,7 @@ them, see coordinator/config.py), handed to every member with its role as JSON, 
 
 `RunConfig` checks itself on construction like a wire message: every field's type (from its
 hint) and bounds, a bad one refused as `RunConfigError` naming the field and the value. Its
-defaults are the run's defaults everywhere: `TrainConfig` (node/diloco.py) takes its own from
+defaults are the run's defaults everywhere: `TrainConfig` (node/models/diloco.py) takes its own from
 here. Standard library only, so the coordinator's CLI reads it before torch loads.
 """
 
@@ -21,16 +21,16 @@ from .config import Check, ConfigError, at_least, below_one, between, check_fiel
 if TYPE_CHECKING:
     from protocol.messages import RoleAssignment
 
-    from .diloco import TrainConfig
-    from .model import GPTConfig
+    from .models.diloco import TrainConfig
+    from .models.gpt import GPTConfig
 
-# Named here without importing torch; a test keeps them equal to node/model.py PRESETS, the
+# Named here without importing torch; a test keeps them equal to node/models/gpt.py PRESETS, the
 # codecs registered in protocol/codecs.py and the int8 codec's block size range.
-MODEL_PRESETS = ("tiny", "small", "tiny-moe", "small-moe")  # *-moe: mixture-of-experts (node/moe.py MOE_PRESETS)
+MODEL_PRESETS = ("tiny", "small", "tiny-moe", "small-moe")  # *-moe: mixture-of-experts (node/models/moe.py MOE_PRESETS)
 MOE_EXPERTS = {"tiny-moe": 4, "small-moe": 8}  # experts per layer of each MoE preset
 CODECS = ("none", "fp16", "int8", "topk", "powersgd")
-STAGE_ROUTINGS = ("through", "relay")  # how a trainer's micro-batch travels between stages (node/pipeline.py)
-STAGE_CLIPS = ("global", "stage")  # what a stage's step clips its gradient by (node/pipeline.py StageServer._step)
+STAGE_ROUTINGS = ("through", "relay")  # how a trainer's micro-batch travels between stages (node/roles/pipeline.py)
+STAGE_CLIPS = ("global", "stage")  # what a stage's step clips its gradient by (node/roles/pipeline.py StageServer._step)
 ACTIVATION_CODECS = ("none", "fp16", "int8")  # element-wise codecs: an activation's every value arrives
 INT8_BLOCK_SIZES = (16, 1 << 20)
 
@@ -43,7 +43,7 @@ class RunConfigError(ConfigError, ValueError):
 class RunConfig:
     """The run's training settings; the coordinator hands the same ones to every member."""
 
-    model: str = "tiny"  # model preset (node/model.py, node/moe.py): tiny | small; experts mode: tiny-moe | small-moe
+    model: str = "tiny"  # model preset (node/models/gpt.py, node/models/moe.py): tiny | small; experts mode: tiny-moe | small-moe
     inner_steps: int = 20  # H: local AdamW steps between two averaging rounds
     batch_size: int = 16  # sequences per inner step, per replica
     inner_lr: float = 3e-3  # peak AdamW learning rate, reached after warmup
@@ -116,7 +116,7 @@ class RunConfig:
         return self.model.endswith("-moe")
 
     def model_config(self) -> GPTConfig:
-        from .model import PRESETS
+        from .models.gpt import PRESETS
 
         if self.is_moe:
             return self.moe_preset()[0]
@@ -124,7 +124,7 @@ class RunConfig:
 
     def moe_preset(self):
         """(GPTConfig, MoEConfig) of a MoE model; RunConfigError for a dense one."""
-        from .moe import MOE_PRESETS
+        from .models.moe import MOE_PRESETS
 
         if not self.is_moe:
             raise RunConfigError(f"model {self.model!r} has no experts (experts mode takes a -moe model: tiny-moe | small-moe)", "model")
@@ -141,7 +141,7 @@ class RunConfig:
     def expert_shard(self, shard: int) -> tuple[str, ...]:
         """The experts shard `shard` holds: expert e of every layer with e mod expert_shards == shard;
         RunConfigError when the shards do not fit the model."""
-        from .moe import expert_name
+        from .models.moe import expert_name
 
         self.check_experts()
         gpt, moe = self.moe_preset()
@@ -150,9 +150,9 @@ class RunConfig:
         return tuple(expert_name(layer, e) for layer in range(gpt.n_layer) for e in range(shard, moe.num_experts, self.expert_shards))
 
     def stage_plan(self) -> tuple[tuple[int, int], ...]:
-        """[start, end) blocks of each stage (node/stages.py plan_stages); RunConfigError when
+        """[start, end) blocks of each stage (node/models/stages.py plan_stages); RunConfigError when
         num_stages and stage_blocks do not fit the model."""
-        from .stages import plan_stages
+        from .models.stages import plan_stages
 
         counts = [int(c) for c in self.stage_blocks.replace(" ", "").split(",")] if self.stage_blocks.strip() else None
         try:
@@ -161,7 +161,7 @@ class RunConfig:
             raise RunConfigError(f"pipeline cut: {e} (model {self.model!r}, num_stages {self.num_stages}, stage_blocks {self.stage_blocks!r})", "num_stages") from None
 
     def train_config(self) -> TrainConfig:
-        from .diloco import TrainConfig
+        from .models.diloco import TrainConfig
 
         run = self.to_dict()
         return TrainConfig(**{f.name: run[f.name] for f in dataclasses.fields(TrainConfig) if f.name in run})

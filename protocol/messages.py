@@ -396,6 +396,13 @@ class RoleAssignment(Message):
     config: bytes = b""  # the run's training configuration (JSON), the same for every member
     certificate: bytes = b""  # an owned swarm's: this peer's membership certificate (protocol/tokens.py), new or renewed
 
+    @property
+    def label(self) -> str:
+        """How member records name this work (protocol/records.py `role_label`)."""
+        from .records import role_label
+
+        return role_label(self.role, self.stage if self.stage is not None else self.expert)
+
     def validate(self) -> None:
         _require(self.role in ROLES, "role", f"must be one of {', '.join(ROLES)}")
         _require(len(self.config) <= 65536, "config", "at most 64 KiB")

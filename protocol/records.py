@@ -141,6 +141,21 @@ class CoordinatorRecord(_SignedRecord):
     CHECKS = (_str, _str, _strs, _str, _time, _time, _bytes, _bytes)
 
 
+def role_label(role: str | None, slot: int | str | None = None) -> str:
+    """How a member record names a peer's work (`MemberRecord.role`): its role and, for a role that
+    holds one slot of the model, that slot: "replica", "trainer", "stage:2", "expert:shard1";
+    "idle" for none. `parse_role_label` reads it back; nothing else writes or splits labels."""
+    if not role:
+        return "idle"
+    return role if slot is None or slot == "" else f"{role}:{slot}"
+
+
+def parse_role_label(label: str) -> tuple[str, str]:
+    """(role, slot) of a role label; slot "" for a role that holds none ("stage:2" -> ("stage", "2"))."""
+    role, _, slot = label.partition(":")
+    return role, slot
+
+
 @dataclass(frozen=True)
 class MemberRecord(_SignedRecord):
     """A node's own announcement: who it is, where, in what role, at what step, how fast and how busy."""
@@ -148,7 +163,7 @@ class MemberRecord(_SignedRecord):
     swarm_id: str
     peer_id: str
     maddrs: tuple[str, ...]
-    role: str
+    role: str  # its role label (`role_label`)
     step: int
     issued_at: float
     throughput: float = 0.0  # samples/s it measured at its role (an expert host: tokens/s of compute); 0: not yet
@@ -181,7 +196,7 @@ class RevocationRecord(_SignedRecord):
 
 @dataclass(frozen=True)
 class RelayHello(_SignedRecord):
-    """The first bytes of a stream a relay carries (node/transport.py): who opened it, signed by
+    """The first bytes of a stream a relay carries (node/net/transport.py): who opened it, signed by
     them, to whom, for which of the target's protocols. The target serves the calls on it as
     calls of `peer_id` only if the signature holds, it is the target, the hello is fresh and its
     nonce new: a relay cannot make up a caller, send one caller's hello to another peer, or open

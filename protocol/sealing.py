@@ -1,6 +1,6 @@
 """Sealed records for the direct data plane, sans-IO: AES-256-GCM over a byte stream.
 
-A direct connection (plain TCP between two nodes, see `node/direct.py`) carries the same frames
+A direct connection (plain TCP between two nodes, see `node/net/direct.py`) carries the same frames
 as a libp2p stream, cut into records, each sealed:
 
     record = u32 big-endian length of what follows | AES-256-GCM(plaintext) with its 16-byte tag

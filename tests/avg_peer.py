@@ -14,9 +14,9 @@ import time
 import torch
 
 from node.averaging import Averager, AveragerConfig, AveragingFailed
-from node.faults import Faults
-from node.p2p import Host, HostConfig
-from node.transport import Transport
+from node.averaging.faults import Faults
+from node.net.host import Host, HostConfig
+from node.net.transport import Transport
 from protocol import SigningKey, decode_tensor, make_codec
 
 

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 async def start_hosts(n: int) -> list:
     """n libp2p hosts (real p2pd) in this process, the others bootstrapped from the first.
     The caller shuts them down."""
-    from node.p2p import Host, HostConfig
+    from node.net.host import Host, HostConfig
     from protocol import SigningKey
 
     first = await Host.start(SigningKey.generate(), HostConfig())
@@ -41,7 +41,7 @@ async def averagers(n: int, **config):
     """n real hosts (p2pd) in this process, each with a started Transport and an Averager of
     `config`; all closed afterwards. Yields the averagers (`.host`, `.transport` on each)."""
     from node.averaging import Averager, AveragerConfig
-    from node.transport import Transport
+    from node.net.transport import Transport
 
     hosts = await start_hosts(n)
     transports = [Transport(h) for h in hosts]

@@ -8,7 +8,7 @@ import pytest
 from node.averaging.config import AveragerConfig
 from node.averaging.decisions import Arrivals, Liveness, choose_pace, close_reason, decide_commit, decide_scatter, form_group, learn_bandwidth, learn_flow_rate
 from node.averaging.matchmaking import ASK_AGAIN_S, GAVE_UP, LOOK_AGAIN_S, MAX_REDIRECTS, RETRY_S, Lobby, Search
-from node.transport import RPCError
+from node.net.transport import RPCError
 from protocol import AvgGroup, AvgJoin, AvgReport
 
 A, B, C, D = "peer-a", "peer-b", "peer-c", "peer-d"  # A < B < C < D

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_two_namespaces_average_concurrently_with_their_own_groups_and_codecs():
     async def main():
-        from node.transport import Transport
+        from node.net.transport import Transport
 
         hosts = await start_hosts(3)
         transports = [Transport(h) for h in hosts]
@@ -59,7 +59,7 @@ def test_two_namespaces_average_concurrently_with_their_own_groups_and_codecs():
 
 def test_one_averager_per_namespace_and_the_message_types_are_freed_by_the_last():
     async def main():
-        from node.transport import HandlerTaken, Transport
+        from node.net.transport import HandlerTaken, Transport
 
         (host,) = await start_hosts(1)
         transport = Transport(host)
@@ -97,7 +97,7 @@ def test_bad_namespaces_are_refused_by_the_config():
 
 def test_a_peer_that_went_silent_is_not_waited_for_until_it_joins_again():
     async def main():
-        from node.transport import Transport
+        from node.net.transport import Transport
 
         (host,) = await start_hosts(1)
         transport = Transport(host)

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from coordinator.checkpoints import CheckpointStore
-from node.checkpoint_client import (
+from node.state.checkpoint_client import (
     CheckpointTransferError,
     checkpoint_frames,
     download_checkpoint,
     fetch_manifest,
     upload_checkpoint,
 )
-from node.checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manifest, write_checkpoint_dir
-from node.p2p import Host, HostConfig, PeerUnreachable
-from node.transport import CallTimeout, RemoteError, Transport
+from node.state.checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manifest, write_checkpoint_dir
+from node.net.host import Host, HostConfig, PeerUnreachable
+from node.net.transport import CallTimeout, RemoteError, Transport
 from protocol import Heartbeat, Register, RemoteProtocolError, RoleAssignment, SigningKey
 from protocol.manifest import ManifestError
 from tests.swarm import wait_for

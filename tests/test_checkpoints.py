@@ -21,8 +21,8 @@ from coordinator.checkpoints import (
     CheckpointStore,
     check_signature,
 )
-from node.checkpoint_dir import CheckpointDirError, write_checkpoint_dir
-from node.state_server import DirectorySource
+from node.state.checkpoint_dir import CheckpointDirError, write_checkpoint_dir
+from node.state.state_server import DirectorySource
 from protocol.signatures import SigningKey
 
 REPO = Path(__file__).resolve().parent.parent
@@ -498,7 +498,7 @@ def test_sigkill_mid_write_never_damages_the_last_good_checkpoint(tmp_path):
     assert not (root / "step-00000002").exists()
 
 
-# -- the directory format shared with nodes (node/checkpoint_dir.py) ---------------------------
+# -- the directory format shared with nodes (node/state/checkpoint_dir.py) ---------------------------
 
 
 def test_one_temp_dir_rule_for_node_writers_and_the_store(tmp_path):

@@ -1,4 +1,4 @@
-"""node/compat.py against the installed library versions: real asyncio streams over a real
+"""node/net/compat.py against the installed library versions: real asyncio streams over a real
 socket pair, hivemind's real P2P class and real p2pd daemons."""
 
 import asyncio
@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from node.compat import CompatError, add_p2pd_flags, p2pd_connect, stream_reader_paused, take_stream_reader_buffer
-from node.p2p import P2P, PeerUnreachable
+from node.net.compat import CompatError, add_p2pd_flags, p2pd_connect, stream_reader_paused, take_stream_reader_buffer
+from node.net.host import P2P, PeerUnreachable
 from protocol import SigningKey
 from protocol.signatures import peer_id_from_public_key
 from tests.swarm import start_hosts

@@ -84,8 +84,8 @@ def test_every_run_field_has_a_bounds_check():
 
 
 def test_run_config_names_match_the_registries():
-    from node.model import PRESETS
-    from node.moe import MOE_PRESETS
+    from node.models.gpt import PRESETS
+    from node.models.moe import MOE_PRESETS
     from protocol.codecs import Codec, Int8Codec
 
     assert MODEL_PRESETS == (*PRESETS, *MOE_PRESETS)
@@ -95,7 +95,7 @@ def test_run_config_names_match_the_registries():
 
 
 def test_train_config_defaults_are_the_runs():
-    from node.diloco import TrainConfig
+    from node.models.diloco import TrainConfig
 
     run, train = RunConfig(), TrainConfig()
     shared = [f.name for f in dataclasses.fields(TrainConfig) if hasattr(run, f.name)]
@@ -132,7 +132,7 @@ direct_congestion = ""
 
 def test_unset_settings_keep_the_components_defaults():
     from node.averaging import AveragerConfig
-    from node.transport import TransportConfig
+    from node.net.transport import TransportConfig
 
     c = NodeConfig()
     assert averager_config(c) == AveragerConfig()
@@ -143,13 +143,13 @@ def test_unset_settings_keep_the_components_defaults():
 
 def test_every_offered_setting_reaches_its_component():
     from node.averaging import AveragerConfig
-    from node.transport import TransportConfig
+    from node.net.transport import TransportConfig
 
     averager = {f.name for f in dataclasses.fields(AveragerConfig)}
     offered = {f.name for f in dataclasses.fields(AveragerSettings)} - {"trim", "tau"}
     assert offered <= averager - {"codec", "codec_params", "join_timeout_s", "bandwidth", "swarm_id", "namespace"}
     assert {f.name for f in dataclasses.fields(TransportSettings)} <= {f.name for f in dataclasses.fields(TransportConfig)}
-    from node.aggregators import AGGREGATORS as REAL
+    from node.averaging.aggregators import AGGREGATORS as REAL
 
     assert AGGREGATORS == tuple(REAL)
     assert set(GATHER_CODECS) <= set(CODECS)

@@ -10,7 +10,7 @@ import pytest
 from coordinator.config import CoordinatorConfig
 from coordinator.http import start_http
 from coordinator.service import Coordinator
-from node.transport import CallContext
+from node.net.transport import CallContext
 from protocol import Heartbeat, Register, RoleAssignment
 
 pytestmark = pytest.mark.timeout(60)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from node import data
-from node.data import Batches, DataError, evaluate, load_corpus
-from node.model import PRESETS, init_model
+from node.models import data
+from node.models.data import Batches, DataError, evaluate, load_corpus
+from node.models.gpt import PRESETS, init_model
 
 
 def _write_files(root, n, size=50):

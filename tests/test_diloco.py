@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.data import Batches, load_corpus
-from node.diloco import (
+from node.models.data import Batches, load_corpus
+from node.models.diloco import (
     adamw,
     InnerTrainer,
     OuterOptimizer,
@@ -24,7 +24,7 @@ from node.diloco import (
     state_hash,
     train_sync,
 )
-from node.model import GPT, PRESETS, init_model
+from node.models.gpt import GPT, PRESETS, init_model
 
 TINY = PRESETS["tiny"]
 
@@ -126,7 +126,7 @@ def test_two_optimizers_fed_the_same_inputs_stay_bitwise_equal():
 # Inputs from numpy: torch.randn itself gives other values under other instruction sets.
 _ISA_SCRIPT = """
 import numpy as np, torch
-from node.diloco import OuterOptimizer, state_hash
+from node.models.diloco import OuterOptimizer, state_hash
 x = lambda seed, n: torch.from_numpy(np.random.default_rng(seed).standard_normal(n, dtype=np.float32))
 outer = OuterOptimizer([x(0, 4099), x(1, 33)], lr=0.7, momentum=0.9)
 for step in range(3):

@@ -9,8 +9,8 @@ import struct
 
 import pytest
 
-from node import direct
-from node.transport import Transport, TransportConfig
+from node.net import direct
+from node.net.transport import Transport, TransportConfig
 from protocol import Ack, DirectAddress, DirectOpen, EncodedTensor, RemoteProtocolError, TensorPart
 from protocol.sealing import DIALER, LISTENER, MAX_RECORD, Opener, Sealer
 from protocol.tensors import split
@@ -322,7 +322,7 @@ def test_direct_open_messages_validate_their_fields():
 
 @pytest.mark.timeout(120)
 def test_a_direct_port_in_use_is_a_clear_start_error():
-    from node.p2p import HostError
+    from node.net.host import HostError
 
     async def main():
         hosts = await start_hosts(2)
@@ -351,8 +351,8 @@ def _closed_port() -> int:
 
 @pytest.mark.timeout(120)
 def test_a_peer_whose_connections_were_dropped_is_dialed_only_once_a_plain_connect_reaches_it(monkeypatch):
-    from node import transport as transport_module
-    from node.p2p import PeerUnreachable
+    from node.net import transport as transport_module
+    from node.net.host import PeerUnreachable
 
     async def scenario(server, client):
         await _send(client, server)  # a direct pipe: the client knows where the server's machine answers

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from node.config import NodeConfig
-from node.experts import ExpertClient, ExpertHost, clip_and_commit, forward_loss, shard_of_label
-from node.moe import init_moe_model
-from node.roles import RoleError
+from node.roles.experts import ExpertClient, ExpertHost, clip_and_commit, forward_loss, shard_of_label
+from node.models.moe import init_moe_model
+from node.roles.runner import RoleError
 from node.runconfig import RunConfig, RunConfigError
-from node.transport import RemoteError, Transport, TransportConfig
+from node.net.transport import RemoteError, Transport, TransportConfig
 from protocol import make_codec, pack_tensors, unpack_tensors
 from protocol.messages import ExpertCall
 from tests.swarm import start_hosts

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from node.gate import NOT_PRESENTED, MemberGate
-from node.transport import RemoteError, Transport
+from node.net.gate import NOT_PRESENTED, MemberGate
+from node.net.transport import RemoteError, Transport
 from protocol import Ack, Hello, SigningKey
 from protocol.signatures import peer_id_from_public_key
 from protocol.tokens import issue_certificate

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from node.data import Batches, load_corpus
-from node.model import GPT, PRESETS, GPTConfig, init_model
+from node.models.data import Batches, load_corpus
+from node.models.gpt import GPT, PRESETS, GPTConfig, init_model
 
 TINY = PRESETS["tiny"]
 

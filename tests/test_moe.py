@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.data import Batches, load_corpus
-from node.model import PRESETS, GPTConfig
-from node.moe import MOE_PRESETS, MoEConfig, MoELayer, Router, combine, expert_name, init_moe_model
+from node.models.data import Batches, load_corpus
+from node.models.gpt import PRESETS, GPTConfig
+from node.models.moe import MOE_PRESETS, MoEConfig, MoELayer, Router, combine, expert_name, init_moe_model
 
 pytestmark = pytest.mark.timeout(120)
 CFG = GPTConfig(n_layer=2, n_embd=32, n_head=2, context=16)

@@ -1,6 +1,6 @@
 """PauseWatch, with the clocks moved by hand."""
 
-from node.pause import PauseWatch
+from node.roles.pause import PauseWatch
 
 
 def test_a_gap_between_ticks_is_a_pause_and_ordinary_lateness_is_not():

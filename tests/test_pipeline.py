@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from node.config import NodeConfig
-from node.membership import Progress
-from node.model import init_model
-from node import pipeline
-from node.pipeline import MAX_BATCH_SAMPLES, NoStagePeer, StagePeers, StageServer, stage_of_role
-from node.roles import RoleError
+from node.net.membership import Progress
+from node.models.gpt import init_model
+from node.roles import pipeline
+from node.roles.pipeline import MAX_BATCH_SAMPLES, NoStagePeer, StagePeers, StageServer, stage_of_role
+from node.roles.runner import RoleError
 from node.runconfig import RunConfig
-from node.transport import RemoteError, Transport, TransportConfig
+from node.net.transport import RemoteError, Transport, TransportConfig
 from protocol import StageCall, StageResult, decode_tensor, make_codec, pack_tensors, unpack_tensors
 from tests.swarm import start_hosts
 
@@ -190,7 +190,7 @@ def test_a_backward_through_the_graph_its_forward_kept_gives_the_same_gradients_
     with torch.no_grad():
         for n, p in stage0.items():
             p.copy_(before[n])
-    from node.stages import Stage
+    from node.models.stages import Stage
 
     ref = Stage.from_gpt(model, 0, RUN.stage_plan())
     ref(xs[0]).backward(ga)
@@ -247,8 +247,8 @@ def one_process(run: RunConfig, mbs, per_stage: bool) -> tuple[dict[str, torch.T
     """The parameters after a step every 2 micro-batches of `mbs`, in one process, clipping the
     whole model's gradient by its norm or (per_stage) each stage's by its own; each step's
     global norm before clipping."""
-    from node.diloco import adamw, lr_at
-    from node.stages import Stage
+    from node.models.diloco import adamw, lr_at
+    from node.models.stages import Stage
 
     cfg, tc = run.model_config(), run.train_config()
     owned = [{n for n, _ in Stage(cfg, i, run.stage_plan()).named_parameters()} for i in range(run.num_stages)]

@@ -1,4 +1,4 @@
-"""Relay hops (node/relay.py) over real p2pd on loopback: a peer nobody can dial (client mode: it
+"""Relay hops (node/net/relay.py) over real p2pd on loopback: a peer nobody can dial (client mode: it
 listens nowhere) is called through the relay it keeps a connection to, unary calls and pipes,
 megabytes each way, and serves the calls as the caller's own; hellos that a relay forged, sent
 to the wrong peer, replayed or kept too long are refused with the reason (and get the relay
@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from node.p2p import Host, HostConfig, PeerUnreachable
-from node.relay import HOP_PROTOCOL, RELAYED_PROTOCOL, circuit_addr, frame_hello
-from node.transport import RPC_PROTOCOL, RemoteError, Transport, TransportConfig
+from node.net.host import Host, HostConfig, PeerUnreachable
+from node.net.relay import HOP_PROTOCOL, RELAYED_PROTOCOL, circuit_addr, frame_hello
+from node.net.transport import RPC_PROTOCOL, RemoteError, Transport, TransportConfig
 from protocol import Ack, Decoder, Error, Ping, Pong, Probe, SigningKey, StateChunk, encode
 from protocol.records import RelayHello
 from protocol.signatures import peer_id_from_public_key
@@ -207,7 +207,7 @@ def test_a_relay_carries_streams_only_to_peers_that_keep_a_connection_to_it():
 
 
 def test_in_an_owned_swarm_a_relay_carries_members_only_and_the_target_serves_members_only():
-    from node.gate import NOT_PRESENTED, MemberGate
+    from node.net.gate import NOT_PRESENTED, MemberGate
     from protocol.tokens import issue_certificate
 
     owner = SigningKey.generate()

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from coordinator.planner import checkpoint_quorum
-from node.replica import RunConfig, RunConfigError, choose_state, shard_of
+from node.roles.replica import RunConfig, RunConfigError, choose_state, shard_of
 
 
 def test_choose_state_prefers_the_majority_at_the_highest_round():

@@ -8,8 +8,8 @@ import pytest
 
 from node.averaging import AveragingService
 from node.config import NodeConfig
-from node.membership import Membership
-from node.roles import Role, RoleError, RoleRunner
+from node.net.membership import Membership
+from node.roles.runner import Role, RoleError, RoleRunner
 from node.runconfig import RunConfig
 from protocol import AvgJoin, CheckpointQuery, RoleAssignment
 from tests.swarm import start_hosts
@@ -23,8 +23,8 @@ def assignment(role: str) -> RoleAssignment:
 
 def test_replica_idle_replica_awaits_the_old_roles_teardown(tmp_path):
     async def main():
-        from node.replica import Replica
-        from node.transport import Transport
+        from node.roles.replica import Replica
+        from node.net.transport import Transport
 
         (host,) = await start_hosts(1)
         transport = Transport(host)

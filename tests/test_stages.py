@@ -4,8 +4,8 @@ stages compute, forward and backward, exactly what the whole model computes."""
 import pytest
 import torch
 
-from node.model import PRESETS, GPTConfig, init_model
-from node.stages import Stage, StageInputError, init_stage, plan_stages
+from node.models.gpt import PRESETS, GPTConfig, init_model
+from node.models.stages import Stage, StageInputError, init_stage, plan_stages
 
 CFG = GPTConfig(n_layer=5, n_embd=32, n_head=4, context=16)
 

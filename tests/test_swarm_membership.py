@@ -6,8 +6,8 @@ import time
 import msgpack
 import pytest
 
-from node.p2p import Host, HostConfig
-from node.transport import RPC_PROTOCOL, Transport
+from node.net.host import Host, HostConfig
+from node.net.transport import RPC_PROTOCOL, Transport
 from protocol import PROTOCOL_VERSION, Decoder, Error, Ping, Pong, SigningKey
 from tests.swarm import node_peer_id, wait_for
 

@@ -176,9 +176,9 @@ def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_pe
 
 def initial_hash(model: str, num_stages: int, stage: int) -> str:
     """The hash of a stage's seeded initial weights (run seed 0), as a stage server reports it."""
-    from node.diloco import state_hash
-    from node.model import PRESETS
-    from node.stages import init_stage, plan_stages
+    from node.models.diloco import state_hash
+    from node.models.gpt import PRESETS
+    from node.models.stages import init_stage, plan_stages
 
     cfg = PRESETS[model]
     return state_hash(dict(init_stage(cfg, stage, plan_stages(cfg, num_stages), 0).named_parameters()))
@@ -214,7 +214,7 @@ def test_a_joiner_takes_its_stage_state_and_the_last_peer_of_a_stage_hands_it_ov
     # within a few rounds of c's start: a holder that advanced alone when its round with c
     # failed kept c a round behind, failing round after round (12 rounds, 1 run in 5)
     period = float(TWO_STAGES[TWO_STAGES.index("--stage-sync-every-s") + 1])
-    joined_round = int(first["time"] // period) + 1  # (rounds are numbered as node/pipeline.py _sync_forever numbers them)
+    joined_round = int(first["time"] // period) + 1  # (rounds are numbered as node/roles/pipeline.py _sync_forever numbers them)
     synced = sorted(common_syncs(swarm, [holder, "c"]))
     assert synced[0] - joined_round <= 4, (joined_round, synced)
 

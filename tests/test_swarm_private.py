@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from node.checkpoint_client import fetch_manifest
-from node.p2p import Host, HostConfig
-from node.transport import RemoteError, Transport
+from node.state.checkpoint_client import fetch_manifest
+from node.net.host import Host, HostConfig
+from node.net.transport import RemoteError, Transport
 from protocol import Ack, Hello, MemberProof, SigningKey
 from protocol.signatures import peer_id_from_public_key
 from protocol.tokens import issue_certificate

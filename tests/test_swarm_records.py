@@ -10,8 +10,8 @@ import time
 import pytest
 from hivemind.dht import DHT
 
-from node.membership import read_members
-from node.p2p import Host, HostConfig
+from node.net.membership import read_members
+from node.net.host import Host, HostConfig
 from protocol import SigningKey
 from protocol.records import CoordinatorRecord, MemberRecord, coordinator_key, members_key
 from protocol.signatures import peer_id_from_public_key

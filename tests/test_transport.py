@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from node.transport import RPC_PROTOCOL, CallTimeout, PeerScores, RemoteError, RPCError, Transport, TransportConfig
+from node.net.transport import RPC_PROTOCOL, CallTimeout, PeerScores, RemoteError, RPCError, Transport, TransportConfig
 from protocol import Ack, Decoder, Error, Ping, Pong, StateChunk, encode
 from tests.swarm import start_hosts
 
@@ -293,7 +293,7 @@ def test_tls_only_hosts_talk_to_hosts_that_prefer_noise():
     """Our hosts offer TLS 1.3 only (cheaper per byte than Noise where the CPU has AES
     instructions); a host with p2pd's default (Noise first) still reaches them, both ways."""
     from node.osutil import children_of
-    from node.p2p import Host, HostConfig, HostError
+    from node.net.host import Host, HostConfig, HostError
     from protocol import SigningKey
 
     def daemon_flags(host) -> str:
@@ -400,7 +400,7 @@ class _OpensHang:
 
 
 def test_a_stream_open_that_hangs_gets_a_companion_and_the_first_to_open_wins(monkeypatch):
-    from node import transport as transport_module
+    from node.net import transport as transport_module
 
     monkeypatch.setattr(transport_module, "OPEN_AGAIN_S", 0.05)
 

@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 
-from node.transport import HandlerTaken, RemoteError, Transport
+from node.net.transport import HandlerTaken, RemoteError, Transport
 from protocol import Ack, CheckpointQuery, StateChunk, StateRequest
 from tests.swarm import start_hosts
 

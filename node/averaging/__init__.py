@@ -53,6 +53,8 @@ Files:
     service.py       `AveragingService`: one per transport, owns the averaging message types
                      and routes each call to the averager of its namespace (joins name it,
                      parts / reports / queries name their round)
+    aggregators.py   mean, trimmed mean, CenteredClip: how a slice owner combines contributions
+    faults.py        typed fault injection (corrupt / delay outgoing parts) for tests and drills
 
 Several averagers run in one process, one per namespace (`AveragerConfig.namespace`, e.g.
 "replicas", "stage-2", "expert-l1-e3"), each with its own codec, groups and error feedback.

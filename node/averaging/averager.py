@@ -14,9 +14,9 @@ import torch
 
 from protocol import make_codec
 
-from ..faults import Faults
-from ..p2p import Host
-from ..transport import NETWORK_ERRORS, Transport
+from .faults import Faults
+from ..net.host import Host
+from ..net.transport import NETWORK_ERRORS, Transport
 from .buffers import Buffers, unflatten
 from .config import AverageReport, AveragerConfig, AveragingFailed, RoundFailed
 from .decisions import learn_bandwidth

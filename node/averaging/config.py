@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from protocol import make_codec
 from protocol.messages import DEFAULT_NAMESPACE
 
-from .. import aggregators
+from . import aggregators
 
 MAX_EARLY_KEYS = 1024  # keys joins may wait on at once (see `early_join_wait_s`); beyond, they are answered at once
 NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -10,7 +10,7 @@ import logging
 
 from protocol import Ack, AvgDecision, AvgDecisionQuery, AvgReport, Message, RemoteProtocolError, TensorAssembler, TensorPart
 
-from ..transport import CallContext, RPCError
+from ..net.transport import CallContext, RPCError
 from .round import Round
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from protocol import AvgGroup, AvgJoin, RemoteProtocolError
 from protocol.records import MemberRecord
 
-from ..transport import NETWORK_ERRORS, CallContext, CallTimeout, PeerUnreachable, RPCError
+from ..net.transport import NETWORK_ERRORS, CallContext, CallTimeout, PeerUnreachable, RPCError
 from .config import MAX_EARLY_KEYS, AverageReport, AveragerConfig, RoundFailed
 from .decisions import Arrivals, Liveness, close_reason, form_group
 

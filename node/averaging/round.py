@@ -19,8 +19,8 @@ import torch
 from protocol import AvgDecision, AvgDecisionQuery, AvgGroup, AvgReport, EncodedTensor, RemoteProtocolError, decode_tensor, make_codec
 from protocol.codecs import decode_own
 
-from .. import aggregators
-from ..transport import NETWORK_ERRORS, CallTimeout
+from . import aggregators
+from ..net.transport import NETWORK_ERRORS, CallTimeout
 from .buffers import Prepared, cut_from
 from .config import AverageReport, RoundFailed
 from .decisions import choose_pace, decide_commit, decide_scatter

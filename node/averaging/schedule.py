@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from protocol import TensorPart, split
 
-from ..faults import Faults
-from ..transport import Transport
+from .faults import Faults
+from ..net.transport import Transport
 from .config import AveragerConfig
 from .decisions import learn_flow_rate, stagger_patience
 

@@ -11,7 +11,7 @@ import weakref
 
 from protocol import Ack, AvgDecision, AvgDecisionQuery, AvgGroup, AvgJoin, AvgReport, TensorPart
 
-from ..transport import CallContext, Registration, RPCError, Transport
+from ..net.transport import CallContext, Registration, RPCError, Transport
 from .handlers import parse_part_key
 
 ROUND_WAIT_S = 5.0  # a part or report may come a moment before its round starts here

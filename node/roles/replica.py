@@ -35,21 +35,21 @@ import torch
 
 from protocol.manifest import step_dir_name
 
-from .averaging import Averager, AveragingFailed, NamespaceTaken
-from .checkpoint_client import download_checkpoint, fetch_manifest, upload_checkpoint
-from .checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manifest, write_checkpoint_dir
-from .data import Batches, DataError, evaluate, load_corpus
-from .faults import Faults
-from .config import averager_config
-from .diloco import InnerTrainer, OuterOptimizer, copy_into, state_hash
-from .membership import read_members
-from .osutil import write_json
+from ..averaging import Averager, AveragingFailed, NamespaceTaken
+from ..state.checkpoint_client import download_checkpoint, fetch_manifest, upload_checkpoint
+from ..state.checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manifest, write_checkpoint_dir
+from ..models.data import Batches, DataError, evaluate, load_corpus
+from ..averaging.faults import Faults
+from ..config import averager_config
+from ..models.diloco import InnerTrainer, OuterOptimizer, copy_into, state_hash
+from ..net.membership import read_members
+from ..osutil import write_json
 from .pause import PauseWatch
-from .model import GPT, GPTConfig, init_model
-from .runconfig import RunConfig, RunConfigError, run_config_of  # noqa: F401 (re-exported)
-from .state_server import CheckpointServer, DirectorySource
-from .roles import Role, RoleError
-from .transport import NETWORK_ERRORS, CallTimeout, HandlerTaken, RemoteError
+from ..models.gpt import GPT, GPTConfig, init_model
+from ..runconfig import RunConfig, RunConfigError, run_config_of  # noqa: F401 (re-exported)
+from ..state.state_server import CheckpointServer, DirectorySource
+from .runner import Role, RoleError
+from ..net.transport import NETWORK_ERRORS, CallTimeout, HandlerTaken, RemoteError
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from torch import nn
 from protocol import ErrorFeedback, decode_tensor, make_codec
 
 from .data import Batches, Corpus, evaluate
-from .model import GPT, GPTConfig, init_model
-from .runconfig import RunConfig
+from .gpt import GPT, GPTConfig, init_model
+from ..runconfig import RunConfig
 
 
 # (test, what it means) for TrainConfig's float fields; NaN fails every test

@@ -92,20 +92,22 @@ from protocol import RemoteProtocolError, StageCall, StageResult, decode_tensor,
 from protocol.manifest import step_dir_name
 from protocol.tensors import EncodedTensor
 
-from .averaging import Averager, AveragingFailed, NamespaceTaken
-from .config import averager_config
-from .checkpoint_client import download_checkpoint, fetch_manifest, upload_checkpoint
-from .checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manifest, write_checkpoint_dir
-from .data import Batches, DataError, load_corpus
-from .diloco import OuterOptimizer, adamw, copy_into, lr_at, state_hash
-from .membership import read_members
-from .osutil import woken, write_json
-from .roles import Role, RoleError, label_of
-from .runconfig import RunConfig, RunConfigError
+from ..averaging import Averager, AveragingFailed, NamespaceTaken
+from ..config import averager_config
+from ..state.checkpoint_client import download_checkpoint, fetch_manifest, upload_checkpoint
+from ..state.checkpoint_dir import CheckpointDirError, load_checkpoint_dir, read_manifest, write_checkpoint_dir
+from ..models.data import Batches, DataError, load_corpus
+from ..models.diloco import OuterOptimizer, adamw, copy_into, lr_at, state_hash
+from ..net.membership import read_members
+from ..osutil import woken, write_json
+from protocol.records import parse_role_label, role_label
+
+from .runner import Role, RoleError
+from ..runconfig import RunConfig, RunConfigError
 from .replica import choose_state
-from .stages import Stage, StageInputError, init_stage
-from .state_server import CheckpointServer, DirectorySource
-from .transport import NETWORK_ERRORS, HandlerTaken, RemoteError, RPCError
+from ..models.stages import Stage, StageInputError, init_stage
+from ..state.state_server import CheckpointServer, DirectorySource
+from ..net.transport import NETWORK_ERRORS, HandlerTaken, RemoteError, RPCError
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +220,7 @@ class StageServer(Role):
             raise RoleError(str(e)) from None
         if index is None or not 0 <= index < len(self.plan):
             raise RoleError(f"stage {index} is not a stage of this run's cut (0..{len(self.plan) - 1})")
-        self._setup(host, transport, membership, node_config, run, index, "stage", f"stage {index}", f"stage-{index}", label_of("stage", index, None))
+        self._setup(host, transport, membership, node_config, run, index, "stage", f"stage {index}", f"stage-{index}", role_label("stage", index))
 
     def _setup(self, host, transport, membership, node_config, run: RunConfig, index: int, kind: str, what: str, namespace: str, label: str) -> None:
         """What every server of a slot of the model (a stage, a shard of experts) holds: `kind`
@@ -1164,7 +1166,7 @@ def peers_by_stage(members: dict[str, Any], ttl_s: float) -> dict[int, list[str]
 
 def stage_of_role(label: str) -> int | None:
     """The stage of a member record's role label ("stage:2" -> 2), None for other roles."""
-    role, _, slot = label.partition(":")
+    role, slot = parse_role_label(label)
     return int(slot) if role == "stage" and slot.isdigit() else None
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import GPT, Block, GPTConfig, init_model
+from .gpt import GPT, Block, GPTConfig, init_model
 
 
 class StageInputError(ValueError):

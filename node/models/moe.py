@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model import MLP, PRESETS, CausalSelfAttention, GPTConfig, init_gpt_weights
+from .gpt import MLP, PRESETS, CausalSelfAttention, GPTConfig, init_gpt_weights
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ streamed StateChunks. The coordinator serves its checkpoint store with it; a rep
 its own latest outer state, so joiners and stragglers download from peers first.
 
 A `source` is anything with the four methods of `CheckpointSource`; `DirectorySource` serves a
-directory of `step-XXXXXXXX/` checkpoints (the format of node/checkpoint_dir.py).
+directory of `step-XXXXXXXX/` checkpoints (the format of node/state/checkpoint_dir.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from protocol import CheckpointManifest, CheckpointQuery, RemoteProtocolError, S
 from protocol.manifest import step_dir_name, step_of_dir_name
 
 from .checkpoint_dir import CheckpointDirError, file_list, read_manifest, read_range
-from .transport import CallContext, Registration, RPCError, Transport
+from ..net.transport import CallContext, Registration, RPCError, Transport
 
 CHUNK = 4 << 20  # bytes per StateChunk
 PREFIX = "checkpoint/"  # StateRequest names: checkpoint/<step>/<file>, or stage-<i>/checkpoint/<step>/<file>

@@ -5,7 +5,7 @@ happens when that internal is gone (a clear `CompatError`, or a stated fallback)
 library is upgraded, `tests/test_compat.py` runs each of them against the installed version.
 
 This module imports no third-party library: the caller passes the library's objects in (so
-`node/p2p.py` stays the only module that imports hivemind).
+`node/net/host.py` stays the only module that imports hivemind).
 """
 
 from __future__ import annotations

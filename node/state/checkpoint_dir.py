@@ -1,5 +1,5 @@
 """Checkpoint directories: the one on-disk format of a checkpoint. Nodes write, download, verify
-and load them (node/checkpoint_client.py moves them between peers); the coordinator's store
+and load them (node/state/checkpoint_client.py moves them between peers); the coordinator's store
 (coordinator/checkpoints.py) keeps the newest few of them. Blocking file I/O: call it from a
 worker thread (`asyncio.to_thread`) when on an event loop.
 
@@ -69,7 +69,7 @@ from protocol.manifest import (
 )
 from protocol.signatures import SigningKey
 
-from .osutil import fsync_path, pid_alive, remove_tree, sha256_file
+from ..osutil import fsync_path, pid_alive, remove_tree, sha256_file
 
 TMP_PREFIX = ".tmp-"
 _MAX_PID = 1 << 22  # Linux's largest pid_max: a bigger number in a temp name is not a pid

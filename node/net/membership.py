@@ -12,12 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol import Deregister, Heartbeat, Probe, Register, RemoteProtocolError, RoleAssignment
-from protocol.records import CoordinatorRecord, MemberRecord, RevocationRecord, coordinator_key, members_key, revoked_key
+from protocol.records import CoordinatorRecord, MemberRecord, RevocationRecord, coordinator_key, members_key, revoked_key, role_label
 
-from .config import NodeConfig
-from .osutil import woken
-from .p2p import Host, split_peer_maddr
-from .roles import role_label
+from ..config import NodeConfig
+from ..osutil import woken
+from .host import Host, split_peer_maddr
 from .transport import NETWORK_ERRORS, RemoteError, Transport
 
 log = logging.getLogger(__name__)
@@ -212,7 +211,7 @@ class Membership:
             swarm_id=self.config.swarm_id,
             peer_id=self.host.peer_id,
             maddrs=maddrs,
-            role=role_label(self.assignment),
+            role=self.assignment.label if self.assignment is not None else role_label(None),
             step=self.progress.step,
             issued_at=now,
             throughput=float(self.progress.samples_per_second or 0.0),

@@ -59,21 +59,6 @@ def role_key(a: RoleAssignment | None) -> tuple | None:
     return (a.role, a.stage, a.expert, a.config)
 
 
-def role_label(a: RoleAssignment | None) -> str:
-    """How a member record names an assignment: "replica", "trainer", "stage:2", "expert:NAME"
-    (trainers find the peers of each stage by it), "idle" for none."""
-    return "idle" if a is None else label_of(a.role, a.stage, a.expert)
-
-
-def label_of(role: str | None, stage: int | None, expert: str | None) -> str:
-    """role_label of (role, stage, expert)."""
-    if role == "stage" and stage is not None:
-        return f"stage:{stage}"
-    if role == "expert" and expert:
-        return f"expert:{expert}"
-    return role or "idle"
-
-
 RoleFactory = Callable[[RoleAssignment], "Role | None"]
 
 

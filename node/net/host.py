@@ -56,16 +56,21 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     _register_hivemind_lightly()
     from hivemind.dht import DHT as _HivemindDHT
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord, RecordValidatorBase
     from hivemind.p2p import P2P, PeerID
     from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure, DispatchFailure
     from hivemind.utils import get_dht_time
     from hivemind.utils.multiaddr import Multiaddr
+    from hivemind.utils.serializer import MSGPackSerializer
 
+from protocol import RemoteProtocolError
+from protocol.records import check_stored, coordinator_key, members_key, revoked_key
 from protocol.signatures import SigningKey, libp2p_private_key, peer_id_from_public_key
 
 from . import compat
-from .osutil import children_of
-from .preflight import split_peer_maddr, tcp_ip4s  # here too: other modules import them from here
+from ..osutil import children_of
+from .addresses import split_peer_maddr, tcp_ip4s  # here too: other modules import them from here
 from .relay import CIRCUIT, circuit_addr, relay_ids, relay_maddr_problem
 
 log = logging.getLogger(__name__)
@@ -102,6 +107,33 @@ def _kill_children_and_exit() -> None:
         except ProcessLookupError:
             pass
     os._exit(0)
+
+
+class SwarmRecords(RecordValidatorBase):
+    """The DHT's check of every value under the swarm's coordinator, members and revocation keys,
+    stored or served (protocol/records.py `check_stored`): one that is not a well-formed record of
+    this swarm signed by its owner is neither kept nor passed on, so readers take the newest valid
+    record. It runs in the DHT's own process: plain, picklable fields only."""
+
+    def __init__(self, swarm_id: str):
+        self.swarm_id = swarm_id
+        keys = {"coordinator": coordinator_key(swarm_id), "members": members_key(swarm_id), "revoked": revoked_key(swarm_id)}
+        self.kinds = {DHTID.generate(source=key).to_bytes(): kind for kind, key in keys.items()}
+
+    def validate(self, record: DHTRecord) -> bool:
+        kind = self.kinds.get(record.key)
+        if kind is None:
+            return True
+        try:
+            value = MSGPackSerializer.loads(record.value)
+            subkey = MSGPackSerializer.loads(record.subkey)
+            if not isinstance(value, bytes) or not (subkey is None or isinstance(subkey, str)):
+                raise RemoteProtocolError(f"a {type(value).__name__} value under a {type(subkey).__name__} subkey", kind)
+            check_stored(self.swarm_id, kind, value, subkey, record.expiration_time, time.time())
+        except Exception as e:  # RemoteProtocolError, or bytes msgpack cannot read
+            log.info("refused a value under the swarm's %s key: %s", kind, e)
+            return False
+        return True
 
 
 SECURITY = ("tls", "noise+tls")
@@ -145,12 +177,12 @@ class HostConfig:
     # loopback). "noise+tls": p2pd's default, Noise preferred. Either side of a connection may
     # choose: the dialer proposes its first, the listener accepts any it has.
     security: str = "tls"
-    # the swarm whose records this host's DHT keeps and serves only when valid (node/dht_records.py); "": no check
+    # the swarm whose records this host's DHT keeps and serves only when valid (SwarmRecords); "": no check
     swarm_id: str = ""
     # listen nowhere (p2pd opens no listener) and serve no DHT: only outbound connections,
     # which carry calls both ways once open (a node behind a NAT or firewall)
     client_mode: bool = False
-    # relays we keep a connection to and announce `<relay>/p2p-circuit` through (node/relay.py):
+    # relays we keep a connection to and announce `<relay>/p2p-circuit` through (node/net/relay.py):
     # callers that cannot dial us reach us through them
     relays: tuple[str, ...] = ()
 
@@ -167,7 +199,7 @@ class Host:
         self._closed = False
         self.config = config
         self.revoked: frozenset[str] = frozenset()  # an owned swarm's revocation list, as last read: member records of these are not trusted
-        self.routes: dict[str, tuple[str, ...]] = {}  # peer -> the relays it announced (node/relay.py), from member records
+        self.routes: dict[str, tuple[str, ...]] = {}  # peer -> the relays it announced (node/net/relay.py), from member records
 
     @classmethod
     async def start(cls, key: SigningKey, config: HostConfig) -> Host:
@@ -192,8 +224,6 @@ class Host:
             f.write(libp2p_private_key(key))
         validators = []
         if config.swarm_id:
-            from .dht_records import SwarmRecords
-
             validators.append(SwarmRecords(config.swarm_id))
         dht = _DHT(
             record_validators=validators,

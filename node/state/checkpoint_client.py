@@ -1,6 +1,6 @@
 """Checkpoints between peers: download one from a peer, verifying it as it arrives, and upload
 one. The directories themselves (layout, atomic placement, verification, temp dirs) are
-node/checkpoint_dir.py, the format the coordinator's store keeps too.
+node/state/checkpoint_dir.py, the format the coordinator's store keeps too.
 
 What a peer sends is input: every chunk is checked against the manifest (name, offset, size,
 sha256) as it arrives, every file is re-hashed, and the manifest's signature is checked against
@@ -37,7 +37,7 @@ from protocol.manifest import (
     step_dir_name,
 )
 
-# CheckpointDirError, load_checkpoint_dir and write_checkpoint_dir are re-exported (node/replica.py
+# CheckpointDirError, load_checkpoint_dir and write_checkpoint_dir are re-exported (node/roles/replica.py
 # imports them from here)
 from .checkpoint_dir import (
     CheckpointDirError,
@@ -50,8 +50,8 @@ from .checkpoint_dir import (
     same_as_existing,
     write_checkpoint_dir,
 )
-from .osutil import remove_tree
-from .transport import CallTimeout, Transport
+from ..osutil import remove_tree
+from ..net.transport import CallTimeout, Transport
 
 CALL_TIMEOUT_S = 10.0  # a manifest query
 TRANSFER_TIMEOUT_S = 600.0  # a whole download or upload

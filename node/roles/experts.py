@@ -20,7 +20,7 @@ times it and steps when a step is due. (Each part clipping itself measured +1.8 
 training loss on tiny-moe, two seeds.) Gradients never committed are dropped after SAVED_S.
 
 Replicas of a shard (several hosts serving it) stay in step as a pipeline stage's peers do
-(node/pipeline.py, whose server this one extends): every `stage_sync_every_s` they average their
+(node/roles/pipeline.py, whose server this one extends): every `stage_sync_every_s` they average their
 parameters in averager namespace "experts-<shard>", compressed with the run's codec, and hold
 bitwise-identical experts afterwards. A host that joins or restarts downloads its shard's state
 from a replica, hash-verified.
@@ -53,11 +53,11 @@ from torch import nn
 from protocol import RemoteProtocolError, pack_tensors, unpack_tensors
 from protocol.messages import ExpertCall, ExpertResult
 
-from .averaging import AveragingFailed, NamespaceTaken
-from .diloco import adamw, lr_at, state_hash
-from .membership import read_members
-from .osutil import write_json
-from .moe import MoEGPT, Routing, expert_name, init_moe_model
+from ..averaging import AveragingFailed, NamespaceTaken
+from ..models.diloco import adamw, lr_at, state_hash
+from ..net.membership import read_members
+from ..osutil import write_json
+from ..models.moe import MoEGPT, Routing, expert_name, init_moe_model
 from .pipeline import (
     MAX_SAVED,
     SAVED_S,
@@ -72,10 +72,12 @@ from .pipeline import (
     sync_averager,
     trainer_batches,
 )
-from .roles import Role, RoleError, label_of
-from .runconfig import RunConfig, RunConfigError
-from .stages import StageInputError
-from .transport import NETWORK_ERRORS, RemoteError, RPCError
+from protocol.records import parse_role_label, role_label
+
+from .runner import Role, RoleError
+from ..runconfig import RunConfig, RunConfigError
+from ..models.stages import StageInputError
+from ..net.transport import NETWORK_ERRORS, RemoteError, RPCError
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ PEERS_REFRESH_S = 2.0
 
 def shard_of_label(label: str) -> int | None:
     """The shard of a member record's role label ("expert:shard2" -> 2), None for other roles."""
-    role, _, slot = label.partition(":")
+    role, slot = parse_role_label(label)
     return int(slot[5:]) if role == "expert" and slot.startswith("shard") and slot[5:].isdigit() else None
 
 
@@ -130,7 +132,7 @@ class ExpertHost(StageServer):
         except RunConfigError as e:
             raise RoleError(str(e)) from None
         self.plan = ()
-        self._setup(host, transport, membership, node_config, run, index, "expert", f"expert shard {index}", f"experts-{index}", label_of("expert", None, slot))
+        self._setup(host, transport, membership, node_config, run, index, "expert", f"expert shard {index}", f"experts-{index}", role_label("expert", slot))
         self.all_experts = {expert_name(li, e) for li in range(self.gpt_config.n_layer) for e in range(self.moe_config.num_experts)}
         self.max_numel = MAX_CALL_TOKENS * self.model_config.n_embd
         self._acc_mbs: set[tuple[str, str]] = set()  # (caller, micro-batch) of the gradients accumulated since the last step

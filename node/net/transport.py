@@ -9,9 +9,9 @@ the call's shape, which both sides know from the method used:
   `ctx.receive()`, one reply.
 
 Bulk calls (`send(..., reuse=True)`) go on pipes: streams kept open between calls, over direct
-TCP sealed with AES-GCM where the peer can be reached (`node/direct.py`), else over libp2p.
+TCP sealed with AES-GCM where the peer can be reached (`node/net/direct.py`), else over libp2p.
 A peer that cannot be dialed (behind a NAT) and announced relays is reached through one of them
-(`node/relay.py`): the stream is the same, the relay copies its bytes.
+(`node/net/relay.py`): the stream is the same, the relay copies its bytes.
 
 A reply of type `Error` ends any call and raises `RemoteError` at the caller. Every call has a
 deadline. Per peer, the server caps concurrent calls and bytes in flight. A peer whose frames
@@ -39,7 +39,7 @@ from protocol.records import RelayHello
 from protocol.sealing import KEY_BYTES
 
 from . import compat, direct, relay
-from .p2p import Host, HostError, PeerUnreachable, tcp_ip4s
+from .host import Host, HostError, PeerUnreachable, tcp_ip4s
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class TransportConfig:
     linger_s: float = 5.0
     pipe_idle_s: float = 300.0  # a pipe with no call for this long is closed (by the server; callers reuse one for half of it)
     pipes_per_peer: int = 4  # idle pipes kept open to one peer
-    # pipes go over direct TCP (sealed, see node/direct.py) where the peer can be reached, else
+    # pipes go over direct TCP (sealed, see node/net/direct.py) where the peer can be reached, else
     # over libp2p. The listener binds the IPv4 addresses of the host's host_maddrs; behind a
     # port-forwarding NAT, forward `direct_port` too (0: any free port)
     direct: bool = True
@@ -117,7 +117,7 @@ class TransportConfig:
     # Measured with 4 peers averaging 25 MB on 100 Mbit token-bucket links (50 ms queue): with
     # BBR rounds took 1.40-1.46x the bandwidth bound, with CUBIC 1.12-1.23x
     direct_congestion: str | None = "cubic"
-    # serve relay hops (node/relay.py): carry streams to peers that keep a connection to us for
+    # serve relay hops (node/net/relay.py): carry streams to peers that keep a connection to us for
     # callers that cannot dial them (members only, in an owned swarm)
     relay_service: bool = False
 
@@ -379,7 +379,7 @@ class Transport:
         self._reached: dict[str, tuple[str, int]] = {}  # peer -> the TCP address a direct pipe of ours reached it at
         self._dropped: dict[str, float] = {}  # peer -> when a call to it timed out or `reset` dropped our connections to it
         self._dialed: dict[str, float] = {}  # peer -> when _check_route last let a libp2p dial through untested
-        self.gate = None  # an owned swarm's MemberGate (node/gate.py): who we serve, and the certificate we present
+        self.gate = None  # an owned swarm's MemberGate (node/net/gate.py): who we serve, and the certificate we present
         self._presented: dict[str, bytes] = {}  # peer -> the certificate of ours it accepted
         self._presenting: dict[tuple[str, bytes], asyncio.Future] = {}
         self._nonces = relay.Nonces()  # of the relay hellos we took
@@ -388,7 +388,7 @@ class Transport:
 
     def use_gate(self, gate) -> None:
         """Serve members only (`gate.check` before every handler but `gate.exempt`'s), and
-        present `gate.credential` to every peer before calling it (see node/gate.py)."""
+        present `gate.credential` to every peer before calling it (see node/net/gate.py)."""
         self.gate = gate
         self.on(MemberProof, gate.on_proof)
 
@@ -479,7 +479,7 @@ class Transport:
         return data, RelayHello.from_bytes(data, self.host.config.swarm_id)
 
     async def _serve_hop(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """As a relay: carry `peer_id`'s stream to the target its hello names (node/relay.py),
+        """As a relay: carry `peer_id`'s stream to the target its hello names (node/net/relay.py),
         if the target keeps a connection to us (its pings: we are not a proxy to anyone else)."""
         task = asyncio.current_task()
         if task is not None:
@@ -692,7 +692,7 @@ class Transport:
         not retried here."""
         await self._check_route(peer_id)
         loop = asyncio.get_running_loop()
-        # a peer that announced relays (node/relay.py): after the first open, through each of them;
+        # a peer that announced relays (node/net/relay.py): after the first open, through each of them;
         # at once beside it, through the relay that carried the last open, should one have
         # (a dial towards a NAT hangs rather than fails: each open would wait OPEN_AGAIN_S)
         relays = [r for r in self.host.routes.get(peer_id, ()) if r != self.peer_id]
@@ -775,7 +775,7 @@ class Transport:
         self._dropped.pop(peer_id, None)  # (calls checking together: each may get here)
 
     async def _open_relayed(self, relay_id: str, peer_id: str, protocol: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A stream to `peer_id` through the relay `relay_id` (see node/relay.py). Should the
+        """A stream to `peer_id` through the relay `relay_id` (see node/net/relay.py). Should the
         relay not reach the peer, it answers with an Error frame: the call fails as refused."""
         if self.gate is not None and self.gate.credential:
             await self._present(relay_id, None)  # a relay serves members only
@@ -1018,7 +1018,7 @@ class Transport:
                 await asyncio.wait_for(disconnect(peer_id), timeout)
 
     async def keep_relays(self, maddrs: Sequence[str]) -> None:
-        """Keep a connection open to each relay we announce (node/relay.py): the relay carries
+        """Keep a connection open to each relay we announce (node/net/relay.py): the relay carries
         callers' streams to us over it. Each is pinged every KEEPALIVE_S and dialed again at its
         address when a ping fails."""
         up: dict[str, bool] = {}
