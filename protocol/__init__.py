@@ -2,7 +2,12 @@
 
 Files:
     errors.py      RemoteProtocolError (a peer's bad input) vs LocalProtocolError (our bug)
-    messages.py    frozen, self-validating message dataclasses and the registry of type codes
+    messages.py    every wire message and the registry of type codes: import them from here
+    schema.py      `Message` (frozen, self-validating dataclasses), its field checks, the registry
+    session.py     hello, errors, pings, acks, membership proofs; registration, heartbeats, roles
+    bulk.py        tensor chunks, state blobs, bandwidth probes, direct connections, checkpoints
+    averaging.py   group joins, the leader's answers, members' reports and the leader's decisions
+    calls.py       a trainer's calls to pipeline stages and expert hosts, and their answers
     framing.py     encode(msg) -> bytes; Decoder.feed(bytes) -> [msg]; frame size cap
     tensors.py     EncodedTensor, dtype tables, chunking into TensorPart and reassembly
     codecs.py      none / fp16 / int8 / topk / powersgd codecs, decode_tensor, ErrorFeedback

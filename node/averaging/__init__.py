@@ -2,13 +2,13 @@
 
 One round, as each member sees it:
 
-1. **Matchmaking** (matchmaking.py). Publish a signed record under the round's DHT key, then
-   join the group of the smallest peer id that wants the same key (it leads; a leader that sees
-   a smaller id later hands its joiners over; a joiner follows such redirects). The leader
-   closes the group when `expected_peers` have joined or its join window ends, and tells
-   everyone the members, their order, the slice bounds (sized by bandwidth, in half-octave
-   steps), the codec, and phase deadlines derived from bandwidth. A peer that arrives after the
-   group closed is told so and waits for the next round.
+1. **Matchmaking** (matchmaking.py, joins.py, leading.py). Publish a signed record under the
+   round's DHT key, then join the group of the smallest peer id that wants the same key (it
+   leads; a leader that sees a smaller id later hands its joiners over; a joiner follows such
+   redirects). The leader closes the group when `expected_peers` have joined or its join window
+   ends, and tells everyone the members, their order, the slice bounds (sized by bandwidth, in
+   half-octave steps), the codec, and phase deadlines derived from bandwidth. A peer that
+   arrives after the group closed is told so and waits for the next round.
 2. **Scatter** (round.py, schedule.py). The flat vector is cut into one slice per member. Every
    member sends each owner its part, compressed with error feedback (encoded while matchmaking
    still waits on the network, where the codec allows), streamed in chunks: with a declared
@@ -42,8 +42,12 @@ Files:
     decisions.py     pure decisions, each with its reason: group closing and formation, slice
                      shares and bounds, survivors and re-owned slices, commit, pacing choice,
                      bandwidth and flow-rate learning
-    matchmaking.py   `Search` and `Lobby` (sans-IO follower / leader state machines) and
-                     `Matchmaker`, their async driver (DHT records, calls, serving joins)
+    matchmaking.py   `Matchmaker`: the async driver of matchmaking (DHT records, calls to
+                     leaders, serving joins); its docstring tells the protocol
+    joins.py         `Search` and `Lobby`: the sans-IO follower / leader state machines
+    leading.py       `Leading`: one lead of a key, step by step (look for a smaller leader, ask
+                     the last group or late peers, hear the answers, form the group)
+    probes.py        `Probes`: pings of the peers a leader or a round waits on
     round.py         `Round` (one round's state) and `RoundDriver`: scatter → decide →
                      aggregate + gather → commit, each its own method
     schedule.py      `Sender`: parts in turn or paced, fault hooks, flow measurement; `settle`
