@@ -351,7 +351,7 @@ def _closed_port() -> int:
 
 @pytest.mark.timeout(120)
 def test_a_peer_whose_connections_were_dropped_is_dialed_only_once_a_plain_connect_reaches_it(monkeypatch):
-    from node.net import transport as transport_module
+    from node.net import dialing
     from node.net.host import PeerUnreachable
 
     async def scenario(server, client):
@@ -370,7 +370,7 @@ def test_a_peer_whose_connections_were_dropped_is_dialed_only_once_a_plain_conne
 
         await client.reset(sid)
         client._reached[sid] = ("127.0.0.1", _closed_port())  # a direct address that is what is broken
-        monkeypatch.setattr(transport_module, "ROUTE_FALLBACK_S", 0.5)
+        monkeypatch.setattr(dialing, "ROUTE_FALLBACK_S", 0.5)
         with pytest.raises(PeerUnreachable, match="no route to"):
             await client.ping(sid, timeout=5)
         await asyncio.sleep(0.6)

@@ -400,9 +400,9 @@ class _OpensHang:
 
 
 def test_a_stream_open_that_hangs_gets_a_companion_and_the_first_to_open_wins(monkeypatch):
-    from node.net import transport as transport_module
+    from node.net import dialing
 
-    monkeypatch.setattr(transport_module, "OPEN_AGAIN_S", 0.05)
+    monkeypatch.setattr(dialing, "OPEN_AGAIN_S", 0.05)
 
     async def main():
         quick = Transport(_OpensHang(hanging=1))
