@@ -35,7 +35,7 @@ from protocol.tokens import CERT_TTL_S, issue_certificate
 
 from node.config import ConfigError
 from node.net.gate import MemberGate
-from node.net.host import Host, HostConfig
+from node.net.host import DHTError, Host, HostConfig
 from node.state.state_server import CheckpointServer
 from node.net.transport import CallContext, RPCError, Transport, TransportConfig
 
@@ -250,7 +250,7 @@ class Coordinator:
             rec = CoordinatorRecord(c.swarm_id, self.host.peer_id, tuple(await self.host.visible_maddrs()), self.http_address, now, now + 3 * c.record_interval_s).sign(self.host.key)
             try:
                 await self.host.dht_store(coordinator_key(c.swarm_id), rec.to_bytes(), now + 3 * c.record_interval_s)
-            except Exception as e:  # the DHT may have no peers yet; try again next round
+            except DHTError as e:  # no DHT peers yet, say: next round
                 log.debug("could not publish the coordinator record: %s", e)
             await asyncio.sleep(c.record_interval_s)
 
@@ -274,7 +274,7 @@ class Coordinator:
             rec = RevocationRecord(c.swarm_id, "", tuple(sorted(self.revoked)), now, now + 3 * c.record_interval_s).sign(self.host.key)
             try:
                 await self.host.dht_store(revoked_key(c.swarm_id), rec.to_bytes(), rec.expires_at)
-            except Exception as e:  # the DHT may have no peers yet; next round
+            except DHTError as e:  # no DHT peers yet, say: next round
                 log.debug("could not publish the revocation list: %s", e)
             await asyncio.sleep(c.record_interval_s)
 

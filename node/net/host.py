@@ -86,6 +86,10 @@ class PeerUnreachable(Exception):
     """No stream could be opened to a peer."""
 
 
+class DHTError(Exception):
+    """A DHT get or store failed: the DHT's process is busy, restarting or has no peers yet."""
+
+
 def dht_time() -> float:
     return get_dht_time()
 
@@ -308,11 +312,19 @@ class Host:
         return reader, writer
 
     async def dht_store(self, key: str, value: bytes, expiration: float, subkey: str | None = None) -> bool:
-        return bool(await self.dht.store(key, value, expiration, subkey=subkey, return_future=True))
+        """DHTError if the store failed."""
+        try:
+            return bool(await self.dht.store(key, value, expiration, subkey=subkey, return_future=True))
+        except Exception as e:  # whatever hivemind's DHT process raised: one named error for every caller
+            raise DHTError(f"DHT store failed: {e or type(e).__name__}") from e
 
     async def dht_get(self, key: str) -> Any:
-        """The value (bytes) or {subkey: bytes} stored under key, None if absent or expired."""
-        found = await self.dht.get(key, latest=True, return_future=True)
+        """The value (bytes) or {subkey: bytes} stored under key, None if absent or expired;
+        DHTError if the read failed."""
+        try:
+            found = await self.dht.get(key, latest=True, return_future=True)
+        except Exception as e:  # whatever hivemind's DHT process raised: one named error for every caller
+            raise DHTError(f"DHT get failed: {e or type(e).__name__}") from e
         if found is None:
             return None
         value = found.value

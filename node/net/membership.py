@@ -16,7 +16,7 @@ from protocol.records import CoordinatorRecord, MemberRecord, RevocationRecord, 
 
 from ..config import NodeConfig
 from ..osutil import woken
-from .host import Host, split_peer_maddr
+from .host import DHTError, Host, split_peer_maddr
 from .transport import NETWORK_ERRORS, RemoteError, Transport
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class Membership:
                 backoff = 0.5
                 self._wake.clear()
                 await woken(self._wake, self.config.heartbeat_interval_s)
-            except (*NETWORK_ERRORS, CoordinatorNotFound) as e:
+            except (*NETWORK_ERRORS, CoordinatorNotFound, DHTError) as e:
                 if isinstance(e, RemoteError) and e.code == "unauthorized":
                     log.error("the coordinator refused us: %s", e.message)
                 if not self._trouble_logged:
@@ -221,7 +221,7 @@ class Membership:
         ).sign(self.host.key)
         try:
             await self.host.dht_store(members_key(self.config.swarm_id), rec.to_bytes(), rec.expires_at, subkey=self.host.peer_id)
-        except Exception as e:  # the DHT may be briefly unreachable; the next round retries
+        except DHTError as e:  # the next round retries
             log.debug("could not publish member record: %s", e)
 
     async def read_revocations(self) -> None:
@@ -229,7 +229,7 @@ class Membership:
         their member records are not trusted (`read_members`)."""
         try:
             raw = await self.host.dht_get(revoked_key(self.config.swarm_id))
-        except Exception as e:  # the DHT may be briefly unreachable: the list stays as it was
+        except DHTError as e:  # the list stays as it was
             log.debug("could not read the revocation list: %s", e)
             return
         if raw is None:
