@@ -76,7 +76,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-REPORT = 8  # micro-batches per loss report of a trainer (node/roles/experts.py REPORT_EVERY)
+REPORT = 8  # micro-batches per loss report of a trainer (node/roles/stats.py REPORT_EVERY)
 WINDOW = 32  # micro-batches the final loss is the mean of (a multiple of REPORT)
 HM_PREFIX = "expert."  # hivemind expert uids: expert.0 .. expert.{E-1}
 
@@ -249,7 +249,7 @@ def _train_config(s: Settings):
 
 
 def run_single_train(s: Settings) -> dict:
-    """(a)'s training: the whole MoE model, AdamW every micro-batch (node/roles/experts.py
+    """(a)'s training: the whole MoE model, AdamW every micro-batch (node/roles/expert_trainer.py
     ExpertTrainer's settings), the trainer's micro-batches (data shard 0 of 1, seed + 0)."""
     import torch
 
@@ -353,11 +353,12 @@ async def _swarm_client(s: Settings, where: dict, started: Path | None) -> dict:
     import torch
 
     from node.config import NodeConfig
-    from node.roles.experts import MAX_CALL_TOKENS, ExpertClient, remote_moe, shard_of_label
-    from node.net.membership import read_members
     from node.models.moe import init_moe_model
     from node.net.host import Host, HostConfig
-    from node.roles.pipeline import activation_codec
+    from node.roles.activations import activation_codec
+    from node.roles.expert_client import ExpertClient, remote_moe
+    from node.roles.expert_host import MAX_CALL_TOKENS
+    from node.roles.view import SwarmView
     from node.runconfig import RunConfig
     from node.net.transport import Transport
     from protocol import SigningKey
@@ -381,24 +382,20 @@ async def _swarm_client(s: Settings, where: dict, started: Path | None) -> dict:
             status = json.loads(r.read())
         return {int(k.removeprefix("shard")): v["peers"] for k, v in status["expert_shards"].items() if v["peers"]}
 
-    async def refresh():  # as ExpertTrainer._refresh_peers: the hosts of each shard from their member records
+    view = SwarmView(host, node.swarm_id, node.record_ttl_s)
+
+    async def refresh():  # as the expert trainer follows them: the hosts of each shard from their member records
         while True:
-            try:
-                members = await read_members(host, node.swarm_id)
-            except Exception as e:  # the DHT may be briefly unreachable
-                print(f"reading member records: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-                members = {}
-            shards: dict[int, list[str]] = {}
-            for peer, rec in members.items():
-                sh = shard_of_label(rec.role)
-                if sh is not None and sh < s.hosts and time.time() - rec.issued_at < node.record_ttl_s:
-                    shards.setdefault(sh, []).append(peer)
+            members = await view.read()
+            if not members.ok:
+                print("the member records could not be read", file=sys.stderr, flush=True)
+            shards = members.numbered("expert", "shard", below=s.hosts)
             if len(shards) < s.hosts and (fallback or time.monotonic() - t_start > 20):
                 # the DHT named no host of some shard: ask the coordinator (said in the row)
                 try:
                     told = await asyncio.to_thread(from_coordinator)
                     if not fallback:
-                        seen = [(p[-6:], r.role, round(time.time() - r.issued_at, 1)) for p, r in members.items()]
+                        seen = [(p[-6:], r.role, round(time.time() - r.issued_at, 1)) for p, r in members.records.items()] + [(p[-6:], why) for p, why in members.skipped.items()]
                         print(f"member records after 20 s (peer, role, age s): {seen}; the coordinator: { {k: [p[-6:] for p in v] for k, v in told.items()} }", file=sys.stderr, flush=True)
                     for sh, peers in told.items():
                         shards.setdefault(sh, peers)

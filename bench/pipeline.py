@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-REPORT = 8  # micro-batches per loss report of a trainer (node/roles/pipeline.py REPORT_EVERY)
+REPORT = 8  # micro-batches per loss report of a trainer (node/roles/stats.py REPORT_EVERY)
 WINDOW = 32  # micro-batches the final loss is the mean of (a multiple of REPORT)
 
 
@@ -100,7 +100,7 @@ def _env() -> dict:
 def run_single(s: Settings, clip: str = "global") -> dict:
     """(a), clipping by one norm over all parameters; `clip` "stage": each stage's parameters
     clipped to the norm on their own, as (b)'s ranks clip; "stages-global": one global norm put
-    together from the stages' as the swarm's stage servers do (node/roles/pipeline.py StageServer._step)."""
+    together from the stages' as the swarm's stage servers do (node/roles/stage_compute.py clipped_step)."""
     import torch
 
     from node.models.data import Batches, load_corpus

@@ -23,7 +23,9 @@ from .osutil import write_json
 from .net.host import Host, HostConfig
 from .net.gate import MemberGate
 from .preflight import announce_warning, check_data_dir, check_node, load_identity  # noqa: F401 (check_data_dir, load_identity: imported from here too)
-from .roles.runner import Role, RoleError, RoleRunner
+from .roles.registry import make_role
+from .roles.role import Role, RoleContext
+from .roles.runner import RoleRunner
 from .net.transport import CallContext, Transport
 
 log = logging.getLogger(__name__)
@@ -102,40 +104,9 @@ class Node:
             await asyncio.sleep(every_s)
             write_json(path, dict(self.transport.stats))
 
-    def _make_role(self, assignment: RoleAssignment) -> Role | None:
-        """The role object for an assignment (see node/roles/runner.py); RoleError if this node
-        cannot take it."""
-        if assignment.role == "replica":
-            from .roles.replica import Replica, RunConfigError, run_config_of
-
-            try:
-                run = run_config_of(assignment)
-            except RunConfigError as e:
-                raise RoleError(str(e)) from None
-            return Replica(self.host, self.transport, self.membership, self.config, run)
-        if assignment.role in ("stage", "expert", "trainer"):
-            from .runconfig import RunConfigError, run_config_of
-
-            try:
-                run = run_config_of(assignment)
-            except RunConfigError as e:
-                raise RoleError(str(e)) from None
-            if run.is_moe:  # experts mode: expert hosts and the trainers that call them
-                from .roles.experts import ExpertHost, ExpertTrainer
-
-                if assignment.role == "trainer":
-                    return ExpertTrainer(self.host, self.transport, self.membership, self.config, run)
-                if assignment.role == "expert":
-                    return ExpertHost(self.host, self.transport, self.membership, self.config, run, assignment.expert)
-                raise RoleError(f"a run of the mixture-of-experts model {run.model} has no {assignment.role} role")
-            from .roles.pipeline import StageServer, Trainer
-
-            if assignment.role == "trainer":
-                return Trainer(self.host, self.transport, self.membership, self.config, run)
-            if assignment.role == "expert":
-                raise RoleError(f"the model {run.model} has no experts")
-            return StageServer(self.host, self.transport, self.membership, self.config, run, assignment.stage)
-        raise RoleError(f"this node does not serve the {assignment.role} role")
+    def _make_role(self, assignment: RoleAssignment) -> Role:
+        """The role object for an assignment (node/roles/registry.py); RoleError if this node cannot take it."""
+        return make_role(RoleContext(self.host, self.transport, self.membership, self.config), assignment)
 
     async def _on_hello(self, ctx: CallContext) -> Hello:
         return Hello(peer_id=self.transport.peer_id, swarm_id=self.config.swarm_id, software=SOFTWARE)

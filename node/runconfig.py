@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 MODEL_PRESETS = ("tiny", "small", "tiny-moe", "small-moe")  # *-moe: mixture-of-experts (node/models/moe.py MOE_PRESETS)
 MOE_EXPERTS = {"tiny-moe": 4, "small-moe": 8}  # experts per layer of each MoE preset
 CODECS = ("none", "fp16", "int8", "topk", "powersgd")
-STAGE_ROUTINGS = ("through", "relay")  # how a trainer's micro-batch travels between stages (node/roles/pipeline.py)
-STAGE_CLIPS = ("global", "stage")  # what a stage's step clips its gradient by (node/roles/pipeline.py StageServer._step)
+STAGE_ROUTINGS = ("through", "relay")  # how a trainer's micro-batch travels between stages (node/roles/stage_server.py)
+STAGE_CLIPS = ("global", "stage")  # what a stage's step clips its gradient by (node/roles/stage_compute.py clipped_step)
 ACTIVATION_CODECS = ("none", "fp16", "int8")  # element-wise codecs: an activation's every value arrives
 INT8_BLOCK_SIZES = (16, 1 << 20)
 

@@ -156,6 +156,14 @@ def parse_role_label(label: str) -> tuple[str, str]:
     return role, slot
 
 
+def slot_index(label: str, role: str, prefix: str = "") -> int | None:
+    """The number of a numbered slot: "stage:2" -> 2 for role "stage"; "expert:shard1" -> 1 for
+    role "expert" with prefix "shard"; None for a label of another role or slot."""
+    r, slot = parse_role_label(label)
+    number = slot[len(prefix) :] if slot.startswith(prefix) else ""
+    return int(number) if r == role and number.isdigit() else None
+
+
 @dataclass(frozen=True)
 class MemberRecord(_SignedRecord):
     """A node's own announcement: who it is, where, in what role, at what step, how fast and how busy."""

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from node.config import NodeConfig
-from node.roles.experts import ExpertClient, ExpertHost, clip_and_commit, forward_loss, shard_of_label
+from node.roles.expert_client import ExpertClient, clip_and_commit, forward_loss
+from node.roles.expert_host import ExpertHost, shard_of_label
 from node.models.moe import init_moe_model
-from node.roles.runner import RoleError
+from node.roles.role import RoleContext, RoleError
 from node.runconfig import RunConfig, RunConfigError
 from node.net.transport import RemoteError, Transport, TransportConfig
-from protocol import make_codec, pack_tensors, unpack_tensors
+from protocol import RoleAssignment, make_codec, pack_tensors, unpack_tensors
 from protocol.messages import ExpertCall
 from tests.swarm import start_hosts
 from tests.test_pipeline import NO_SYNC, _Membership
@@ -29,6 +30,10 @@ pytestmark = pytest.mark.timeout(120)
 
 RUN = RunConfig(model="tiny-moe", expert_shards=2, stage_step_samples=10**6, seed=3, stage_sync_every_s=NO_SYNC)
 NONE = make_codec("none")
+
+
+def expert(slot: str) -> RoleAssignment:
+    return RoleAssignment(peer_id="", role="expert", expert=slot)
 
 
 @contextlib.asynccontextmanager
@@ -44,7 +49,7 @@ async def expert_hosts(tmp_path, run: RunConfig, shards: list[int], config: Tran
         for i, shard in enumerate(shards):
             d = (data_dirs or {}).get(i) or tmp_path / f"h{i}"
             d.mkdir(exist_ok=True)
-            s = ExpertHost(hosts[i], transports[i], _Membership(), NodeConfig(data_dir=str(d), threads=1), run, f"shard{shard}")
+            s = ExpertHost(RoleContext(hosts[i], transports[i], _Membership(), NodeConfig(data_dir=str(d), threads=1)), run, expert(f"shard{shard}"))
             await s.start()
             servers.append(s)
             tasks.append(asyncio.create_task(s.run()))
@@ -65,7 +70,7 @@ def client_for(transport, servers, run=RUN) -> ExpertClient:
     client = ExpertClient(transport, asyncio.get_running_loop(), run, NONE, 1 << 24)
     shards: dict[int, list[str]] = {}
     for s in servers:
-        shards.setdefault(s.index, []).append(s.transport.peer_id)
+        shards.setdefault(s.index, []).append(s.ctx.transport.peer_id)
     client.peers.update(shards)
     return client
 
@@ -112,7 +117,7 @@ def test_remote_experts_give_the_one_process_models_loss_and_globally_clipped_gr
             for s in servers:
                 for name in s.names:  # "layer1.expert2" -> the model's blocks.1.moe.experts.2
                     layer, expert = (int(part.rstrip("0123456789") and part[len(part.rstrip("0123456789")):]) for part in name.split("."))
-                    for pn, p in s.stage[name].named_parameters():
+                    for pn, p in s.shard[name].named_parameters():
                         hosts_grads[f"blocks.{layer}.moe.experts.{expert}.{pn}"] = p.grad.clone()
             return loss, skipped, hosts_grads, client.calls, [s.calls for s in servers]
 
@@ -150,10 +155,10 @@ def test_a_host_steps_once_per_micro_batch_whatever_the_layers_it_serves(tmp_pat
                 x, y = batch(i)
                 await asyncio.to_thread(lambda: forward_loss(dense, client, f"mb-{i}", x, y)[1].backward())
                 await asyncio.sleep(0.2)
-                assert [s.steps for s in servers] == [i, i]  # no step before the commit
+                assert [s.compute.steps for s in servers] == [i, i]  # no step before the commit
                 await asyncio.to_thread(clip_and_commit, dense, client, f"mb-{i}", 1.0)
                 await asyncio.sleep(0.2)  # the host's step comes after the commit's answer
-            return [s.steps for s in servers], [s.calls["backward"] for s in servers]
+            return [s.compute.steps for s in servers], [s.calls["backward"] for s in servers]
 
     steps, backwards = asyncio.run(main())
     assert backwards == [6, 6]  # 3 micro-batches x 2 layers
@@ -175,7 +180,7 @@ def test_a_stalled_host_costs_one_deadline_and_its_experts_are_routed_around_unt
                 assert skipped == 0
             stalled = servers[1]
             # its compute stalls (swap, a stuck driver): calls reach it, no answer comes
-            await stalled._busy.acquire()
+            await stalled.weights.busy.acquire()
             try:
                 t0 = time.monotonic()
                 _, loss, skipped = await run("frozen-0")
@@ -187,10 +192,10 @@ def test_a_stalled_host_costs_one_deadline_and_its_experts_are_routed_around_unt
                 routed_around = time.monotonic() - t0
                 assert skipped == 0 and math.isfinite(loss.item())  # the router gave shard 1 no tokens
             finally:
-                stalled._busy.release()
-            deadline = client.peers.timeout(stalled.transport.peer_id)
+                stalled.weights.busy.release()
+            deadline = client.peers.timeout(stalled.ctx.transport.peer_id)
             # after its ban the host is called again and answers
-            await asyncio.sleep(client.peers.peers[stalled.transport.peer_id].banned_until - time.monotonic() + 0.1)
+            await asyncio.sleep(client.peers.peers[stalled.ctx.transport.peer_id].banned_until - time.monotonic() + 0.1)
             answered = False
             for i in range(20):
                 _, loss, skipped = await run(f"back-{i}")
@@ -212,7 +217,7 @@ def test_bad_calls_are_refused_naming_the_problem_and_the_host_keeps_serving(tmp
 
     async def main():
         async with expert_hosts(tmp_path, RUN, [0], config) as ((host,), client):
-            pid = host.transport.peer_id
+            pid = host.ctx.transport.peer_id
             good = torch.randn(5, RUN.model_config().n_embd)
 
             async def send(op, **tensors):
@@ -237,7 +242,7 @@ def test_bad_calls_are_refused_naming_the_problem_and_the_host_keeps_serving(tmp
                 errors[case] = (e.value.code, e.value.message)
             reply = await send("forward", **{"x:layer0.expert0": good, "x:layer1.expert2": good[:2]})
             outs = unpack_tensors(reply)
-            return errors, sorted(outs), host.calls, host.transport.scores.score(client.peer_id)
+            return errors, sorted(outs), host.calls, host.ctx.transport.scores.score(client.peer_id)
 
     errors, names, calls, score = asyncio.run(main())
     assert score == -2.0 * bad_requests  # scored down for garbage, not for asking the wrong host
@@ -265,7 +270,7 @@ def test_a_shard_holds_expert_e_of_every_layer_with_e_mod_shards_equal_to_it():
     with pytest.raises(RunConfigError, match="has no experts"):
         RunConfig(model="tiny", expert_shards=1).expert_shard(0)
     with pytest.raises(RoleError, match="not a shard"):
-        ExpertHost(None, None, None, NodeConfig(), run, "layer0")
+        ExpertHost(RoleContext(None, None, None, NodeConfig()), run, expert("layer0"))
 
 
 def test_the_coordinator_plans_experts_mode_only_for_a_moe_model_split_into_shards():
@@ -300,14 +305,14 @@ def test_a_restarted_host_with_no_replica_takes_the_state_it_saved_not_the_initi
                 await asyncio.to_thread(lambda: forward_loss(dense, client, f"mb-{i}", x, y)[1].backward())
                 await asyncio.to_thread(clip_and_commit, dense, client, f"mb-{i}", 1.0)
             deadline = time.monotonic() + 30
-            while not (host.steps >= 2 and host.state_step > 0 and host.synced_hash == host.hash) and time.monotonic() < deadline:
+            while not (host.compute.steps >= 2 and host.state.step > 0 and host.state.hash == host.hash) and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)  # its next sync (alone) makes the trained experts its saved state
-            return initial, host.synced_hash, host.state_step
+            return initial, host.state.hash, host.state.step
 
     async def again():
         (tmp_path / "h0").rename(tmp_path / "keep")  # the same data dir, started again
         async with expert_hosts(tmp_path, run, [0], data_dirs={0: tmp_path / "keep"}) as ((host,), _):
-            return host.state_from, host.state_step, [e for e in host.history if e.get("start")][-1]["state_hash"]
+            return host.state.source, host.state.step, [e for e in host.stats.history if e.get("start")][-1]["state_hash"]
 
     initial, saved, step = asyncio.run(first())
     assert saved != initial and step > 0

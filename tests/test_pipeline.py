@@ -14,19 +14,22 @@ import pytest
 import torch
 
 from node.config import NodeConfig
-from node.net.membership import Progress
 from node.models.gpt import init_model
-from node.roles import pipeline
-from node.roles.pipeline import MAX_BATCH_SAMPLES, NoStagePeer, StagePeers, StageServer, stage_of_role
-from node.roles.runner import RoleError
-from node.runconfig import RunConfig
+from node.net.membership import Progress
 from node.net.transport import RemoteError, Transport, TransportConfig
-from protocol import StageCall, StageResult, decode_tensor, make_codec, pack_tensors, unpack_tensors
+from node.roles.caller import NoSlotPeer, SlotPeers
+from node.roles.role import RoleContext, RoleError
+from node.roles.stage_calls import MAX_BATCH_SAMPLES
+from node.roles.stage_server import ServeTiming, StageServer
+from node.runconfig import RunConfig
+from protocol import RoleAssignment, StageCall, StageResult, decode_tensor, make_codec, pack_tensors, unpack_tensors
+from protocol.records import slot_index
 from tests.swarm import start_hosts
 
 pytestmark = pytest.mark.timeout(120)
 
 NO_SYNC = 1e9  # seconds between syncs (wall-clock boundaries): none during a test, which would move the state on
+NO_PENDING = ServeTiming(pending_s=600.0)  # a due step waits for the norms a call brings, never for a timeout, within a test
 RUN = RunConfig(model="tiny", num_stages=2, stage_step_samples=10_000, seed=3, stage_sync_every_s=NO_SYNC)
 NONE = make_codec("none")
 
@@ -43,8 +46,12 @@ class _Membership:
         self.published += 1
 
 
+def stage(i: int) -> RoleAssignment:
+    return RoleAssignment(peer_id="", role="stage", stage=i)
+
+
 @contextlib.asynccontextmanager
-async def stage_servers(tmp_path, run: RunConfig, config: TransportConfig = TransportConfig(), clients: int = 1):
+async def stage_servers(tmp_path, run: RunConfig, config: TransportConfig = TransportConfig(), clients: int = 1, timing: ServeTiming = ServeTiming()):
     """One started StageServer per stage, each on its own real host, and client transports."""
     hosts = await start_hosts(run.num_stages + clients)
     transports = [Transport(h, config) for h in hosts]
@@ -53,7 +60,7 @@ async def stage_servers(tmp_path, run: RunConfig, config: TransportConfig = Tran
         for t in transports:
             await t.start()
         for i in range(run.num_stages):
-            s = StageServer(hosts[i], transports[i], _Membership(), NodeConfig(data_dir=str(tmp_path / f"s{i}"), threads=1), run, i)
+            s = StageServer(RoleContext(hosts[i], transports[i], _Membership(), NodeConfig(data_dir=str(tmp_path / f"s{i}"), threads=1)), run, stage(i), timing)
             (tmp_path / f"s{i}").mkdir()
             await s.start()
             servers.append(s)
@@ -75,7 +82,7 @@ async def stage_servers(tmp_path, run: RunConfig, config: TransportConfig = Tran
 async def call(client, server, op, stage=None, micro_batch="m", **tensors) -> StageResult:
     enc = {k: NONE.encode(v) for k, v in tensors.items()}
     req = StageCall(stage=server.index if stage is None else stage, op=op, micro_batch=micro_batch, **pack_tensors(enc))
-    return await client.send(server.transport.peer_id, req, timeout=20, reuse=True)
+    return await client.send(server.ctx.transport.peer_id, req, timeout=20, reuse=True)
 
 
 def out(reply: StageResult, name: str) -> torch.Tensor:
@@ -116,13 +123,13 @@ def test_calls_chained_through_stage_servers_give_the_models_loss_and_gradients(
 
     got_loss, grads, s0, s1 = asyncio.run(main())
     assert_like_the_model(got_loss, grads, model, loss)
-    assert s0.samples == s1.samples == 3 and s0.steps == 0  # accumulated, no step yet (10 000 samples per step)
+    assert s0.compute.samples == s1.compute.samples == 3 and s0.compute.steps == 0  # accumulated, no step yet (10 000 samples per step)
 
 
 async def through(client, server, route, micro_batch="m", deadline=20.0, **tensors) -> StageResult:
     enc = {k: NONE.encode(v) for k, v in tensors.items()}
     req = StageCall(stage=server.index, op="through", micro_batch=micro_batch, route=tuple(route), deadlines=(deadline,) * len(route), **pack_tensors(enc))
-    return await client.send(server.transport.peer_id, req, timeout=30, reuse=True)
+    return await client.send(server.ctx.transport.peer_id, req, timeout=30, reuse=True)
 
 
 def test_a_through_call_hands_activations_stage_to_stage_and_gives_the_models_loss_and_gradients(tmp_path):
@@ -130,24 +137,24 @@ def test_a_through_call_hands_activations_stage_to_stage_and_gives_the_models_lo
 
     async def main():
         async with stage_servers(tmp_path, RUN) as ((s0, s1), client):
-            s1_id = s1.transport.peer_id
+            s1_id = s1.ctx.transport.peer_id
             # no member record names s1 a peer of stage 1: s0 sends our activations nowhere, and
             # says which peer of the route it would not call (the trainer picks another way)
             r = await through(client, s0, [s1_id], x=x, targets=y)
             assert r.failed == s1_id and r.failed_stage == 1 and f"{s1_id} serves no stage 1" in r.reason, r
-            assert s1.calls["through"] == 0 and s0.calls["forward"] == s0.samples == 0 and not s0._saved
+            assert s1.calls["through"] == 0 and s0.calls["forward"] == s0.compute.samples == 0 and not len(s0.compute.kept)
             with pytest.raises(RemoteError, match=r"bad_request: .*names a peer for each of the 1 stages after it, got 2"):
                 await through(client, s0, [s1_id, s1_id], x=x, targets=y)
-            s0._stages = {1: {s1_id, client.peer_id}}  # what member records naming them would give
+            s0.stage_peers = {1: {s1_id, client.peer_id}}  # what member records naming them would give
             r = await through(client, s0, [s1_id], x=x, targets=y)
             assert unpack_tensors(r) == {} and len(r.times) == 2 and not r.failed  # the first stage sends no gradient back
-            assert s0.calls["through"] == s1.calls["through"] == 1 and s0.bytes_sent > 0 and not s0._saved
+            assert s0.calls["through"] == s1.calls["through"] == 1 and s0.bytes_sent > 0 and not len(s0.compute.kept)
             grads = {n: p.grad.clone() for s in (s0, s1) for n, p in s.stage.named_parameters()}
 
             # a later stage that fails: the answer names it, and s0 keeps no graph for it
             failed = await through(client, s0, [client.peer_id], micro_batch="n", x=x, targets=y)  # the client serves no stage calls
             assert failed.failed == client.peer_id and failed.failed_stage == 1 and failed.reason and unpack_tensors(failed) == {}, failed
-            assert not s0._saved and s0.calls["failed_after"] == 2 and s0.samples == 3  # (with the first call above); nothing of it accumulated
+            assert not len(s0.compute.kept) and s0.calls["failed_after"] == 2 and s0.compute.samples == 3  # (with the first call above); nothing of it accumulated
             return r.loss, grads
 
     got_loss, grads = asyncio.run(main())
@@ -170,10 +177,10 @@ def test_a_backward_through_the_graph_its_forward_kept_gives_the_same_gradients_
             gb = out(await call(client, s1, "train", x=yb, targets=xs[1]), "grad")
             await call(client, s0, "backward", grad=gb, micro_batch="b")
             for _ in range(100):
-                if s0.steps:
+                if s0.compute.steps:
                     break
                 await asyncio.sleep(0.05)
-            assert s0.steps == 1 and s0.calls["kept"] == 1
+            assert s0.compute.steps == 1 and s0.calls["kept"] == 1
             ga = out(await call(client, s1, "train", x=ya, targets=xs[0]), "grad")
             r = await call(client, s0, "backward", grad=ga, micro_batch="a")
             assert unpack_tensors(r) == {} and s0.calls["kept"] == 2
@@ -207,16 +214,16 @@ def test_a_stage_server_steps_after_its_samples_and_reports_a_new_hash(tmp_path)
             h0 = s1.hash
             y = out(await call(client, s0, "forward", x=x), "y")
             await call(client, s1, "train", x=y, targets=x)
-            assert s1.steps == 0 and s1.hash == h0  # 2 of 4 samples
+            assert s1.compute.steps == 0 and s1.hash == h0  # 2 of 4 samples
             await call(client, s1, "train", x=y, targets=x)
             for _ in range(50):  # the step runs right after the call's reply
-                if s1.steps:
+                if s1.compute.steps:
                     break
                 await asyncio.sleep(0.05)
-            assert s1.steps == 1 and s1.hash != h0
+            assert s1.compute.steps == 1 and s1.hash != h0
             # what it reports is the state of its last sync (the same on every peer of the stage): still the start
-            assert (s1.membership.progress.step, s1.membership.progress.state_hash) == (0, h0) == (s1.state_step, s1.synced_hash)
-            assert s1.membership.published == 1  # announced itself once, on start
+            assert (s1.ctx.membership.progress.step, s1.ctx.membership.progress.state_hash) == (0, h0) == (s1.state.step, s1.state.hash)
+            assert s1.ctx.membership.published == 1  # announced itself once, on start
 
     asyncio.run(main())
 
@@ -233,9 +240,9 @@ def test_a_stage_server_waiting_for_the_norms_stops_when_cancelled_as_a_call_wak
         async with stage_servers(tmp_path, run) as ((s0, s1), client):
             act = out(await call(client, s0, "forward", x=x), "y")
             await call(client, s1, "train", x=act, targets=y)
-            assert s1._step_due() and s1.steps == 0  # waiting for the norms of the stage before it
+            assert s1.schedule.due and s1.compute.steps == 0  # waiting for the norms of the stage before it
             await asyncio.sleep(0.05)
-            s1._wake.set()  # a call comes ...
+            s1.queue.wake.set()  # a call comes ...
             s1.run_task.cancel()  # ... as the runner stops the role
             done, _ = await asyncio.wait({s1.run_task}, timeout=10)
             return bool(done) and s1.run_task.cancelled()
@@ -269,40 +276,39 @@ def one_process(run: RunConfig, mbs, per_stage: bool) -> tuple[dict[str, torch.T
     return {n: p.detach() for n, p in model.named_parameters()}, norms
 
 
-def test_stages_clip_their_steps_by_one_global_norm_as_one_process_clips_the_model(tmp_path, monkeypatch):
+def test_stages_clip_their_steps_by_one_global_norm_as_one_process_clips_the_model(tmp_path):
     """Synchronous steps as a trainer makes them: a step's micro-batches, then the next step's,
     each call carrying the norms the last answers brought. The first stage steps once the
     backward that completes its step is done (the answer brought the later stages' norms); the
     later stage waits for the norms of the first: from the next call, or at the last step from a
-    norms call (Trainer._tell_norms), before any next micro-batch. After two steps the stages
+    norms call (PipelineTrainer._tell_norms), before any next micro-batch. After two steps the stages
     hold what one process's clip_grad_norm_ over the whole model gives, not what clipping each
     stage alone does."""
-    monkeypatch.setattr(pipeline, "PENDING_S", 600.0)  # no step on a timeout: only the norms a call brings step a stage
     run = RunConfig(model="tiny", num_stages=2, stage_step_samples=6, seed=3, warmup_steps=1, stage_sync_every_s=NO_SYNC)  # a step every 2 micro-batches of 3
     cfg = run.model_config()
     gen = torch.Generator().manual_seed(2)
     mbs = [(torch.randint(0, cfg.vocab_size, (3, 16), generator=gen), torch.randint(0, cfg.vocab_size, (3, 16), generator=gen)) for _ in range(5)]
 
     async def main():
-        async with stage_servers(tmp_path, run) as ((s0, s1), client):
-            s0._stages = {1: {s1.transport.peer_id}}  # what member records naming s1 would give
+        async with stage_servers(tmp_path, run, timing=NO_PENDING) as ((s0, s1), client):
+            s0.stage_peers = {1: {s1.ctx.transport.peer_id}}  # what member records naming s1 would give
             norms2, heard = [-1.0, -1.0], []
             for i, (x, y) in enumerate(mbs):
                 enc = {k: NONE.encode(v) for k, v in (("x", x), ("targets", y))}
-                req = StageCall(stage=0, op="through", micro_batch=f"m{i}", route=(s1.transport.peer_id,), deadlines=(20.0,), norms2=tuple(norms2), **pack_tensors(enc))
-                r = await client.send(s0.transport.peer_id, req, timeout=30, reuse=True)
+                req = StageCall(stage=0, op="through", micro_batch=f"m{i}", route=(s1.ctx.transport.peer_id,), deadlines=(20.0,), norms2=tuple(norms2), **pack_tensors(enc))
+                r = await client.send(s0.ctx.transport.peer_id, req, timeout=30, reuse=True)
                 assert not r.failed and len(r.norms2) == len(r.norm_steps) == 2, r
                 norms2 = list(r.norms2)
                 heard.append(r.norm_steps)
                 if i == 3:  # step 2 is due at both stages: a norms call steps s1 now
-                    r = await client.send(s1.transport.peer_id, StageCall(stage=1, op="norms", norms2=tuple(norms2)), timeout=30, reuse=True)
+                    r = await client.send(s1.ctx.transport.peer_id, StageCall(stage=1, op="norms", norms2=tuple(norms2)), timeout=30, reuse=True)
                     assert r.norm_steps == (2,) and s1.calls["norms"] == 1, r
                     deadline = time.monotonic() + 20
-                    while (s0.steps, s1.steps) != (2, 2) and time.monotonic() < deadline:
+                    while (s0.compute.steps, s1.compute.steps) != (2, 2) and time.monotonic() < deadline:
                         await asyncio.sleep(0.01)
-                    assert (s0.steps, s1.steps) == (2, 2)  # both stepped before the next micro-batch
+                    assert (s0.compute.steps, s1.compute.steps) == (2, 2)  # both stepped before the next micro-batch
             assert heard == [(0, 0), (1, 1), (1, 1), (2, 2), (2, 2)]  # a step was due after the 2nd and 4th micro-batch, at both stages
-            assert s0.steps == s1.steps == 2 and s0.clips == s1.clips == {"global": 2, "alone": 0}  # both steps clipped by every stage's norm
+            assert s0.compute.steps == s1.compute.steps == 2 and s0.compute.clips == s1.compute.clips == {"global": 2, "alone": 0}  # both steps clipped by every stage's norm
             return {n: p.detach().clone() for s in (s0, s1) for n, p in s.stage.named_parameters()}, norms2
 
     got, norms2 = asyncio.run(main())
@@ -316,30 +322,29 @@ def test_stages_clip_their_steps_by_one_global_norm_as_one_process_clips_the_mod
     assert min((alone[n] - want[n]).abs().max().item() for n in want) > 4e-5  # clipping each stage alone moves every weight further
 
 
-def test_with_stage_clip_each_stage_steps_by_its_own_norm_once_its_share_of_the_step_is_in(tmp_path, monkeypatch):
+def test_with_stage_clip_each_stage_steps_by_its_own_norm_once_its_share_of_the_step_is_in(tmp_path):
     """Run setting stage_clip "stage": a stage clips by its own gradient's norm, as
     torch.distributed.pipelining's ranks do, and steps right after the batch that completes its
     step, with no norms from the other stages to wait for (and none asked for). After two steps
     the stages hold what one process clipping each stage's parameters alone gives."""
-    monkeypatch.setattr(pipeline, "PENDING_S", 600.0)  # a step that waited for norms would not come within the test
     run = RunConfig(model="tiny", num_stages=2, stage_step_samples=6, seed=3, warmup_steps=1, stage_sync_every_s=NO_SYNC, stage_clip="stage")
     cfg = run.model_config()
     gen = torch.Generator().manual_seed(2)
     mbs = [(torch.randint(0, cfg.vocab_size, (3, 16), generator=gen), torch.randint(0, cfg.vocab_size, (3, 16), generator=gen)) for _ in range(4)]
 
     async def main():
-        async with stage_servers(tmp_path, run) as ((s0, s1), client):
-            s0._stages = {1: {s1.transport.peer_id}}
+        async with stage_servers(tmp_path, run, timing=NO_PENDING) as ((s0, s1), client):
+            s0.stage_peers = {1: {s1.ctx.transport.peer_id}}
             for i, (x, y) in enumerate(mbs):
                 enc = {k: NONE.encode(v) for k, v in (("x", x), ("targets", y))}
-                req = StageCall(stage=0, op="through", micro_batch=f"m{i}", route=(s1.transport.peer_id,), deadlines=(20.0,), **pack_tensors(enc))
-                r = await client.send(s0.transport.peer_id, req, timeout=30, reuse=True)
+                req = StageCall(stage=0, op="through", micro_batch=f"m{i}", route=(s1.ctx.transport.peer_id,), deadlines=(20.0,), **pack_tensors(enc))
+                r = await client.send(s0.ctx.transport.peer_id, req, timeout=30, reuse=True)
                 assert not r.failed, r
                 deadline = time.monotonic() + 20
-                while (s0.steps, s1.steps) != ((i + 1) // 2,) * 2 and time.monotonic() < deadline:
+                while (s0.compute.steps, s1.compute.steps) != ((i + 1) // 2,) * 2 and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
-                assert (s0.steps, s1.steps) == ((i + 1) // 2,) * 2, i  # a step after every 2nd micro-batch, at once, at both stages
-            assert s0.clips == s1.clips == {"global": 0, "alone": 2} and s0.calls["norms"] == s1.calls["norms"] == 0
+                assert (s0.compute.steps, s1.compute.steps) == ((i + 1) // 2,) * 2, i  # a step after every 2nd micro-batch, at once, at both stages
+            assert s0.compute.clips == s1.compute.clips == {"global": 0, "alone": 2} and s0.calls["norms"] == s1.calls["norms"] == 0
             return {n: p.detach().clone() for s in (s0, s1) for n, p in s.stage.named_parameters()}
 
     got = asyncio.run(main())
@@ -386,12 +391,12 @@ def test_malformed_calls_are_refused_with_the_problem_named_and_the_server_keeps
             good = pack_tensors({"x": NONE.encode(torch.zeros(2, 8, dtype=torch.int64))})
             with pytest.raises(RemoteError, match=r"bad_request: .*data: carries 128 bytes, the headers declare 64"):
                 head = dict(good["tensors"][0], nbytes=64)
-                await client.call(s0.transport.peer_id, unchecked(StageCall, stage=0, op="forward", tensors=(head,), shapes=((2, 8),), data=good["data"]), 10)
+                await client.call(s0.ctx.transport.peer_id, unchecked(StageCall, stage=0, op="forward", tensors=(head,), shapes=((2, 8),), data=good["data"]), 10)
             assert s0.calls["refused"] + s1.calls["refused"] == len(BAD)
             # the sender is banned
             with pytest.raises(RemoteError, match="unauthorized: banned for 60 more seconds"):
                 await call(client, s0, "forward", x=torch.zeros(2, 8, dtype=torch.int64))
-            assert s1.transport.scores.banned(client.peer_id, time.monotonic()) > 0  # its 6 refusals there, too
+            assert s1.ctx.transport.scores.banned(client.peer_id, time.monotonic()) > 0  # its 6 refusals there, too
             # and the servers still serve everyone else
             x = torch.randint(0, 256, (2, 8))
             r = await call(other, s1, "train", x=out(await call(other, s0, "forward", x=x), "y"), targets=x)
@@ -411,18 +416,18 @@ def unchecked(cls, **values):
 def test_a_node_cannot_take_a_stage_outside_the_cut_or_a_cut_that_does_not_fit(tmp_path):
     cfg = NodeConfig(data_dir=str(tmp_path))
     with pytest.raises(RoleError, match=r"stage 2 is not a stage of this run's cut \(0..1\)"):
-        StageServer(None, None, _Membership(), cfg, RUN, 2)
+        StageServer(RoleContext(None, None, _Membership(), cfg), RUN, stage(2))
     with pytest.raises(RoleError, match=r"num_stages \(3\) exceeds the model's 2 blocks"):
-        StageServer(None, None, _Membership(), cfg, RunConfig(model="tiny", num_stages=3), 0)
+        StageServer(RoleContext(None, None, _Membership(), cfg), RunConfig(model="tiny", num_stages=3), stage(0))
     with pytest.raises(RoleError, match=r"stage block counts \[1, 2\] add up to 3, the model has 2 blocks"):
-        StageServer(None, None, _Membership(), cfg, RunConfig(model="tiny", num_stages=2, stage_blocks="1,2"), 0)
+        StageServer(RoleContext(None, None, _Membership(), cfg), RunConfig(model="tiny", num_stages=2, stage_blocks="1,2"), stage(0))
 
 
 # ---- the trainer's view of stage peers -----------------------------------------------------------
 
 
 def test_stage_peers_pick_by_expected_completion_and_try_new_peers_at_once():
-    peers = StagePeers()
+    peers = SlotPeers()
     peers.update({0: ["a", "b"], 1: ["c"]})
     peers.succeeded("a", 0.1)
     assert peers.choose(0, now=0) == "b"  # never measured: tried at once
@@ -432,14 +437,14 @@ def test_stage_peers_pick_by_expected_completion_and_try_new_peers_at_once():
     assert peers.choose(0, now=0) == "b"
     assert peers.choose(0, now=0, avoid={"b"}) == "a"  # a call retried elsewhere
     assert peers.choose(1, now=0, avoid={"c"}) == "c"  # ... unless there is nowhere else
-    with pytest.raises(NoStagePeer, match="no peer serves stage 2"):
+    with pytest.raises(NoSlotPeer, match="no peer serves stage 2"):
         peers.choose(2, now=0)
 
 
 def test_a_peer_that_measured_slow_gets_a_call_again_after_reprobe_s():
     # b measured slow once (it was starting): by expected time it would never be chosen again,
     # its time never corrected, and the planner would never see its rate
-    peers = StagePeers(reprobe_s=5.0)
+    peers = SlotPeers(reprobe_s=5.0)
     peers.update({0: ["a", "b"]})
     assert [peers.choose(0, now=0.0, avoid={"b"}), peers.choose(0, now=0.0, avoid={"a"})] == ["a", "b"]
     peers.succeeded("a", 0.01)
@@ -452,7 +457,7 @@ def test_a_peer_that_measured_slow_gets_a_call_again_after_reprobe_s():
 
 
 def test_stage_peers_ban_failing_peers_with_backoff_and_derive_deadlines_from_measured_times():
-    peers = StagePeers(min_timeout_s=2.0, first_timeout_s=10.0, timeout_factor=8.0, max_backoff_s=30.0)
+    peers = SlotPeers(min_timeout_s=2.0, first_timeout_s=10.0, timeout_factor=8.0, max_backoff_s=30.0)
     peers.update({0: ["a", "b"]})
     assert peers.timeout("a") == 10.0  # never measured
     peers.succeeded("a", 0.5)
@@ -463,7 +468,7 @@ def test_stage_peers_ban_failing_peers_with_backoff_and_derive_deadlines_from_me
     assert peers.failed("a", now=100.5) == 0.5  # a call that was in flight with the first: the same failure
     assert [peers.failed("a", now=t) for t in (101, 103, 107, 115, 131, 161)] == [2, 4, 8, 16, 30, 30]
     assert peers.choose(0, now=170) == "b"
-    with pytest.raises(NoStagePeer, match="every peer of stage 0 failed lately"):
+    with pytest.raises(NoSlotPeer, match="every peer of stage 0 failed lately"):
         peers.failed("b", now=170)
         peers.choose(0, now=170.5)
     assert peers.choose(0, now=171.1) == "b"  # its 1-s ban is over: tried again (a's lasts until 191)
@@ -473,4 +478,4 @@ def test_stage_peers_ban_failing_peers_with_backoff_and_derive_deadlines_from_me
 
 
 def test_role_labels_name_the_stage():
-    assert [stage_of_role(r) for r in ("stage:0", "stage:12", "replica", "stage:", "stage:x", "expert:e1")] == [0, 12, None, None, None, None]
+    assert [slot_index(r, "stage") for r in ("stage:0", "stage:12", "replica", "stage:", "stage:x", "expert:e1")] == [0, 12, None, None, None, None]

@@ -5,7 +5,9 @@ import json
 import pytest
 
 from coordinator.planner import checkpoint_quorum
-from node.roles.replica import RunConfig, RunConfigError, choose_state, shard_of
+from node.models.data import shard_of
+from node.roles.slot_state import choose_state
+from node.runconfig import RunConfig, RunConfigError
 
 
 def test_choose_state_prefers_the_majority_at_the_highest_round():

@@ -9,7 +9,8 @@ import pytest
 from node.averaging import AveragingService
 from node.config import NodeConfig
 from node.net.membership import Membership
-from node.roles.runner import Role, RoleError, RoleRunner
+from node.roles.role import Role, RoleContext, RoleError
+from node.roles.runner import RoleRunner
 from node.runconfig import RunConfig
 from protocol import AvgJoin, CheckpointQuery, RoleAssignment
 from tests.swarm import start_hosts
@@ -37,7 +38,7 @@ def test_replica_idle_replica_awaits_the_old_roles_teardown(tmp_path):
 
         def factory(a: RoleAssignment):
             assert a.role == "replica"
-            replica = Replica(host, transport, membership, config, RunConfig.from_json(a.config))
+            replica = Replica(RoleContext(host, transport, membership, config), RunConfig.from_json(a.config), a)
             k = len(made)
             made.append(replica)
             start, stop = replica.start, replica.stop

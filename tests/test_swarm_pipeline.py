@@ -214,7 +214,7 @@ def test_a_joiner_takes_its_stage_state_and_the_last_peer_of_a_stage_hands_it_ov
     # within a few rounds of c's start: a holder that advanced alone when its round with c
     # failed kept c a round behind, failing round after round (12 rounds, 1 run in 5)
     period = float(TWO_STAGES[TWO_STAGES.index("--stage-sync-every-s") + 1])
-    joined_round = int(first["time"] // period) + 1  # (rounds are numbered as node/roles/pipeline.py _sync_forever numbers them)
+    joined_round = int(first["time"] // period) + 1  # (rounds are numbered as node/roles/slot_sync.py every_period numbers them)
     synced = sorted(common_syncs(swarm, [holder, "c"]))
     assert synced[0] - joined_round <= 4, (joined_round, synced)
 

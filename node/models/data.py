@@ -1,6 +1,7 @@
 """Training data: a byte-level corpus, sharded random windows, and a fixed validation loss.
 
     load_corpus(path)  the built-in corpus (None) or your text files -> Corpus(train, val, fingerprint)
+    shard_of           the data shard a peer id trains on by default
     Batches            random (x, y) windows from one replica's shard of the train bytes, seeded
     evaluate           mean loss over a fixed set of validation windows (the same every call)
 
@@ -25,6 +26,7 @@ import functools
 import hashlib
 import os
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,6 +148,11 @@ def _windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[to
     """Inputs are bytes [s, s+context), targets the same shifted by one: predict the next byte."""
     w = data[starts.unsqueeze(1) + torch.arange(context + 1)].long()
     return w[:, :-1], w[:, 1:]
+
+
+def shard_of(peer_id: str, num_shards: int) -> int:
+    """The data shard a node trains on when it is not told one: the same for a peer id everywhere."""
+    return zlib.crc32(peer_id.encode()) % num_shards
 
 
 class Batches:

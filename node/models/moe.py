@@ -18,6 +18,7 @@ routing and the combination stay with the caller:
     MoEGPT          forward(idx, targets=None) -> (logits, loss, aux_loss)
     init_moe_model  MoEGPT with bitwise-identical parameters for the same (config, seed)
     expert_name     "layer1.expert3": how the swarm names an expert
+    ExpertShard     the experts of one shard (what an expert host holds), by swarm name
 """
 
 from __future__ import annotations
@@ -211,6 +212,21 @@ class MoEGPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1)) + self.moe_config.aux_loss_weight * aux
         return logits, loss, aux
+
+
+class ExpertShard(nn.Module):
+    """The experts of one shard, by swarm name, with the one-process model's initial values."""
+
+    def __init__(self, model: MoEGPT, names: tuple[str, ...]):
+        super().__init__()
+        self.names = names
+        self.experts = nn.ModuleDict({n.replace(".", "_"): model.expert(n) for n in names})
+
+    def __getitem__(self, name: str) -> nn.Module:
+        return self.experts[name.replace(".", "_")]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
 
 
 MOE_PRESETS: dict[str, tuple[GPTConfig, MoEConfig]] = {

@@ -1,9 +1,50 @@
-"""The work a node does for the swarm.
+"""The work a node does for the swarm: its role, and the parts every role is built from.
+
+A role is one object with `start()`, `run()` and `stop(planned)` (role.py). The daemon hands each
+assignment from the coordinator to the runner, which stops the old role before it starts the new
+one; the registry says which class an assignment makes. The roles and the parts they share:
+
+    replica         DiLoCo: inner steps, then the all-reduce of the pseudo-gradient; catch-up
+    stage server    one stage of a pipeline cut, served to trainers; synced with its stage's peers
+    expert host     one shard of a MoE model's experts, served to trainers; synced with its shard's
+    trainers        hold the data: push micro-batches through the stages, or call the experts
+
+                    replica  stage server  expert host  trainers
+    SwarmView          x          x             x           x      who is a member, in what role
+    SlotState          x          x             x                  a slot's states: disk, peers, coordinator
+    SlotWeights                   x             x                  a slot's module and outer state
+    SlotSync                      x             x                  periodic sync, catch-up, hand-over
+    CallQueue                     x             x                  calls served in batches
+    StepSchedule                  x             x                  when a step is due and taken
+    PeerCaller                                              x      calls with deadlines and backoff
+    micro_batch_loop                                        x      the trainers' one loop
+    stats                x        x             x           x      stats files, rates, losses
 
 Files:
-    runner.py     the role interface (start, run, stop(planned)) and the runner that switches roles
-    replica.py    the replica role: DiLoCo rounds, catch-up, state serving, checkpoints
-    pipeline.py   the stage server and trainer roles of a pipeline run
-    experts.py    the expert host and trainer roles of an experts run
-    pause.py      PauseWatch: notices this process was frozen (a jump of the clocks between ticks)
+    role.py              `Role`, `RoleError`, `RoleContext` (what the daemon gives every role)
+    runner.py            `RoleRunner`: at most one role at a time, each switch awaiting the old one's stop
+    registry.py          `RoleSpec` entries, one per role; `make_role(ctx, assignment)`
+    view.py              `SwarmView`: one DHT read path, one timeout, one freshness rule, reasons for skips
+    caller.py            `SlotPeers` (pure: pick, deadlines, backoff) and `PeerCaller` (checked calls)
+    slot_state.py        `SlotState`: a slot's states on disk, served, offered, fetched, uploaded;
+                         `choose_state`, the pure choice of which state to take
+    weights.py           `SlotWeights` (module, optimizer, outer state, version, lock) and `ComputeThread`
+    slot_sync.py         `SlotSync`: take the slot's state, sync every period, catch up, hand over
+    serving.py           `CallQueue` and `Pending`: the calls waiting for a server's compute, the serve loop
+    stage_core.py        sans-IO decisions with reasons, clock passed in: `take_batch`, `KeptGraphs`,
+                         `StepSchedule` (step due, the global clip's waiting), `NormBook` (a trainer's)
+    stage_compute.py     a stage's arithmetic: batches, kept graphs with stashed weights, `clipped_step`
+    stage_calls.py       the checks on stage calls and through answers, before any compute
+    stage_server.py      `StageServer`, composed of the parts above
+    expert_host.py       `ExpertHost` and `ExpertCompute`: forward and backward per expert, held
+                         gradients until the trainer's commit
+    activations.py       the codec activations travel with; decoding with checks
+    trainer_loop.py      the trainers' data and `micro_batch_loop`
+    pipeline_trainer.py  `PipelineTrainer`: through and relay routing, retries, the global clip's norms
+    expert_client.py     `ExpertClient`, `remote_moe`, `forward_loss`, `clip_and_commit`: a trainer's
+                         side of remote experts
+    expert_trainer.py    `ExpertTrainer`: the dense parts here, the experts remote; dense syncs
+    replica.py           `Replica`: the DiLoCo round, state taken from peers or the coordinator
+    stats.py             `StatsFile`, `ComputeRate`, `LossLog`
+    pause.py             `PauseWatch`: notices this process was frozen (a jump of the clocks)
 """

@@ -1,54 +1,24 @@
-"""Roles: the work a node does for the swarm, and the runner that switches between them.
-
-A role is one object with three steps (`Role`):
-- `start()`: take the role's services (its averager namespace, its RPC handlers); raise
-  `RoleError` if the node cannot take it (nothing is left registered then);
-- `run()`: the work, until it ends or is cancelled (a role whose work runs in threads tells
-  them to return when it is cancelled);
-- `stop(planned)`: give everything back: cancel its tasks, unregister its services.
-  `planned` is True when the node leaves the role by plan (a new assignment, Ctrl-C): a role
-  with something to hand over (a pipeline stage's parameters, an expert) hands it over first;
-  False after a failure.
+"""The runner that switches a node between roles (role.py says what a role is).
 
 `RoleRunner` holds at most one role. Each assignment from the coordinator goes to `want()`;
 switches run one at a time, in order, and the old role's `stop()` is awaited before the next
 role starts, so two roles never hold the same services (the transport and the averaging
 service refuse a second owner: a switch that did not wait would fail loudly, not steal).
-Assignments that arrive during a switch collapse into the newest.
-
-Adding a role: a class with `name`, `start`, `run`, `stop(planned)`; a case in the daemon's
-factory (`Node._make_role`) that builds it from its `RoleAssignment`; its services registered
-in `start` through `Transport.serve` (one group, one owner) and its averaging through an
-`Averager` of its own namespace.
+Assignments that arrive during a switch collapse into the newest. Which role object an
+assignment makes is the factory's (registry.py `make_role`).
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import logging
 from collections.abc import Callable
 
 from protocol import RoleAssignment
 
+from .role import Role, RoleError
+
 log = logging.getLogger(__name__)
-
-
-class RoleError(Exception):
-    """This node cannot take the role it was assigned (the message says why)."""
-
-
-class Role(abc.ABC):
-    name: str = "role"
-
-    @abc.abstractmethod
-    async def start(self) -> None: ...
-
-    @abc.abstractmethod
-    async def run(self) -> None: ...
-
-    @abc.abstractmethod
-    async def stop(self, planned: bool) -> None: ...
 
 
 def role_key(a: RoleAssignment | None) -> tuple | None:

@@ -1,0 +1,311 @@
+"""The expert role: one shard of a MoE model's experts (expert e of every layer with e mod
+expert_shards == its shard), served to the trainers that run the rest of the model.
+
+An expert host is composed of the same parts as a stage server (stage_server.py): SlotWeights,
+SlotState, SlotSync (its shard's hosts average in namespace "experts-<shard>" and hold
+bitwise-identical experts afterwards), a CallQueue (one call at a time: its graphs are kept per
+expert) and a StepSchedule, with `ExpertCompute` for the arithmetic.
+
+One ExpertCall carries all tokens of all this shard's experts a trainer's micro-batch routed here,
+for one layer. The host keeps the forward's graph, so the backward sends only the gradient; a
+host that lost it (restarted) recomputes from the tokens when they are sent again. Gradients are
+clipped by one global norm over the whole model, as one process clips them: a backward's answer
+carries the squared norm of its experts' gradients, which the host holds; after the
+micro-batch's backward the trainer sends each host the clip coefficient (op "commit"), and the
+host adds its held gradients times it. Gradients never committed are dropped after SAVED_S. The
+host steps its AdamW every `stage_step_samples` samples of committed micro-batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protocol import RemoteProtocolError, RoleAssignment, pack_tensors, unpack_tensors
+from protocol.messages import ExpertCall, ExpertResult
+from protocol.records import role_label, slot_index
+
+from ..models.diloco import TrainConfig, adamw, lr_at
+from ..models.moe import ExpertShard, expert_name, init_moe_model
+from ..models.stages import StageInputError
+from ..net.transport import HandlerTaken, RPCError
+from ..runconfig import RunConfig, RunConfigError
+from .activations import activation_codec, decode_checked, encode_floats
+from .role import Role, RoleContext, RoleError
+from .serving import CallQueue, Pending
+from .slot_state import SlotState
+from .slot_sync import SlotSync
+from .stage_compute import MAX_SAVED, SAVED_S, WeightStash, clipped_step
+from .stage_core import KeptGraphs, StepSchedule
+from .stage_server import ServeTiming, model_hash
+from .stats import ComputeRate, StatsFile
+from .view import SwarmView
+from .weights import SlotWeights
+
+log = logging.getLogger(__name__)
+
+MAX_CALL_TOKENS = 1 << 16  # tokens one call may carry per expert
+
+
+def shard_of_label(label: str) -> int | None:
+    """The shard of a member record's role label ("expert:shard2" -> 2), None for other roles."""
+    return slot_index(label, "expert", "shard")
+
+
+def check_expert_call(req: ExpertCall, host: ExpertHost) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The tokens (`x:<expert>`) and gradients (`grad:<expert>`) a call carries, checked before
+    any compute: names of experts this host serves, float32 (n, C), finite."""
+    if req.op == "commit":
+        return {}, {}
+    names, n_embd, gpt, moe = host.names, host.gpt_config.n_embd, host.gpt_config, host.moe_config
+    max_numel = MAX_CALL_TOKENS * n_embd
+    x, grad = {}, {}
+    for key, enc in unpack_tensors(req, max_numel).items():
+        kind, _, name = key.partition(":")
+        if kind not in ("x", "grad") or (kind == "grad" and req.op == "forward"):
+            raise StageInputError(f"a {req.op} carries x:<expert>{' and grad:<expert>' if req.op == 'backward' else ''} tensors, got {key!r}")
+        if name not in host.all_experts:
+            raise StageInputError(f"no expert {name!r} in this model ({gpt.n_layer} layers x {moe.num_experts} experts)")
+        if name not in names:  # a real expert of another shard: a stale view, not garbage
+            raise RPCError("not_found", f"{host.what} does not serve expert {name} (it serves {', '.join(names)})")
+        t = decode_checked(enc, max_numel, key)
+        if t.dtype != torch.float32 or t.dim() != 2 or t.size(1) != n_embd or t.size(0) > MAX_CALL_TOKENS:
+            raise StageInputError(f"{key} must be float32 (tokens <= {MAX_CALL_TOKENS}, {n_embd}), got {t.dtype} {tuple(t.shape)}")
+        (x if kind == "x" else grad)[name] = t
+    if req.op == "forward" and not x:
+        raise StageInputError("a forward carries at least one x:<expert>")
+    if req.op == "backward":
+        if not grad:
+            raise StageInputError("a backward carries at least one grad:<expert>")
+        for name, t in x.items():
+            if name not in grad:
+                raise StageInputError(f"x:{name} without grad:{name}")
+            if t.shape != grad[name].shape:
+                raise StageInputError(f"grad:{name} has shape {tuple(grad[name].shape)}, x:{name} {tuple(t.shape)}")
+    return x, grad
+
+
+class ExpertCompute:
+    """An expert host's arithmetic, on the event loop's thread under the weights' lock."""
+
+    def __init__(self, weights: SlotWeights, schedule: StepSchedule, train_config: TrainConfig, batch_size: int, calls: dict[str, int], what: str):
+        self.weights, self.schedule, self.train_config, self.batch_size, self.calls, self.what = weights, schedule, train_config, batch_size, calls, what
+        self.kept = KeptGraphs(MAX_SAVED, SAVED_S)  # (caller, micro-batch/layer, expert) -> (x, y); the limit is set per shard in `hold`
+        self.stash = WeightStash(weights)
+        self.rate = ComputeRate()
+        # (caller, micro-batch) -> (when its first backward came, its experts' parameter
+        # gradients): held until the trainer's commit says how much of them to apply
+        self.held: dict[tuple[str, str], tuple[float, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.steps = self.samples = 0
+        self.clips = {"global": 0, "alone": 0}
+        self.last_norm = (-1.0, -1.0)
+
+    def run_batch(self, batch: list[Pending]) -> list[tuple[float | None, dict]]:
+        p = batch[0]  # a call is its own batch
+        caller, mb = p.key
+        if p.op == "commit":
+            return [(None, self._commit((caller, mb), p.extra))]
+        t0 = time.thread_time()
+        if p.op == "forward":
+            return [(None, self._forward(caller, mb, p.x, t0))]
+        return [self._backward(caller, mb, p, t0)]
+
+    def _forward(self, caller: str, mb: str, xs: dict[str, torch.Tensor], t0: float) -> dict[str, torch.Tensor]:
+        now = time.monotonic()
+        for key in [k for k, (when, _) in self.held.items() if now - when > SAVED_S]:
+            del self.held[key]  # its trainer never committed it (gone, or its commit failed)
+            self.calls["uncommitted"] += 1
+            log.debug("%s: micro-batch %s of %s never committed; its gradients dropped", self.what, key[1], key[0][-8:])
+        shard, outs = self.weights.module, {}
+        for name, x in xs.items():
+            x = x.detach().requires_grad_(True)
+            with self.stash.hooks(shard):
+                y = shard[name](x)
+            self.kept.keep((caller, mb, name), now, (x, y))
+            outs[name] = y.detach()
+            self.calls["tokens"] += x.size(0)
+        self.rate.add(time.thread_time() - t0, 0)
+        return outs
+
+    def _backward(self, caller: str, mb: str, p: Pending, t0: float) -> tuple[float, dict[str, torch.Tensor]]:
+        outs, tokens, norm2, held = {}, 0, 0.0, []
+        for name, g in p.extra.items():
+            if name in p.x:  # recompute: this host may not hold the forward
+                self.kept.drop((caller, mb, name))
+                x = p.x[name].detach().requires_grad_(True)
+                y = self.weights.module[name](x)
+            else:
+                kept = self.kept.take((caller, mb, name))
+                if kept is None:
+                    raise RPCError("not_found", f"no forward of {name} for micro-batch {mb!r} kept here: send its tokens")
+                x, y = kept
+                if g.shape != y.shape:
+                    raise RemoteProtocolError(f"{self.what} backward: grad:{name} has shape {tuple(g.shape)}, the forward gave {tuple(y.shape)}")
+            params = list(self.weights.module[name].parameters())
+            grads = torch.autograd.grad(y, [x, *params], g)
+            outs[name] = grads[0]
+            held.extend(zip(params, grads[1:]))
+            norm2 += float(sum(t.square().sum() for t in grads[1:]))
+            tokens += x.size(0)
+        # (held only once the whole call computed: a refused one leaves nothing to expire)
+        self.held.setdefault((caller, mb.rpartition("/")[0] or mb), (time.monotonic(), []))[1].extend(held)
+        self.samples += tokens
+        self.rate.add(time.thread_time() - t0, tokens)
+        return norm2, outs
+
+    def _commit(self, key: tuple[str, str], scale: float) -> dict:
+        """The trainer's global clip for micro-batch `key`: its held gradients, times `scale`,
+        join the next step's (scale 0: dropped)."""
+        held = self.held.pop(key, None)
+        if held is None:
+            raise RPCError("not_found", f"no gradients of micro-batch {key[1]!r} held here (expired, or its backward went elsewhere)")
+        if scale > 0.0:
+            for param, grad in held[1]:
+                if param.grad is None:
+                    param.grad = grad.mul_(scale)
+                else:
+                    param.grad.add_(grad, alpha=scale)
+            self.schedule.accumulated(self.batch_size, 1)  # gradients are averaged over the micro-batches they came from
+        return {}
+
+    def step(self) -> None:
+        stepped, norms = clipped_step(self.weights.opt, self.schedule.acc_calls, self.train_config.grad_clip, lr_at(self.steps, self.train_config))
+        if norms is not None:
+            self.last_norm = norms
+            self.clips["alone"] += 1
+        if stepped:
+            self.weights.changed()
+            self.steps += 1
+        else:
+            log.warning("%s: non-finite gradient norm; dropping its micro-batches' gradients", self.what)
+
+
+class ExpertHost(Role):
+    """The expert role: serves ExpertCall for the experts of shard `assignment.expert` ("shard<i>")."""
+
+    name = "expert"
+
+    def __init__(self, ctx: RoleContext, run: RunConfig, assignment: RoleAssignment, timing: ServeTiming = ServeTiming()):
+        slot = assignment.expert
+        index = shard_of_label(role_label("expert", slot)) if slot else None
+        try:
+            if index is None:
+                raise RunConfigError(f"expert slot {slot!r} is not a shard name (shard<i>)")
+            self.names = run.expert_shard(index)
+            self.gpt_config, self.moe_config = run.moe_preset()
+        except RunConfigError as e:
+            raise RoleError(str(e)) from None
+        c, data = ctx.node_config, Path(ctx.node_config.data_dir)
+        self.ctx, self.run_config, self.index, self.what, self.label = ctx, run, index, f"expert shard {index}", role_label("expert", slot)
+        self.codec = activation_codec(run, self.gpt_config.n_embd)
+        self.all_experts = {expert_name(li, e) for li in range(self.gpt_config.n_layer) for e in range(self.moe_config.num_experts)}
+        self.weights = SlotWeights(c.torch_threads(), run.stage_outer_momentum, "expert")
+        meta = {**self.gpt_config.to_dict(), "moe": self.moe_config.to_dict(), "expert_shard": index, "experts": list(self.names)}
+        self.state = SlotState(ctx.transport, data / "expert-state", data / "expert-downloads", self.what, meta, model_hash, self.weights.compute)
+        self.view = SwarmView(ctx.host, c.swarm_id, c.record_ttl_s)
+        # the shard's state lives on its hosts: the coordinator keeps none (coordinator_slot None)
+        self.sync = SlotSync(ctx, run, self.weights, self.state, self.view, f"experts-{index}", "expert", slot, None, self._report)
+        # the trainer's global clip comes with each micro-batch's commit: a step clips by the shard's own norm only
+        self.schedule = StepSchedule(run.stage_step_samples, 1, 0, False, timing.pending_s, timing.report_s)
+        self.calls = {"forward": 0, "backward": 0, "refused": 0, "tokens": 0, "commit": 0, "uncommitted": 0}
+        self.compute = ExpertCompute(self.weights, self.schedule, run.train_config(), run.batch_size, self.calls, self.what)
+        self.compute.kept.limit = MAX_SAVED * max(1, len(self.names))
+        self.queue = CallQueue(self.what, self.weights.busy)
+        self.stats = StatsFile(data, "expert", keep=200)
+        self._registration = None
+
+    @property
+    def shard(self) -> ExpertShard:
+        return self.weights.module
+
+    @property
+    def hash(self) -> str:
+        return self.weights.hash
+
+    def _build(self):
+        shard = ExpertShard(init_moe_model(self.gpt_config, self.moe_config, self.run_config.seed), self.names)
+        return shard, adamw(shard.parameters(), self.run_config.train_config())
+
+    async def start(self) -> None:
+        own = await asyncio.to_thread(self.state.own)
+        if own is None:
+            await asyncio.to_thread(shutil.rmtree, self.state.dir, True)  # another shard's, from an earlier role
+        progress = self.ctx.membership.progress
+        progress.samples_per_second, progress.measured_as = None, ""
+        self.weights.hold(*await self.weights.compute(self._build))
+        await self.sync.start(own)
+        try:
+            self._registration = self.ctx.transport.serve({ExpertCall: self._on_call}, owner=self.what)
+        except HandlerTaken as e:
+            raise RoleError(str(e)) from None
+        log.info("%s: experts %s, %d params, activations %s, state of round %d from %s, hash %s", self.what, ", ".join(self.names),
+                 self.weights.module.num_params(), self.codec.name, self.state.step, self.state.source[-8:], self.hash)  # fmt: skip
+        self._report(start=True, state_from=self.state.source)
+        self.ctx.membership.publish_soon()  # trainers find expert hosts through the DHT
+
+    async def run(self) -> None:
+        syncing = asyncio.create_task(self.sync.run(), name=f"experts-{self.index}-sync")
+        try:
+            await self.queue.serve(self.schedule, lambda q: [q.popleft()], self.compute.run_batch, self._step_now, self._report)
+        finally:
+            syncing.cancel()
+            await asyncio.gather(syncing, return_exceptions=True)
+
+    async def stop(self, planned: bool = True) -> None:
+        self._unserve()
+        if planned and self.weights.module is not None:
+            await self.sync.hand_over(self._flush)
+        await self.sync.close()
+        self.view.close()
+        self._unserve()
+        self.weights.close()
+
+    def _unserve(self) -> None:
+        if self._registration is not None:
+            self._registration.close()
+            self._registration = None
+        self.queue.refuse_all()
+
+    async def _flush(self) -> None:
+        if self.schedule.due:
+            await self._step_now()
+
+    async def _on_call(self, ctx) -> ExpertResult:
+        req: ExpertCall = ctx.request
+        try:
+            x, grad = check_expert_call(req, self)
+        except (RemoteProtocolError, StageInputError) as e:
+            self.calls["refused"] += 1
+            raise RemoteProtocolError(f"{self.what} {req.op}: {e}") from None  # bad_request; the sender is scored down
+        self.ctx.membership.progress.extra["load"] = len(self.queue) + 1  # announced with our record
+        norm2, outs = await self.queue.submit(Pending(req.op, x, req.scale if req.op == "commit" else grad, (ctx.peer_id, req.micro_batch)))
+        self.calls[req.op] += 1
+        prefix = "y" if req.op == "forward" else "grad"
+        return ExpertResult(norm2=norm2, **pack_tensors({f"{prefix}:{n}": encode_floats(self.codec, t) for n, t in outs.items()}))
+
+    async def _step_now(self) -> None:
+        async with self.weights.busy:
+            self.compute.step()
+            report = self.schedule.stepped(time.monotonic())
+        if report:
+            self._report()
+
+    def _report(self, **entry: Any) -> None:
+        self.schedule.reported(time.monotonic())
+        p, compute = self.ctx.membership.progress, self.compute
+        p.step, p.state_hash = self.state.step, self.state.hash
+        rate = compute.rate.per_second()
+        if rate is not None:
+            p.samples_per_second, p.measured_as = rate, self.label
+        self.stats.remember({"step": compute.steps, "samples": compute.samples, "state_hash": self.hash, "time": time.time(), "norms": compute.last_norm, **entry})
+        self.stats.write({
+            "expert_shard": self.index, "experts": list(self.names), "params": sorted(self.weights.names()), "num_params": self.weights.module.num_params(),
+            "steps": compute.steps, "syncs": self.sync.syncs, "samples": compute.samples, "state_hash": self.hash, "calls": self.calls,
+            "clips": compute.clips, "bytes_sent": 0, "bytes_received": 0, "samples_per_second": rate,
+        })  # fmt: skip

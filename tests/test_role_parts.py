@@ -1,0 +1,141 @@
+"""The parts roles share, on their own: the swarm view (one read path, one freshness rule, the
+reasons it skips a peer) over a real DHT, and the registry that makes a role of an assignment."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from node.config import NodeConfig
+from node.net.membership import Progress
+from node.roles.expert_host import ExpertHost
+from node.roles.expert_trainer import ExpertTrainer
+from node.roles.pipeline_trainer import PipelineTrainer
+from node.roles.registry import ROLES, RoleSpec, make_role
+from node.roles.replica import Replica
+from node.roles.role import Role, RoleContext, RoleError
+from node.roles.stage_server import StageServer
+from node.roles.view import Members, SwarmView, stale
+from node.runconfig import RunConfig
+from protocol import RoleAssignment
+from protocol.records import MemberRecord, members_key
+from tests.swarm import start_hosts
+
+pytestmark = pytest.mark.timeout(120)
+
+SWARM = "parts-test"
+
+
+def record(role: str, issued_at: float) -> MemberRecord:
+    return MemberRecord(SWARM, "p", (), role, 0, issued_at)
+
+
+def test_a_member_counts_while_its_record_is_younger_than_half_its_ttl_and_each_skip_says_why():
+    now = 1000.0
+    members = Members.of({"a": record("stage:0", now - 14.9), "b": record("stage:1", now - 15.0), "c": record("expert:shard1", now - 2)}, now, ttl_s=30.0)
+    assert sorted(members.records) == ["a", "c"]
+    assert members.skipped == {"b": "its record is 15 s old (fresh: under 15 s)"}
+    assert stale(record("replica", now - 5), now, ttl_s=30.0) is None
+
+
+def test_members_by_role_and_numbered_slot():
+    now = 1000.0
+    recs = {p: record(role, now) for p, role in (("a", "stage:0"), ("b", "stage:1"), ("c", "stage:1"), ("d", "stage:x"), ("e", "expert:shard2"), ("f", "trainer"), ("g", "stage:5"))}
+    members = Members.of(recs, now, ttl_s=30.0)
+    assert members.peers("stage", "1") == ["b", "c"] and members.peers("stage", "1", exclude="b") == ["c"]
+    assert members.peers("trainer") == ["f"] and members.peers("replica") == []
+    assert members.numbered("stage") == {0: ["a"], 1: ["b", "c"], 5: ["g"]}  # "stage:x" is no stage
+    assert members.numbered("stage", below=2) == {0: ["a"], 1: ["b", "c"]}
+    assert members.numbered("expert", "shard") == {2: ["e"]}
+
+
+def test_the_view_reads_the_members_from_the_dht_and_keeps_the_last_read_when_the_dht_fails():
+    async def main():
+        a, b = await start_hosts(2)
+        try:
+            now = time.time()
+            for host, role, age in ((a, "stage:0", 1.0), (b, "stage:1", 20.0)):
+                rec = MemberRecord(SWARM, "", (), role, 0, now - age, expires_at=now + 60).sign(host.key)
+                await host.dht_store(members_key(SWARM), rec.to_bytes(), rec.expires_at, subkey=host.peer_id)
+            view = SwarmView(b, SWARM, ttl_s=30.0)
+            deadline = time.monotonic() + 30
+            while len((members := await view.read()).records) + len(members.skipped) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            assert members.ok and members.numbered("stage") == {0: [a.peer_id]}
+            assert members.skipped == {b.peer_id: "its record is 20 s old (fresh: under 15 s)"}
+            await b.shutdown()  # its DHT is gone: the read fails or times out
+            again = await view.read()
+            assert not again.ok and again.records == members.records  # the last read, marked not ok
+        finally:
+            for h in (a, b):
+                await h.shutdown()
+
+    asyncio.run(main())
+
+
+# ---- the registry
+
+
+class _Membership:
+    def __init__(self):
+        self.progress = Progress()
+        self.coordinator = None
+
+
+class Echo(Role):
+    """A role a test adds with one registry entry."""
+
+    name = "echo"
+
+    def __init__(self, ctx, run, assignment):
+        self.run_config, self.assignment = run, assignment
+
+    async def start(self) -> None: ...
+
+    async def run(self) -> None: ...
+
+    async def stop(self, planned: bool) -> None: ...
+
+
+def assigned(role: str, run: RunConfig, **slot) -> RoleAssignment:
+    return RoleAssignment(peer_id="p", role=role, config=run.to_json(), **slot)
+
+
+def test_each_assignment_makes_its_role_and_a_run_without_that_role_is_refused_with_the_reason(tmp_path):
+    async def main():
+        from node.net.transport import Transport
+
+        (host,) = await start_hosts(1)
+        try:
+            ctx = RoleContext(host, Transport(host), _Membership(), NodeConfig(data_dir=str(tmp_path), threads=1))
+            dense, pipeline, moe = RunConfig(model="tiny"), RunConfig(model="tiny", num_stages=2), RunConfig(model="tiny-moe", expert_shards=2)
+            made = [
+                make_role(ctx, assigned("replica", dense)),
+                make_role(ctx, assigned("stage", pipeline, stage=1)),
+                make_role(ctx, assigned("trainer", pipeline)),
+                make_role(ctx, assigned("expert", moe, expert="shard1")),
+                make_role(ctx, assigned("trainer", moe)),
+            ]
+            assert [type(r) for r in made] == [Replica, StageServer, PipelineTrainer, ExpertHost, ExpertTrainer]
+            assert made[1].index == 1 and made[3].index == 1
+            with pytest.raises(RoleError, match="a run of the mixture-of-experts model tiny-moe has no stage role"):
+                make_role(ctx, assigned("stage", moe, stage=0))
+            with pytest.raises(RoleError, match="the model tiny has no experts"):
+                make_role(ctx, assigned("expert", pipeline, expert="shard0"))
+            with pytest.raises(RoleError, match="run config is not JSON"):
+                make_role(ctx, RoleAssignment(peer_id="p", role="replica", config=b"{nope"))
+            with pytest.raises(RoleError, match="this node does not serve the replica role"):
+                make_role(ctx, assigned("replica", dense), roles=tuple(s for s in ROLES if s.name != "replica"))
+        finally:
+            await host.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_new_role_is_one_class_and_one_registry_entry(tmp_path):
+    ctx = RoleContext(None, None, _Membership(), NodeConfig(data_dir=str(tmp_path)))
+    roles = (*ROLES, RoleSpec("idle", f"{__name__}:Echo"))
+    role = make_role(ctx, assigned("idle", RunConfig(seed=7)), roles=roles)
+    assert isinstance(role, Echo) and role.run_config.seed == 7
