@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     from bench import netns
 
     try:
-        netns.check_available()
+        netns.check_available(nat=True)  # the natted and relayed arms' routers need iptables
     except netns.NetnsUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

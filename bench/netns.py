@@ -25,7 +25,9 @@ symmetric access link (what a volunteer has, give or take asymmetry) and stops t
 delivering N-1 senders into one peer faster than B.
 
 Names carry the creating process's pid (`stb<pid>-...`), so namespaces left behind by a process
-that was SIGKILLed are recognised and removed by the next run (`remove_stale`). Linux, root only.
+that was SIGKILLed are recognised and removed by the next run (`remove_stale`). Linux, root only,
+with iproute2 (ip, tc); NAT routers also need iptables and sysctl (procps). `check_available(nat=...)`
+tries them and says, in one line, what is missing.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from dataclasses import dataclass, field
 
@@ -65,16 +68,46 @@ def list_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def check_available() -> None:
-    """Raise NetnsUnavailable unless we are root and `ip netns` and `tc` work."""
+# the tools the topologies run, each with the Debian package that has it and what it is for
+TOOLS = {"ip": ("iproute2", "network namespaces"), "tc": ("iproute2", "the shaped links")}
+NAT_TOOLS = {"iptables": ("iptables", "the NAT routers"), "sysctl": ("procps", "the NAT routers' forwarding")}
+
+
+def _needs(tool: str, why: str) -> NetnsUnavailable:
+    package, what = {**TOOLS, **NAT_TOOLS}[tool]
+    return NetnsUnavailable(f"needs {tool} (apt install {package}) for {what}: {why}")
+
+
+def missing_tool(nat: bool = False) -> NetnsUnavailable | None:
+    """The first tool a topology (with `nat`: one with NAT routers) runs that is not on PATH."""
+    for tool in (*TOOLS, *(NAT_TOOLS if nat else ())):
+        if shutil.which(tool) is None:
+            elsewhere = shutil.which(tool, path="/usr/sbin:/sbin")  # root without sbin on PATH (`su` without `-`)
+            return _needs(tool, f"not on PATH (it is at {elsewhere})" if elsewhere else "not found")
+    return None
+
+
+def check_available(nat: bool = False) -> None:
+    """Raise NetnsUnavailable, naming what is missing, unless we are root and `ip netns` and `tc`
+    work (with `nat`: and the NAT routers' iptables rules can be added inside a namespace). Tries
+    them in a throwaway namespace: nothing is left behind."""
     if os.geteuid() != 0:
-        raise NetnsUnavailable("network namespaces need root (run as root or skip --netns)")
+        raise NetnsUnavailable(f"needs root for network namespaces (ip netns, tc): running as uid {os.geteuid()}")
+    if missing := missing_tool(nat):
+        raise missing
     probe = f"{PREFIX}{os.getpid()}-probe"
     try:
         _ip("netns", "add", probe)
         try:
             _ip("-n", probe, "link", "set", "lo", "up")
             _tc(probe, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit", "burst", "32kbit", "latency", "50ms")
+            if nat:
+                for cmd in _nat_rules(0):
+                    out = subprocess.run(["ip", "netns", "exec", probe, *cmd], capture_output=True, text=True, timeout=10)
+                    if out.returncode != 0:
+                        said = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[0]
+                        why = f"`{' '.join(cmd)}` fails inside a network namespace: {said}"
+                        raise _needs(cmd[0], why)
         finally:
             _ip("netns", "del", probe)
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
@@ -93,6 +126,17 @@ def remove_stale() -> list[str]:
             except RuntimeError:
                 pass
     return removed
+
+
+def _nat_rules(i: int) -> list[list[str]]:
+    """What makes a router namespace peer i's NAT: forwarding on, the private subnet masqueraded
+    out of eth0, and nothing forwarded in from eth0 but the replies to what went out."""
+    return [
+        ["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"],
+        ["iptables", "-t", "nat", "-A", "POSTROUTING", "-s", f"192.168.{i}.0/24", "-o", "eth0", "-j", "MASQUERADE"],
+        ["iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+        ["iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-j", "DROP"],
+    ]
 
 
 @dataclass
@@ -125,6 +169,8 @@ class Topology:
     def create(cls, n_peers: int, rate: str, shape_download: bool = True, natted: frozenset[int] = frozenset()) -> Topology:
         if not 1 <= n_peers <= 250:
             raise ValueError(f"n_peers must be in 1..250, got {n_peers}")
+        if missing := missing_tool(nat=bool(natted)):  # before anything is built
+            raise missing
         topo = cls(n_peers, rate, frozenset(natted))
         try:
             topo._build(shape_download)
@@ -175,12 +221,7 @@ class Topology:
         _ip("-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", "lan0")
         _ip("-n", ns, "link", "set", "lan0", "up")
         _ip("-n", ns, "route", "add", "default", "via", f"192.168.{i}.1")
-        for cmd in (
-            ["sysctl", "-q", "-w", "net.ipv4.ip_forward=1"],
-            ["iptables", "-t", "nat", "-A", "POSTROUTING", "-s", f"192.168.{i}.0/24", "-o", "eth0", "-j", "MASQUERADE"],
-            ["iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
-            ["iptables", "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-j", "DROP"],
-        ):
+        for cmd in _nat_rules(i):
             out = subprocess.run(["ip", "netns", "exec", router, *cmd], capture_output=True, text=True, timeout=10)
             if out.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} in {router}: {out.stderr.strip() or out.returncode}")

@@ -53,6 +53,25 @@ def emit(**event) -> None:
     sys.stdout.flush()
 
 
+async def watch(avg: Averager, key: str) -> None:
+    """While `key` is averaged here, report what only the inside shows, whenever it changes:
+    "joined", the peers whose join waits in our group (as its leader); "parts_from", the peers
+    whose scatter parts reached us. Tests wait on these instead of sleeping."""
+    me, seen = avg.peer_id, {}
+    while True:
+        lobby = avg.matchmaker.lobbies.get(key)
+        rounds = [r for a, r in avg.service.rounds.values() if a is avg and r.report.key == key] if avg.service else []
+        now = {
+            "joined": sorted(lobby.pending) if lobby else [],
+            "parts_from": sorted({s for r in rounds for (phase, _), got in r.received.items() if phase == "scatter" for s in got} - {me}),
+        }
+        for kind, peers in now.items():
+            if seen.get(kind) != peers:
+                emit(event=kind, key=key, peers=peers)
+        seen = now
+        await asyncio.sleep(0.01)  # the poll interval
+
+
 async def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("node.averaging").setLevel(logging.DEBUG)  # the test keeps this log for diagnosis
@@ -104,16 +123,21 @@ async def main() -> None:
                 emit(event="banned", peers=[p for p in transport.scores.peers if transport.scores.banned(p, now)])
             elif cmd["op"] == "recheck":  # the sha of the last result's tensors, as they are now
                 emit(event="recheck", sha=hashlib.sha256(flat(last).numpy().tobytes()).hexdigest())
-            elif cmd["op"] == "average":
+            elif cmd["op"] == "average":  # "watch": true adds the round's "joined" and "parts_from" events
                 seeds: dict[str, int] = cmd["seeds"]
                 numel = cmd["numel"]
                 mine = make_tensors(seeds[host.peer_id], numel)
+                watcher = asyncio.create_task(watch(avg, cmd["key"])) if cmd.get("watch") else None
                 try:
                     result, report = await avg.average(cmd["key"], mine, expected_peers=cmd.get("expected"))
                 except AveragingFailed as e:
                     emit(event="result", key=cmd["key"], ok=False, reason=e.report.reason, failed=e.report.failed, silent=e.report.silent,
                          unchanged=bool(torch.equal(flat(mine), flat(make_tensors(seeds[host.peer_id], numel)))))
                     continue
+                finally:
+                    if watcher is not None:
+                        watcher.cancel()
+                        await asyncio.gather(watcher, return_exceptions=True)
                 out = flat(result)
                 last = result  # the caller's tensors: nothing may write into them after the round
                 survivors = [p for p in report.members if p in report.survivors]

@@ -236,14 +236,16 @@ class Coordinator:
         return {m["peer_id"]: m for m in self.status()["members"]}
 
 
-def require_netns() -> None:
-    """Skip the calling test, saying why, where network namespaces cannot be used (not root)."""
+def require_netns(nat: bool = False) -> None:
+    """Skip the calling test, naming what is missing, where network namespaces cannot be used
+    (not root, no `ip` or `tc`; with `nat`, for NAT routers: no `iptables`, or one that does not
+    work inside a namespace). Checked before anything is built."""
     import pytest
 
     from bench import netns
 
     try:
-        netns.check_available()
+        netns.check_available(nat=nat)
     except netns.NetnsUnavailable as e:
         pytest.skip(str(e))
 
@@ -251,10 +253,10 @@ def require_netns() -> None:
 @contextlib.contextmanager
 def netns_topology(**kwargs) -> Iterator:
     """A bench/netns.py Topology for a test (its arguments), removed afterwards; the test is
-    skipped, saying why, where network namespaces cannot be used (not root)."""
+    skipped, naming what is missing, where it cannot be built (see `require_netns`)."""
     from bench import netns
 
-    require_netns()
+    require_netns(nat=bool(kwargs.get("natted")))
     netns.remove_stale()
     with netns.Topology.create(**kwargs) as topo:
         yield topo

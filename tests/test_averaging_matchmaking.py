@@ -18,7 +18,7 @@ def test_a_join_that_arrives_before_its_leader_starts_waits_for_it():
         async with averagers(2, join_timeout_s=5, early_join_wait_s=5) as (leader, other):
             join = AvgJoin(round_key="early", numel=100, codec="none")
             asked = asyncio.create_task(other.transport.call(leader.peer_id, join, timeout=30))
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # time for an answer to come back, were the join refused at once
             assert not asked.done()  # not told "not averaging this key": it waits for the leader
             round_ = asyncio.create_task(leader.average("early", [torch.ones(100)], expected_peers=2))
             reply = await asked
@@ -41,7 +41,7 @@ def test_a_leader_alone_waits_its_window_and_can_give_the_round_up():
             me = a.peer_id if a.peer_id < b.peer_id else b.peer_id
             alone = a if a.peer_id == me else b
             round_ = asyncio.create_task(alone.average("alone", [torch.ones(100)], expected_peers={me}))
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # time to fail, were it failing at once
             assert not round_.done()
             assert not alone.abandon("another key", "test")
             assert alone.abandon("alone", "the others are at outer step 9")

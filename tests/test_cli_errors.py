@@ -242,7 +242,7 @@ def test_the_allocator_setting_applies_in_a_fresh_process():
     from tests.swarm import ROOT
 
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        pytest.skip("glibc only")
+        pytest.skip(f"needs Linux with glibc (its malloc options): this is {platform.system()}, {platform.libc_ver()[0] or 'not glibc'}")
     code = "from node.osutil import keep_freed_memory; print(keep_freed_memory())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.strip() == "True", out.stderr

@@ -65,20 +65,22 @@ def _run(args, timeout: float, env: dict | None = None, check: bool = True) -> s
     return r
 
 
+def _first_line(r: subprocess.CompletedProcess) -> str:
+    """What a failed command said, in one line (its first: the last is often a hint to run --help)."""
+    lines = [x.strip() for x in (r.stderr or r.stdout or "").splitlines() if x.strip()]
+    return lines[0] if lines else f"exit status {r.returncode}"
+
+
 def find_compose() -> Compose | str:
-    """The first compose tool that is installed and whose engine answers, or why there is none."""
-    candidates = []
-    if shutil.which("docker"):
-        candidates += [Compose(("docker", "compose"), "docker")]
-    if shutil.which("docker-compose"):
-        candidates += [Compose(("docker-compose",), "docker")]
-    if shutil.which("podman-compose"):
-        candidates += [Compose(("podman-compose",), "podman")]
-    if not candidates:
-        return "none of `docker compose`, `docker-compose`, `podman-compose` is installed"
+    """The first compose tool that is installed and whose engine answers, or what is missing
+    for each, in one line."""
+    candidates = [Compose(("docker", "compose"), "docker"), Compose(("docker-compose",), "docker"), Compose(("podman-compose",), "podman")]
     reasons = []
     for c in candidates:
         name = " ".join(c.cmd)
+        if not shutil.which(c.cmd[0]):
+            reasons.append(f"{name}: not found")
+            continue
         if not shutil.which(c.engine):
             reasons.append(f"{name}: no `{c.engine}` engine binary")
             continue
@@ -88,12 +90,14 @@ def find_compose() -> Compose | str:
         except (OSError, subprocess.TimeoutExpired) as e:
             reasons.append(f"{name}: {e}")
             continue
+        problems = []
         if version.returncode != 0:
-            reasons.append(f"{name}: not usable ({(version.stderr or version.stdout).strip().splitlines()[-1:]})")
-        elif info.returncode != 0:
-            reasons.append(f"{name}: the {c.engine} engine does not run ({(info.stderr or info.stdout).strip().splitlines()[-1:]})")
-        else:
+            problems.append(f"`{name} version` fails ({_first_line(version)})")
+        if info.returncode != 0:
+            problems.append(f"the {c.engine} engine does not answer ({_first_line(info)})")
+        if not problems:
             return c
+        reasons.append(f"{name}: {' and '.join(problems)}")
     return "; ".join(reasons)
 
 
@@ -193,7 +197,10 @@ def remove_leftovers(engine: str, left: dict[str, list[str]]) -> None:
 def test_compose_private_swarm():
     compose = find_compose()
     if isinstance(compose, str):
-        pytest.skip(f"no container engine to run the compose swarm: {compose}")
+        pytest.skip(
+            "needs a container engine with compose (podman and podman-compose: run ../shared/tools/container-host.sh "
+            f"as root, as .ci/run does; or docker with its compose plugin) for the compose swarm: {compose}"
+        )
     timings = {}
 
     t0 = time.monotonic()

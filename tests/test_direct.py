@@ -373,7 +373,7 @@ def test_a_peer_whose_connections_were_dropped_is_dialed_only_once_a_plain_conne
         monkeypatch.setattr(dialing, "ROUTE_FALLBACK_S", 0.5)
         with pytest.raises(PeerUnreachable, match="no route to"):
             await client.ping(sid, timeout=5)
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(0.6)  # past ROUTE_FALLBACK_S since that failed check
         assert await client.ping(sid, timeout=5) > 0  # libp2p dials it anyway, every ROUTE_FALLBACK_S
         assert await client.ping(sid, timeout=5) > 0  # heard from it: no more checks
         assert client.stats["route_checks_failed"] == 2 and sid not in client._dropped

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
 
 class Peer:
-    def __init__(self, name: str, initial: list[str], log_dir):
+    def __init__(self, name: str, initial: list[str], log_dir, wait: bool = True):
         self.name = name
         self.log = open(log_dir / f"{name}.log", "wb")
         self.proc = subprocess.Popen(
@@ -27,7 +27,12 @@ class Peer:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, cwd=ROOT, start_new_session=True,
         )
         self.events: queue.Queue = queue.Queue()
+        self._quit = False
         threading.Thread(target=self._read, daemon=True).start()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         ready = self.next("ready", 90)
         self.peer_id, self.maddr = ready["peer_id"], ready["maddr"]
 
@@ -44,13 +49,27 @@ class Peer:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{self.name}: no {kind} event in {timeout} s")
-            ev = self.events.get(timeout=left)
+            try:
+                if left <= 0:
+                    raise queue.Empty
+                ev = self.events.get(timeout=left)
+            except queue.Empty:
+                raise TimeoutError(f"{self.name}: no {kind} event in {timeout:.0f} s") from None
             if ev["event"] == "exit":
                 raise AssertionError(f"{self.name} exited")
             if ev["event"] == kind and (key is None or ev.get("key") == key):
                 return ev
+
+    def wait_until(self, kind: str, key: str, cond, timeout: float, what: str) -> dict:
+        """The first `kind` event of round `key` for which `cond(event)` holds (the events of an
+        `average` sent with watch=True); fails naming `what` after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        try:
+            while not cond(ev := self.next(kind, deadline - time.monotonic(), key)):
+                pass
+        except TimeoutError:
+            raise TimeoutError(f"{self.name}: timed out after {timeout:.0f} s waiting for {what}") from None
+        return ev
 
     def configure(self, faults: dict | None = None, **config):
         self.send(op="config", config=config, faults=faults or {})
@@ -60,13 +79,21 @@ class Peer:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
 
-    def close(self) -> list[int]:
-        if self.proc.poll() is None:
+    def quit(self) -> None:
+        """Ask the peer to leave (`close` waits for it)."""
+        if self.proc.poll() is None and not self._quit:
             try:
                 self.send(op="quit")
-                self.proc.wait(20)
-            except (OSError, subprocess.TimeoutExpired):
+                self._quit = True
+            except OSError:
                 pass
+
+    def close(self) -> list[int]:
+        self.quit()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
         left = settled_leftovers(self.proc.pid)  # (a killed peer's DHT process and p2pd go by themselves, within seconds)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
@@ -77,13 +104,31 @@ class Peer:
         return left
 
 
+def start_peers(prefix: str, n: int, log_dir) -> list[Peer]:
+    """n peers named <prefix>0..: the first, then the others, bootstrapped from it, all at once."""
+    ps = [Peer(f"{prefix}0", [], log_dir)]
+    try:
+        ps += [Peer(f"{prefix}{i}", [ps[0].maddr], log_dir, wait=False) for i in range(1, n)]
+        for p in ps[1:]:
+            p.wait_ready()
+    except BaseException:
+        close_peers(ps)
+        raise
+    return ps
+
+
+def close_peers(ps: list[Peer]) -> dict[str, list[int]]:
+    """Ask every peer to leave at once, then wait for each; what was left of each (killed now)."""
+    for p in ps:
+        p.quit()
+    return {p.name: p.close() for p in ps}
+
+
 @pytest.fixture(scope="module")
 def peers(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("avg")
-    first = Peer("p0", [], log_dir)
-    ps = [first] + [Peer(f"p{i}", [first.maddr], log_dir) for i in range(1, 5)]
+    ps = start_peers("p", 5, tmp_path_factory.mktemp("avg"))
     yield ps
-    leftovers = {p.name: p.close() for p in ps}
+    leftovers = close_peers(ps)
     assert not any(leftovers.values()), leftovers
 
 
@@ -322,8 +367,9 @@ def test_an_unexpected_joiner_does_not_take_the_place_of_an_expected_one(peers):
     seeds = {p.peer_id: i + 1 for i, p in enumerate((leader, x, y))}
     expected = [leader.peer_id, x.peer_id]
     for p in (leader, y):
-        p.send(op="average", key="ids-1", seeds=seeds, numel=20_000, expected=expected)
-    time.sleep(1.5)  # x is on its way, a little behind
+        p.send(op="average", key="ids-1", seeds=seeds, numel=20_000, expected=expected, watch=p is leader)
+    # x is on its way, a little behind: it asks once y waits in the leader's group
+    leader.wait_until("joined", "ids-1", lambda ev: y.peer_id in ev["peers"], 30, "y's join in the leader's group")
     x.send(op="average", key="ids-1", seeds=seeds, numel=20_000, expected=expected)
     results = [p.next("result", 60, "ids-1") for p in (leader, x, y)]
     assert all(r["ok"] for r in results), results

@@ -3,13 +3,12 @@ peers in their own processes, real p2pd. A frozen leader costs its followers sec
 join call's own timeout, and is back in rounds once it resumes."""
 
 import os
-import time
 import signal
 
 import pytest
 
 from tests.swarm import session_pids
-from tests.test_swarm_averaging import Peer, run_round
+from tests.test_swarm_averaging import Peer, close_peers, run_round, start_peers
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -26,12 +25,11 @@ def thaw(p: Peer) -> None:
 
 @pytest.fixture
 def trio(tmp_path):
-    first = Peer("f0", [], tmp_path)
-    ps = [first] + [Peer(f"f{i}", [first.maddr], tmp_path) for i in (1, 2)]
+    ps = start_peers("f", 3, tmp_path)
     yield ps
     for p in ps:
         thaw(p)
-    leftovers = {p.name: p.close() for p in ps}
+    leftovers = close_peers(ps)
     assert not any(leftovers.values()), leftovers
 
 
@@ -68,8 +66,10 @@ def test_a_member_frozen_mid_round_is_let_go_on_unanswered_probes_not_at_the_dea
         p.configure(join_timeout_s=10.0, base_timeout_s=15.0, faults={"delay_parts_s": 6.0} if p is frozen else {})
     seeds = {p.peer_id: i + 1 for i, p in enumerate(trio)}
     for p in trio:
-        p.send(op="average", key="mid-round", seeds=seeds, numel=20_000, expected=3)
-    time.sleep(2.0)  # matched (all three expected joined), its parts still held back
+        p.send(op="average", key="mid-round", seeds=seeds, numel=20_000, expected=3, watch=p is frozen)
+    # matched (all three expected joined) and the others' parts in, its own still held back
+    senders = {p.peer_id for p in others}
+    frozen.wait_until("parts_from", "mid-round", lambda ev: senders <= set(ev["peers"]), 30, "the others' parts at the member that holds back its own")
     freeze(frozen)
     results = {p.name: p.next("result", 60, "mid-round") for p in others}
     for name, r in results.items():
