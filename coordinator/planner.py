@@ -39,7 +39,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 MODES = ("replica", "pipeline", "experts")
-ROLES = ("replica", "stage", "expert", "trainer", "idle")  # same names as protocol.messages.ROLES
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ class MemberView:
     peer_id: str
     last_seen: float  # seconds since the epoch, coordinator clock
     registered_at: float  # seconds since the epoch, coordinator clock
-    role: str | None = None  # current role (one of ROLES), None = never assigned
+    role: str | None = None  # current role (one of protocol.messages.ROLES), None = never assigned
     stage: int | None = None  # current stage, pipeline mode
     expert: str | None = None  # current expert name, experts mode
     throughput: float | None = None  # measured work rate, samples/s; None = unknown
@@ -139,7 +138,7 @@ def evict(now: float, members: Sequence[MemberView], config: PlannerConfig) -> l
 
 @dataclass(frozen=True)
 class Assignment:
-    role: str  # one of ROLES
+    role: str  # one of protocol.messages.ROLES
     stage: int | None = None
     expert: str | None = None
     reason: str = ""

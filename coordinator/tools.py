@@ -19,11 +19,12 @@ from pathlib import Path
 
 from node.cli import _Parser
 from node.config import ConfigError
+from protocol.messages import ROLES as PROTOCOL_ROLES
 from protocol.records import owner_of, swarm_id_problem
 from protocol.signatures import KeyFileError, SigningKey, peer_id_from_public_key, public_key_from_peer_id
 
 TOOLS = ("init", "token", "revoke")
-ROLES = ("replica", "stage", "expert", "trainer")
+ROLES = tuple(r for r in PROTOCOL_ROLES if r != "idle")  # what a token may allow
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
