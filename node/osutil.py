@@ -116,10 +116,9 @@ def session_pids(sid: int) -> list[int]:
 
 def keep_freed_memory() -> bool:
     """Ask glibc's malloc to keep freed memory for reuse instead of handing it back to the
-    kernel. Averaging allocates and frees buffers of the same sizes every round; returned pages
-    come back zero-filled on their next touch, and that zeroing was a third of all CPU time in
-    a 4-peer all-reduce on 2 cores (measured with perf: `clear_page`). After this call the
-    process's footprint stays at its peak. One arena, no mmap'd chunks, no trimming. Returns
+    kernel. Averaging allocates and frees buffers of the same sizes every round, and pages handed
+    back come back zero-filled on their next touch: that zeroing cost more CPU than it saved
+    memory. After this call the process's footprint stays at its peak. One arena, no mmap'd chunks, no trimming. Returns
     whether it applied (False where the C library is not glibc)."""
     import ctypes
     import ctypes.util

@@ -180,7 +180,7 @@ def test_a_stalled_host_costs_one_deadline_and_its_experts_are_routed_around_unt
                 assert skipped == 0
             stalled = servers[1]
             # its compute stalls (swap, a stuck driver): calls reach it, no answer comes
-            await stalled.weights.busy.acquire()
+            await stalled.slot.weights.busy.acquire()
             try:
                 t0 = time.monotonic()
                 _, loss, skipped = await run("frozen-0")
@@ -192,7 +192,7 @@ def test_a_stalled_host_costs_one_deadline_and_its_experts_are_routed_around_unt
                 routed_around = time.monotonic() - t0
                 assert skipped == 0 and math.isfinite(loss.item())  # the router gave shard 1 no tokens
             finally:
-                stalled.weights.busy.release()
+                stalled.slot.weights.busy.release()
             deadline = client.peers.timeout(stalled.ctx.transport.peer_id)
             # after its ban the host is called again and answers
             await asyncio.sleep(client.peers.peers[stalled.ctx.transport.peer_id].banned_until - time.monotonic() + 0.1)
@@ -312,7 +312,7 @@ def test_a_restarted_host_with_no_replica_takes_the_state_it_saved_not_the_initi
     async def again():
         (tmp_path / "h0").rename(tmp_path / "keep")  # the same data dir, started again
         async with expert_hosts(tmp_path, run, [0], data_dirs={0: tmp_path / "keep"}) as ((host,), _):
-            return host.state.source, host.state.step, [e for e in host.stats.history if e.get("start")][-1]["state_hash"]
+            return host.state.source, host.state.step, [e for e in host.slot.stats.history if e.get("start")][-1]["state_hash"]
 
     initial, saved, step = asyncio.run(first())
     assert saved != initial and step > 0

@@ -20,8 +20,8 @@ from .config import WIRE_BYTES, AveragerConfig
 
 def slice_shares(bandwidths: Sequence[float]) -> list[float]:
     """Relative slice sizes for members with these measured bandwidths. Measurements are noisy
-    (±15% between rounds on identical links), and a slice 10% over its fair share makes its owner
-    the straggler of both phases; so shares move in half-octave steps around the group's median:
+    between rounds on identical links, and a slice over its fair share makes its owner the
+    straggler of both phases; so shares move in half-octave steps around the group's median:
     members within ±19% of it get equal slices, a member at 4x the median gets 4x the slice."""
     bws = [max(float(bw), 1.0) for bw in bandwidths]
     med = statistics.median(bws)
@@ -294,11 +294,9 @@ def choose_pace(config: AveragerConfig, direct_to_all: bool) -> tuple[float | No
     """Bytes/s our paced sends share this round, or None: send in turn (`Sender.in_turn`); and
     why. Pacing needs our upload rate declared (`bandwidth`), below `pace_max_rate`, and direct
     pipes to every other member. Not measured: a paced flow cannot see how much faster the
-    link could go, and a flow sent in turn rarely has the link to itself long enough to
-    tell (from TCP's acknowledged bytes, 4 peers on 100 Mbit links: estimates ranged from
-    0.35x the link for 1.6 MB parts to 1.25x for 6.5 MB ones, acks arriving in bursts).
-    And pacing a few % above a link costs more than pacing below it: its queue overflows
-    and TCP backs off (12.9 MB/s paced on 12 MB/s: rounds took 1.3x as long)."""
+    link could go, and a flow sent in turn rarely has the link to itself long enough to tell
+    (TCP's acknowledged bytes arrive in bursts). And pacing a few % above a link costs more than
+    pacing below it: its queue overflows and TCP backs off."""
     rate = config.bandwidth * config.pace_share
     if not config.pace:
         return None, "pacing is off"

@@ -67,8 +67,8 @@ class Sender:
         is done or should be, each flow paced by the kernel to its share of `rnd.pace` by size.
         Flows that keep to their shares neither queue at our uplink nor at a receiver's
         downlink (each receiver gets one such flow from every sender), so a member that starts
-        late slows only its own flows. Measured with raw TCP, 4 peers exchanging 1.6 MB parts over
-        100 Mbit token buckets: 1.12-1.16x the bound paced, 1.24-1.40x one receiver at a time."""
+        late slows only its own flows (closer to the bandwidth bound than one receiver at a time:
+        bench/RESULTS.md)."""
         loop = asyncio.get_running_loop()
         total = sum(enc.nbytes for _, enc, _, _ in items) or 1
         batch = Batch(started=loop.create_future(), seconds=total / rnd.pace)
@@ -101,8 +101,7 @@ class Sender:
         should have. Every member sends its parts in the order of member indices starting after
         its own, so at any moment each peer uploads to one receiver and each receiver downloads
         from one sender: on a shaped link, N-1 concurrent flows per peer fight in both
-        bottlenecks (measured: ~1.3x the bound for raw TCP all-to-all vs ~1.05x one flow at a
-        time). A receiver that stalls holds the next send up for less than one part's time."""
+        bottlenecks. A receiver that stalls holds the next send up for less than one part's time."""
         loop = asyncio.get_running_loop()
         started = loop.create_future()  # when this send began (for the patience of the next)
 

@@ -112,7 +112,7 @@ def adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     make = partial(torch.optim.AdamW, groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
-    try:  # one kernel per parameter group, not ~10 per tensor: 2.5-3x less CPU per step (a stage's step is on the pipeline's critical path)
+    try:  # one kernel per parameter group, not ~10 per tensor (a stage's step is on the pipeline's critical path)
         return make(fused=True)
     except (RuntimeError, TypeError, ValueError):  # a device (or torch) without the fused kernel
         return make()
@@ -169,7 +169,7 @@ class OuterOptimizer:
     The step is the same math as torch.optim.SGD(momentum=μ, nesterov=True, dampening=0):
         b ← μ·b + g;  θ ← θ − lr·(g + μ·b)
     but written as separate multiply and add kernels. torch's SGD uses fused multiply-add where
-    the CPU has FMA (measured: its result changes between AVX2 and scalar kernels, in about half
+    the CPU has FMA (its result changes between AVX2 and scalar kernels, in about half
     the elements), so replicas on different CPUs would drift apart. Unfused fp32 mul and add are
     exactly rounded by IEEE 754 everywhere: the same inputs give the same bits on any machine.
     The copies live on the CPU whatever device the model is on, for the same reason.

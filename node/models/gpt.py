@@ -6,7 +6,7 @@
     init_model      GPT with bitwise-identical parameters for the same (config, seed)
 
 "Same seed, same bits" holds on one kind of CPU only: torch's normal sampler is vectorized
-differently per instruction set (measured: AVX2 and plain scalar kernels give other values). A
+differently per instruction set (AVX2 and plain scalar kernels give other values). A
 swarm must therefore hand the initial state to its members, not have each one re-create it.
 
 The output head is NOT tied to the token embedding: tied weights share storage, which

@@ -48,9 +48,8 @@ class Dialer:
         """A libp2p stream to the peer. An open still pending after OPEN_AGAIN_S gets a second
         one beside it (and a third), the first to succeed wins: p2pd's open waits on a dial in
         progress even when the peer has meanwhile connected to us, and a second open takes that
-        connection at once. (Seen after a link came back: a part's open hung 3.5 s, the round's
-        deadline, while the peer had connected 0.1 s after it began.) An open that fails is
-        not retried here."""
+        connection at once (after a link came back, an open hung past its round's deadline while
+        the peer had connected long before). An open that fails is not retried here."""
         host, stats = self.transport.host, self.transport.stats
         await self.check_route(peer_id)
         loop = asyncio.get_running_loop()
@@ -112,8 +111,7 @@ class Dialer:
         whether the network carries anything to it yet; if not, PeerUnreachable without a dial.
         go-libp2p refuses to redial an address for 5 s after a failed dial (longer after each
         further failure): a cut-off peer's first dial as its link came back, before ARP had
-        resolved, cost it 5-6 s of rounds after the network carried packets again (measured in
-        a network namespace: a plain connect worked 0.7 s after the restore, libp2p 6 s). A
+        resolved, cost it seconds of rounds after the network carried packets again. A
         frozen peer's kernel still accepts connections, so this lets its dials through at once.
         Once the peer is heard from, or every ROUTE_FALLBACK_S since it stopped answering,
         libp2p dials untested."""

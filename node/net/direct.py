@@ -2,10 +2,8 @@
 
 libp2p (p2pd) stays the control plane: identities, the DHT, NAT traversal, relays, every short
 call. Bulk pipes (`Transport.send(..., reuse=True)`: tensor parts) go direct when the peer can
-be reached, because every byte through p2pd crosses two daemons and two unix sockets. Measured
-on loopback, 4 peers averaging 100 MB on 2 cores: the daemons spent 0.6–1.9 CPU-seconds per
-round (int8 to fp32, 4 peers together), as much as the averaging itself, and rounds took
-1.5–1.7x as long as over direct sealed TCP.
+be reached, because every byte through p2pd crosses two daemons and two unix sockets: the
+daemons' CPU and the streams' flow control cost rounds time (bench/RESULTS.md, allreduce).
 
 How a direct stream opens (the dialer is the side that wants to send):
 1. over libp2p, the dialer sends `DirectOpen(ticket, key)`: 16 and 32 random bytes. libp2p

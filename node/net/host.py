@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 def _register_hivemind_lightly() -> None:
     """hivemind's package __init__ imports its averaging (with scipy), MoE and optimizer code:
-    about 0.75 s of CPU in every process, which needs only its DHT and p2p modules. Register the
+    most of a second of CPU in every process, which needs only its DHT and p2p modules. Register the
     package without running its __init__ (its submodules import as usual); the first time
     anything asks the package for a name (`hivemind.DHT`, `hivemind.moe`...), __init__ runs."""
     if "hivemind" in sys.modules:
@@ -176,9 +176,8 @@ class HostConfig:
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # where p2pd listens; 0.0.0.0 for real deployments
     announce_maddrs: tuple[str, ...] = ()  # addresses others should dial (public IP / port forwarding)
     startup_timeout_s: float = 20.0  # p2pd + DHT start and bootstrap
-    # channel security p2pd offers. "tls": TLS 1.3 only (AES-GCM; on CPUs with AES instructions
-    # the daemons spend ~25% less CPU per byte than with Noise's ChaCha20-Poly1305, measured on
-    # loopback). "noise+tls": p2pd's default, Noise preferred. Either side of a connection may
+    # channel security p2pd offers. "tls": TLS 1.3 only (AES-GCM: with AES instructions the daemons
+    # spend less CPU per byte than with Noise's ChaCha20-Poly1305). "noise+tls": p2pd's default. Either side of a connection may
     # choose: the dialer proposes its first, the listener accepts any it has.
     security: str = "tls"
     # the swarm whose records this host's DHT keeps and serves only when valid (SwarmRecords); "": no check

@@ -14,10 +14,9 @@ a call or pipe of the origin: the gate, scores and limits apply to the origin as
 stream.
 
 Why not the libp2p daemon's own circuit relay: the p2pd hivemind ships serves relay hops with
-go-libp2p's default limits (a relayed connection is reset after 128 KiB or 2 minutes: measured,
-a 4 MB transfer between two peers behind NATs stopped at 96 KiB), and its flags for larger
-limits do not reach the relay that actually serves (`EnableRelayV2` starts a second one with the
-defaults). Here the relay copies bytes without a limit and counts them.
+go-libp2p's default limits (a relayed connection is reset after 128 KiB or 2 minutes; see
+bench/RESULTS.md), and its flags for larger limits do not reach the relay that actually serves
+(`EnableRelayV2` starts a second one with the defaults). Here the relay copies bytes without a limit and counts them.
 
 What a relay can do: read and alter what it carries (streams are end-to-end authenticated only
 in who opened them, not in content), delay or drop it. It cannot open streams in anyone's name.

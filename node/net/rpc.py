@@ -89,9 +89,8 @@ class TransportConfig:
     direct_port: int = 0
     direct_connect_s: float = 2.0  # the whole direct attempt: ticket call, connect, confirmation
     direct_retry_s: float = 300.0  # after a failed attempt, that peer's pipes use libp2p this long
-    # congestion control of direct connections, where the kernel allows it (else its default).
-    # Measured with 4 peers averaging 25 MB on 100 Mbit token-bucket links (50 ms queue): with
-    # BBR rounds took 1.40-1.46x the bandwidth bound, with CUBIC 1.12-1.23x
+    # congestion control of direct connections, where the kernel allows it (else its default):
+    # rounds on rate-limited links came closer to the bandwidth bound with CUBIC than with BBR
     direct_congestion: str | None = "cubic"
     # serve relay hops (node/net/relay.py): carry streams to peers that keep a connection to us for
     # callers that cannot dial them (members only, in an owned swarm)

@@ -12,9 +12,10 @@ one; the registry says which class an assignment makes. The roles and the parts 
                     replica  stage server  expert host  trainers
     SwarmView          x          x             x           x      who is a member, in what role
     SlotState          x          x             x                  a slot's states: disk, peers, coordinator
-    SlotWeights                   x             x                  a slot's module and outer state
-    SlotSync                      x             x                  periodic sync, catch-up, hand-over
-    CallQueue                     x             x                  calls served in batches
+    SlotServer                    x             x                  a slot's server: the parts below, start/serve/stop
+      SlotWeights                 x             x                  a slot's module and outer state
+      SlotSync                    x             x                  periodic sync, catch-up, hand-over
+      CallQueue                   x             x                  calls served in batches
     StepSchedule                  x             x                  when a step is due and taken
     PeerCaller                                              x      calls with deadlines and backoff
     micro_batch_loop                                        x      the trainers' one loop
@@ -31,6 +32,8 @@ Files:
     weights.py           `SlotWeights` (module, optimizer, outer state, version, lock) and `ComputeThread`
     slot_sync.py         `SlotSync`: take the slot's state, sync every period, catch up, hand over
     serving.py           `CallQueue` and `Pending`: the calls waiting for a server's compute, the serve loop
+    slot_server.py       `SlotServer`: what a stage server and an expert host are made of and do around
+                         their calls: take the state, serve, step, sync, report, hand over
     stage_core.py        sans-IO decisions with reasons, clock passed in: `take_batch`, `KeptGraphs`,
                          `StepSchedule` (step due, the global clip's waiting), `NormBook` (a trainer's)
     stage_compute.py     a stage's arithmetic: batches, kept graphs with stashed weights, `clipped_step`

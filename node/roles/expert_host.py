@@ -1,10 +1,9 @@
 """The expert role: one shard of a MoE model's experts (expert e of every layer with e mod
 expert_shards == its shard), served to the trainers that run the rest of the model.
 
-An expert host is composed of the same parts as a stage server (stage_server.py): SlotWeights,
-SlotState, SlotSync (its shard's hosts average in namespace "experts-<shard>" and hold
-bitwise-identical experts afterwards), a CallQueue (one call at a time: its graphs are kept per
-expert) and a StepSchedule, with `ExpertCompute` for the arithmetic.
+An expert host is a `SlotServer` as a stage server is (slot_server.py: its shard's hosts average
+in namespace "experts-<shard>" and hold bitwise-identical experts afterwards), serving one call at
+a time (its graphs are kept per expert), with `ExpertCompute` for the arithmetic.
 
 One ExpertCall carries all tokens of all this shard's experts a trainer's micro-batch routed here,
 for one layer. The host keeps the forward's graph, so the backward sends only the gradient; a
@@ -18,12 +17,8 @@ host steps its AdamW every `stage_step_samples` samples of committed micro-batch
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import shutil
 import time
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -34,18 +29,16 @@ from protocol.records import role_label, slot_index
 from ..models.diloco import TrainConfig, adamw, lr_at
 from ..models.moe import ExpertShard, expert_name, init_moe_model
 from ..models.stages import StageInputError
-from ..net.transport import HandlerTaken, RPCError
+from ..net.transport import RPCError
 from ..runconfig import RunConfig, RunConfigError
 from .activations import activation_codec, decode_checked, encode_floats
 from .role import Role, RoleContext, RoleError
-from .serving import CallQueue, Pending
-from .slot_state import SlotState
-from .slot_sync import SlotSync
+from .serving import Pending
+from .slot_server import SlotName, SlotServer
 from .stage_compute import MAX_SAVED, SAVED_S, WeightStash, clipped_step
 from .stage_core import KeptGraphs, StepSchedule
-from .stage_server import ServeTiming, model_hash
-from .stats import ComputeRate, StatsFile
-from .view import SwarmView
+from .stage_server import ServeTiming
+from .stats import ComputeRate
 from .weights import SlotWeights
 
 log = logging.getLogger(__name__)
@@ -94,9 +87,9 @@ def check_expert_call(req: ExpertCall, host: ExpertHost) -> tuple[dict[str, torc
 class ExpertCompute:
     """An expert host's arithmetic, on the event loop's thread under the weights' lock."""
 
-    def __init__(self, weights: SlotWeights, schedule: StepSchedule, train_config: TrainConfig, batch_size: int, calls: dict[str, int], what: str):
+    def __init__(self, weights: SlotWeights, schedule: StepSchedule, train_config: TrainConfig, batch_size: int, calls: dict[str, int], what: str, kept: int):
         self.weights, self.schedule, self.train_config, self.batch_size, self.calls, self.what = weights, schedule, train_config, batch_size, calls, what
-        self.kept = KeptGraphs(MAX_SAVED, SAVED_S)  # (caller, micro-batch/layer, expert) -> (x, y); the limit is set per shard in `hold`
+        self.kept = KeptGraphs(kept, SAVED_S)  # (caller, micro-batch/layer, expert) -> (x, y)
         self.stash = WeightStash(weights)
         self.rate = ComputeRate()
         # (caller, micro-batch) -> (when its first backward came, its experts' parameter
@@ -201,80 +194,51 @@ class ExpertHost(Role):
             self.gpt_config, self.moe_config = run.moe_preset()
         except RunConfigError as e:
             raise RoleError(str(e)) from None
-        c, data = ctx.node_config, Path(ctx.node_config.data_dir)
-        self.ctx, self.run_config, self.index, self.what, self.label = ctx, run, index, f"expert shard {index}", role_label("expert", slot)
+        self.ctx, self.run_config, self.index, self.what = ctx, run, index, f"expert shard {index}"
         self.codec = activation_codec(run, self.gpt_config.n_embd)
         self.all_experts = {expert_name(li, e) for li in range(self.gpt_config.n_layer) for e in range(self.moe_config.num_experts)}
-        self.weights = SlotWeights(c.torch_threads(), run.stage_outer_momentum, "expert")
-        meta = {**self.gpt_config.to_dict(), "moe": self.moe_config.to_dict(), "expert_shard": index, "experts": list(self.names)}
-        self.state = SlotState(ctx.transport, data / "expert-state", data / "expert-downloads", self.what, meta, model_hash, self.weights.compute)
-        self.view = SwarmView(ctx.host, c.swarm_id, c.record_ttl_s)
-        # the shard's state lives on its hosts: the coordinator keeps none (coordinator_slot None)
-        self.sync = SlotSync(ctx, run, self.weights, self.state, self.view, f"experts-{index}", "expert", slot, None, self._report)
         # the trainer's global clip comes with each micro-batch's commit: a step clips by the shard's own norm only
         self.schedule = StepSchedule(run.stage_step_samples, 1, 0, False, timing.pending_s, timing.report_s)
         self.calls = {"forward": 0, "backward": 0, "refused": 0, "tokens": 0, "commit": 0, "uncommitted": 0}
-        self.compute = ExpertCompute(self.weights, self.schedule, run.train_config(), run.batch_size, self.calls, self.what)
-        self.compute.kept.limit = MAX_SAVED * max(1, len(self.names))
-        self.queue = CallQueue(self.what, self.weights.busy)
-        self.stats = StatsFile(data, "expert", keep=200)
-        self._registration = None
+        meta = {**self.gpt_config.to_dict(), "moe": self.moe_config.to_dict(), "expert_shard": index, "experts": list(self.names)}
+        name = SlotName("expert", self.what, "expert", slot, f"experts-{index}", coordinator_slot=None)  # a shard's state lives on its hosts
+        self.slot = SlotServer(ctx, run, name, meta, self.schedule, self._compute, self._stats)
+        self.compute, self.queue = self.slot.compute, self.slot.queue
 
     @property
     def shard(self) -> ExpertShard:
-        return self.weights.module
+        return self.slot.weights.module
 
     @property
     def hash(self) -> str:
-        return self.weights.hash
+        return self.slot.weights.hash
+
+    @property
+    def state(self):
+        return self.slot.state
 
     def _build(self):
         shard = ExpertShard(init_moe_model(self.gpt_config, self.moe_config, self.run_config.seed), self.names)
         return shard, adamw(shard.parameters(), self.run_config.train_config())
 
+    def _compute(self, weights: SlotWeights) -> ExpertCompute:
+        kept = MAX_SAVED * max(1, len(self.names))  # graphs are kept per expert
+        return ExpertCompute(weights, self.schedule, self.run_config.train_config(), self.run_config.batch_size, self.calls, self.what, kept)
+
+    def _describe(self) -> str:
+        return f"experts {', '.join(self.names)}, {self.shard.num_params()} params, activations {self.codec.name}"
+
+    def _stats(self) -> dict:
+        return {"expert_shard": self.index, "experts": list(self.names), "calls": self.calls, "bytes_sent": 0, "bytes_received": 0}
+
     async def start(self) -> None:
-        own = await asyncio.to_thread(self.state.own)
-        if own is None:
-            await asyncio.to_thread(shutil.rmtree, self.state.dir, True)  # another shard's, from an earlier role
-        progress = self.ctx.membership.progress
-        progress.samples_per_second, progress.measured_as = None, ""
-        self.weights.hold(*await self.weights.compute(self._build))
-        await self.sync.start(own)
-        try:
-            self._registration = self.ctx.transport.serve({ExpertCall: self._on_call}, owner=self.what)
-        except HandlerTaken as e:
-            raise RoleError(str(e)) from None
-        log.info("%s: experts %s, %d params, activations %s, state of round %d from %s, hash %s", self.what, ", ".join(self.names),
-                 self.weights.module.num_params(), self.codec.name, self.state.step, self.state.source[-8:], self.hash)  # fmt: skip
-        self._report(start=True, state_from=self.state.source)
-        self.ctx.membership.publish_soon()  # trainers find expert hosts through the DHT
+        await self.slot.start(self._build, {ExpertCall: self._on_call}, self._describe)
 
     async def run(self) -> None:
-        syncing = asyncio.create_task(self.sync.run(), name=f"experts-{self.index}-sync")
-        try:
-            await self.queue.serve(self.schedule, lambda q: [q.popleft()], self.compute.run_batch, self._step_now, self._report)
-        finally:
-            syncing.cancel()
-            await asyncio.gather(syncing, return_exceptions=True)
+        await self.slot.serve(lambda q: [q.popleft()])  # a call is its own batch: its graphs are kept per expert
 
     async def stop(self, planned: bool = True) -> None:
-        self._unserve()
-        if planned and self.weights.module is not None:
-            await self.sync.hand_over(self._flush)
-        await self.sync.close()
-        self.view.close()
-        self._unserve()
-        self.weights.close()
-
-    def _unserve(self) -> None:
-        if self._registration is not None:
-            self._registration.close()
-            self._registration = None
-        self.queue.refuse_all()
-
-    async def _flush(self) -> None:
-        if self.schedule.due:
-            await self._step_now()
+        await self.slot.stop(planned)
 
     async def _on_call(self, ctx) -> ExpertResult:
         req: ExpertCall = ctx.request
@@ -288,24 +252,3 @@ class ExpertHost(Role):
         self.calls[req.op] += 1
         prefix = "y" if req.op == "forward" else "grad"
         return ExpertResult(norm2=norm2, **pack_tensors({f"{prefix}:{n}": encode_floats(self.codec, t) for n, t in outs.items()}))
-
-    async def _step_now(self) -> None:
-        async with self.weights.busy:
-            self.compute.step()
-            report = self.schedule.stepped(time.monotonic())
-        if report:
-            self._report()
-
-    def _report(self, **entry: Any) -> None:
-        self.schedule.reported(time.monotonic())
-        p, compute = self.ctx.membership.progress, self.compute
-        p.step, p.state_hash = self.state.step, self.state.hash
-        rate = compute.rate.per_second()
-        if rate is not None:
-            p.samples_per_second, p.measured_as = rate, self.label
-        self.stats.remember({"step": compute.steps, "samples": compute.samples, "state_hash": self.hash, "time": time.time(), "norms": compute.last_norm, **entry})
-        self.stats.write({
-            "expert_shard": self.index, "experts": list(self.names), "params": sorted(self.weights.names()), "num_params": self.weights.module.num_params(),
-            "steps": compute.steps, "syncs": self.sync.syncs, "samples": compute.samples, "state_hash": self.hash, "calls": self.calls,
-            "clips": compute.clips, "bytes_sent": 0, "bytes_received": 0, "samples_per_second": rate,
-        })  # fmt: skip

@@ -21,7 +21,7 @@ from torch import nn
 from protocol import RoleAssignment
 
 from ..averaging import AveragingFailed, NamespaceTaken
-from ..models.diloco import adamw, lr_at, state_hash
+from ..models.diloco import adamw, lr_at
 from ..models.moe import MoEGPT, init_moe_model
 from ..runconfig import RunConfig, RunConfigError
 from .activations import activation_codec
@@ -174,6 +174,3 @@ class ExpertTrainer(Role):
                         p.add_(a - s)
             self.syncs += 1
             log.info("dense sync %d with %d trainers in %.2f s", n, len(report.members), report.seconds)
-
-    def dense_hash(self) -> str:
-        return state_hash(dict(self.model.named_parameters()))

@@ -190,12 +190,16 @@ class Replica(Role):
         # after a failed round we may be the one left behind (cut off, or back from a pause the
         # clocks did not show): while we wait alone for others, look whether the swarm moved on
         watch = asyncio.create_task(self._watch_swarm(key)) if self._out_of_step else None
+        failed: AveragingFailed | None = None
         try:
             avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=expected, state_key="outer", join_timeout_s=window)
         except AveragingFailed as e:
-            await self._round_failed(e, moved_on=await _finish(watch), wait_s=window + t_inner + 5)
+            failed = e
+        finally:
+            moved_on = await _finish(watch)
+        if failed is not None:
+            await self._round_failed(failed, moved_on, wait_s=window + t_inner + 5)
             return
-        await _finish(watch)
         self._out_of_step = False
         copy_into(self.model.parameters(), self.outer.apply(avg))
         self.round += 1
@@ -214,7 +218,7 @@ class Replica(Role):
         await self._save()
         self._publish_progress(val, tokens / t_inner / self.model_config.context)
         if self.round % self.run_config.checkpoint_every == 0 and report.leader == self.ctx.host.peer_id:
-            self.state.upload(self.ctx.membership.coordinator, self.round)
+            self.state.upload(self.ctx.membership.coordinator, self.round, self.hash)
 
     async def _round_failed(self, e: AveragingFailed, moved_on: bool, wait_s: float) -> None:
         self._out_of_step = True
@@ -282,7 +286,6 @@ class Replica(Role):
         if state is None:
             return False
         await self._compute(self._adopt, state, offer.step)
-        self.state.held(offer.step, offer.hash, offer.peer)
         await self._save()
         if self.stats.history:  # a catch-up mid-run (the starting point is recorded by _train)
             self.stats.remember({"outer_step": self.round, "state_hash": self.hash, "caught_up_from": offer.peer, "time": time.time()})

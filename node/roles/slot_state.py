@@ -183,9 +183,9 @@ class SlotState:
             raise CheckpointDirError(f"the state hashes to {got}, its manifest says {expected}")
         return state
 
-    def upload(self, coordinator: str | None, step: int) -> None:
-        """State `step` to the coordinator, in the background (it keeps it once the slot's peers
-        reported its hash). Skipped while the last upload is still on its way."""
+    def upload(self, coordinator: str | None, step: int, state_hash: str) -> None:
+        """State `step` (of `state_hash`) to the coordinator, in the background (it keeps it once
+        the slot's peers reported that hash). Skipped while the last upload is still on its way."""
         if coordinator is None or self._uploads:
             return
 
@@ -193,7 +193,7 @@ class SlotState:
             self._uploading = step_dir_name(step)
             try:
                 await upload_checkpoint(self.transport, coordinator, self.dir / step_dir_name(step))
-                log.info("%s: the coordinator keeps state %d (hash %s)", self.what, step, self.hash)
+                log.info("%s: the coordinator keeps state %d (hash %s)", self.what, step, state_hash)
             except (*NETWORK_ERRORS, CheckpointDirError, OSError) as e:
                 log.warning("%s: state %d not kept by the coordinator: %s", self.what, step, short(e))
             finally:

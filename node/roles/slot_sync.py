@@ -137,7 +137,7 @@ class SlotSync:
         await self.state.save(n, self.weights.state(), synced)
         self.state.held(n, synced, self.state.source)  # (once on disk: what we offer can be downloaded)
         if upload and self.coordinator_slot is not None and self.syncs % self.run_config.checkpoint_every == 0:
-            self.state.upload(self.ctx.membership.coordinator, n)
+            self.state.upload(self.ctx.membership.coordinator, n, synced)
 
     async def _sync(self, n: int) -> None:
         """One round with the slot's other peers. Calls are served while it runs (a dead or

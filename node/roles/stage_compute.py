@@ -168,9 +168,9 @@ class StageCompute:
         norms = [p.grad.detach().norm() for g in self.weights.opt.param_groups for p in g["params"] if p.grad is not None]
         return (torch.stack(norms).norm().item() / max(self.schedule.acc_calls, 1)) ** 2 if norms else 0.0
 
-    def step(self, others2: float | None = None) -> None:
-        """The due step (`clipped_step`), then the accumulation starts again."""
-        samples = self.schedule.acc_samples
+    def step(self) -> None:
+        """The due step (`clipped_step`): by every stage's norm with the global clip."""
+        samples, others2 = self.schedule.acc_samples, self.schedule.others2 if self.schedule.clip_across else None
         stepped, norms = clipped_step(self.weights.opt, self.schedule.acc_calls, self.train_config.grad_clip, lr_at(self.steps, self.train_config), others2)
         if norms is not None:
             self.last_norm = norms  # (reported with the step)

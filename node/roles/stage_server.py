@@ -1,14 +1,9 @@
 """The stage role: one slot of a pipeline run (a stage of the model's cut), served to trainers.
 
-A stage server holds only its stage's layers and AdamW state, and is composed of the parts every
-slot's server is built from:
-
-    SlotWeights   the stage's module, optimizer and outer state (weights.py)
-    SlotState     its states on disk, served to and taken from its peers (slot_state.py)
-    SlotSync      the periodic sync with the stage's other peers, catch-up, hand-over (slot_sync.py)
-    CallQueue     the calls waiting for its compute, served in batches (serving.py)
-    StepSchedule  when a step is due and taken, the global clip's waiting (stage_core.py)
-    StageCompute  the arithmetic: batches, kept graphs, clipped steps (stage_compute.py)
+A stage server holds only its stage's layers and AdamW state. It is a `SlotServer` (its weights,
+states, syncs with the stage's other peers, call queue, stats: slot_server.py) with a
+`StepSchedule` (when a step is due and taken, the global clip's waiting: stage_core.py) and a
+`StageCompute` (batches, kept graphs, clipped steps: stage_compute.py), and it serves StageCall.
 
 How a micro-batch travels is the run's `stage_routing`:
 - "through" (the default): the trainer makes one call to the first stage's peer naming a peer for
@@ -28,32 +23,25 @@ Everything a peer sends is checked before any compute (stage_calls.py): bad inpu
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import shutil
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from protocol import RemoteProtocolError, RoleAssignment, StageCall, StageResult, pack_tensors
-from protocol.records import role_label
 
-from ..models.diloco import adamw, state_hash
+from ..models.diloco import adamw
 from ..models.stages import Stage, StageInputError, init_stage
-from ..net.transport import NETWORK_ERRORS, HandlerTaken, RPCError
+from ..net.transport import NETWORK_ERRORS, RPCError
 from ..runconfig import RunConfig, RunConfigError
 from .activations import TOKENS, activation_codec, encode_floats
 from .caller import short
 from .role import Role, RoleContext, RoleError
-from .serving import CallQueue, Pending
-from .slot_state import SlotState
-from .slot_sync import SlotSync
+from .serving import Pending
+from .slot_server import SlotName, SlotServer
 from .stage_calls import MAX_BATCH_SAMPLES, StageCut, check_call, check_through_answer
 from .stage_compute import StageCompute
 from .stage_core import StepSchedule, take_batch
-from .stats import StatsFile
-from .view import SwarmView
 from .weights import SlotWeights
 
 log = logging.getLogger(__name__)
@@ -65,11 +53,6 @@ PEERS_REFRESH_S = 2.0  # at most this often a through call's unknown next peer m
 class ServeTiming:
     pending_s: float = 1.0  # longest a due step waits for the next call (which brings the other stages' norms)
     report_s: float = 0.5  # after steps, the stats are written at most this often (syncs and the like at once)
-
-
-def model_hash(state) -> str:
-    """What a stage's (or an expert shard's) state manifest carries: the hash of its parameters."""
-    return state_hash(state["model"])
 
 
 class StageServer(Role):
@@ -87,87 +70,55 @@ class StageServer(Role):
         index = assignment.stage
         if index is None or not 0 <= index < len(self.plan):
             raise RoleError(f"stage {index} is not a stage of this run's cut (0..{len(self.plan) - 1})")
-        c, data = ctx.node_config, Path(ctx.node_config.data_dir)
-        self.ctx, self.run_config, self.index, self.what, self.label = ctx, run, index, f"stage {index}", role_label("stage", index)
+        self.ctx, self.run_config, self.index, self.what = ctx, run, index, f"stage {index}"
         self.cut = StageCut(index, len(self.plan), run.model_config())
         self.codec = activation_codec(run, self.cut.config.n_embd)
-        self.weights = SlotWeights(c.torch_threads(), run.stage_outer_momentum, "stage")
-        meta = {**self.cut.config.to_dict(), "stage": index, "blocks": list(self.plan[index]), "num_stages": len(self.plan)}
-        self.state = SlotState(ctx.transport, data / "stage-state", data / "stage-downloads", self.what, meta, model_hash, self.weights.compute)
-        self.view = SwarmView(ctx.host, c.swarm_id, c.record_ttl_s)
-        self.sync = SlotSync(ctx, run, self.weights, self.state, self.view, f"stage-{index}", "stage", str(index), index, self._report)
         self.schedule = StepSchedule(run.stage_step_samples, len(self.plan), index, run.stage_clip == "global", timing.pending_s, timing.report_s)
         # kept: backwards through a kept graph (stale: of a forward on older weights than now); failed_after: through calls whose later stage failed
         self.calls = {"forward": 0, "backward": 0, "train": 0, "through": 0, "refused": 0, "batched": 0, "kept": 0, "stale": 0, "failed_after": 0, "norms": 0}
-        self.compute = StageCompute(self.weights, self.schedule, run.train_config(), self.calls, self.what)
-        self.queue = CallQueue(self.what, self.weights.busy)
-        self.stats = StatsFile(data, "stage", keep=200)
+        meta = {**self.cut.config.to_dict(), "stage": index, "blocks": list(self.plan[index]), "num_stages": len(self.plan)}
+        name = SlotName("stage", self.what, "stage", str(index), f"stage-{index}", coordinator_slot=index)
+        self.slot = SlotServer(ctx, run, name, meta, self.schedule, self._compute, self._stats)
+        self.compute, self.queue = self.slot.compute, self.slot.queue
         self.stage_peers: dict[int, set[str]] = {}  # the peers of each stage as the member records name them (through calls go only to them)
         self.bytes_sent = self.bytes_received = 0  # of through calls to the next stage
-        self._registration = None
 
     @property
     def stage(self) -> Stage:
-        return self.weights.module
+        return self.slot.weights.module
 
     @property
     def hash(self) -> str:
-        return self.weights.hash
+        return self.slot.weights.hash
+
+    @property
+    def state(self):
+        return self.slot.state
 
     def _build(self):
         stage = init_stage(self.cut.config, self.index, self.plan, self.run_config.seed)
         return stage, adamw(stage.parameters(), self.run_config.train_config())
 
-    # ---- lifecycle
+    def _compute(self, weights: SlotWeights) -> StageCompute:
+        return StageCompute(weights, self.schedule, self.run_config.train_config(), self.calls, self.what)
+
+    def _describe(self) -> str:
+        first, last = self.plan[self.index]
+        return (f"{len(self.plan)} stages, blocks {first}..{last - 1}{' + embeddings' if self.cut.first else ''}{' + head' if self.cut.last else ''}, "
+                f"{self.stage.num_params()} params, activations {self.codec.name}")  # fmt: skip
+
+    def _stats(self) -> dict[str, Any]:
+        return {"stage": self.index, "num_stages": len(self.plan), "blocks": list(self.plan[self.index]), "calls": self.calls,
+                "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}  # fmt: skip
 
     async def start(self) -> None:
-        own = await asyncio.to_thread(self.state.own)  # what this node saved of this stage before it restarted
-        if own is None:
-            await asyncio.to_thread(shutil.rmtree, self.state.dir, True)  # another stage's, from an earlier role
-        progress = self.ctx.membership.progress
-        progress.samples_per_second, progress.measured_as = None, ""  # measured anew at this stage
-        self.weights.hold(*await self.weights.compute(self._build))
-        await self.sync.start(own)
-        try:
-            self._registration = self.ctx.transport.serve({StageCall: self._on_call}, owner=self.what)
-        except HandlerTaken as e:
-            raise RoleError(str(e)) from None
-        first, last = self.plan[self.index]
-        log.info("%s of %d: blocks %d..%d%s%s, %d params, activations %s, state of round %d from %s, hash %s", self.what, len(self.plan), first, last - 1,
-                 " + embeddings" if self.cut.first else "", " + head" if self.cut.last else "", self.stage.num_params(), self.codec.name,
-                 self.state.step, self.state.source[-8:], self.hash)  # fmt: skip
-        self._report(start=True, state_from=self.state.source)
-        self.ctx.membership.publish_soon()  # trainers find stage servers through the DHT
+        await self.slot.start(self._build, {StageCall: self._on_call}, self._describe)
 
     async def run(self) -> None:
-        syncing = asyncio.create_task(self.sync.run(), name=f"stage-{self.index}-sync")
-        try:
-            await self.queue.serve(self.schedule, self._take, self.compute.run_batch, self._step_now, self._report)
-        finally:
-            syncing.cancel()
-            await asyncio.gather(syncing, return_exceptions=True)
+        await self.slot.serve(self._take)
 
     async def stop(self, planned: bool = True) -> None:
-        """Give everything back. Planned (SIGTERM, Ctrl-C, a new assignment): new calls are
-        refused (trainers retry them on other peers), and the stage's last peer hands its state
-        over first."""
-        self._unserve()
-        if planned and self.stage is not None:
-            await self.sync.hand_over(self._flush)
-        await self.sync.close()
-        self.view.close()
-        self._unserve()
-        self.weights.close()
-
-    def _unserve(self) -> None:
-        if self._registration is not None:
-            self._registration.close()
-            self._registration = None
-        self.queue.refuse_all()
-
-    async def _flush(self) -> None:
-        if self.schedule.due:  # a step that waited for the next call: nothing trained stays behind
-            await self._step_now()
+        await self.slot.stop(planned)
 
     # ---- serving
 
@@ -253,30 +204,7 @@ class StageServer(Role):
         us read them again, once for all callers waiting, at most every PEERS_REFRESH_S (a peer
         that just joined is named by a trainer that read them later)."""
         if peer not in self.stage_peers.get(stage, ()):
-            members = await self.view.read_shared(PEERS_REFRESH_S)
+            members = await self.slot.view.read_shared(PEERS_REFRESH_S)
             if members.ok:
                 self.stage_peers = {s: set(ps) for s, ps in members.numbered("stage").items()}
         return peer in self.stage_peers.get(stage, ())
-
-    # ---- steps and reports
-
-    async def _step_now(self) -> None:
-        async with self.weights.busy:  # (on the loop's thread, as batches run)
-            self.compute.step(self.schedule.others2 if self.schedule.clip_across else None)
-            report = self.schedule.stepped(time.monotonic())
-        if report:  # (a report hashes the parameters: not at every step)
-            self._report()
-
-    def _report(self, **entry: Any) -> None:
-        self.schedule.reported(time.monotonic())
-        p, compute = self.ctx.membership.progress, self.compute
-        p.step, p.state_hash = self.state.step, self.state.hash  # the same on every peer of the stage after a sync
-        rate = compute.rate.per_second()
-        if rate is not None:
-            p.samples_per_second, p.measured_as = rate, self.label
-        self.stats.remember({"step": compute.steps, "samples": compute.samples, "state_hash": self.hash, "time": time.time(), "norms": compute.last_norm, **entry})
-        self.stats.write({
-            "stage": self.index, "num_stages": len(self.plan), "blocks": list(self.plan[self.index]), "params": sorted(self.weights.names()),
-            "num_params": self.stage.num_params(), "steps": compute.steps, "syncs": self.sync.syncs, "samples": compute.samples, "state_hash": self.hash,
-            "calls": self.calls, "clips": compute.clips, "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "samples_per_second": rate,
-        })  # fmt: skip

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from protocol.records import MemberRecord, parse_role_label, slot_index
@@ -113,17 +113,13 @@ class SwarmView:
         await asyncio.sleep(max(0.0, self._read_at + min_interval_s - time.monotonic()))
         return await self.read()
 
-    async def follow(self, update: Callable[[Members], bool | Awaitable[bool]], known: asyncio.Event) -> None:
+    async def follow(self, update: Callable[[Members], bool], known: asyncio.Event) -> None:
         """Read the members for ever, in the background (a step never waits on the DHT), and
         hand each good read to `update`; `known` is set once `update` says the role can work."""
         while True:
             members = await self.read()
-            if members.ok and (members.records or members.skipped):  # (an empty answer: the DHT lost its neighbours, say)
-                done = update(members)
-                if asyncio.iscoroutine(done):
-                    done = await done
-                if done:
-                    known.set()
+            if members.ok and (members.records or members.skipped) and update(members):  # (no records at all: the DHT lost its neighbours, say)
+                known.set()
             await asyncio.sleep(FOLLOW_S if known.is_set() else FIRST_FOLLOW_S)
 
     def close(self) -> None:
