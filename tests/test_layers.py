@@ -102,3 +102,37 @@ def test_each_package_maps_its_files_in_its_init(package):
     doc = ast.get_docstring(ast.parse(init.read_text())) or ""
     missing = [p.name for p in sorted(init.parent.glob("*.py")) if p.name != "__init__.py" and p.name not in doc]
     assert missing == [], f"node/{package}/__init__.py does not map {missing}"
+
+
+# the sizes node/averaging/ keeps, for every module of node/, coordinator/ and protocol/
+MAX_MODULE_LINES, MAX_CLASS_METHODS, MAX_FUNCTION_LINES = 600, 25, 80
+
+
+def oversized(paths, root: Path) -> list[str]:
+    found = []
+    for path in paths:
+        src = path.read_text()
+        where = path.relative_to(root)
+        if src.count("\n") > MAX_MODULE_LINES:
+            found.append(f"{where}: {src.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ClassDef):
+                methods = sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in node.body)
+                if methods > MAX_CLASS_METHODS:
+                    found.append(f"{where}:{node.lineno} class {node.name}: {methods} methods")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                found.append(f"{where}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    return found
+
+
+def test_no_module_class_or_function_outgrows_its_size():
+    assert oversized(sources(), ROOT) == []
+
+
+def test_the_size_check_sees_a_long_function_and_a_class_of_many_methods(tmp_path):
+    big = tmp_path / "node" / "big.py"
+    big.parent.mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(81))
+    methods = "\n".join(f"    def m{i}(self):\n        pass" for i in range(26))
+    big.write_text(f"def long():\n{body}\n\n\nclass Wide:\n{methods}\n")
+    assert oversized([big], tmp_path) == ["node/big.py:1 long: 82 lines", "node/big.py:85 class Wide: 26 methods"]

@@ -20,7 +20,8 @@ from node.net.transport import RemoteError, Transport, TransportConfig
 from node.roles.caller import NoSlotPeer, SlotPeers
 from node.roles.role import RoleContext, RoleError
 from node.roles.stage_calls import MAX_BATCH_SAMPLES
-from node.roles.stage_server import ServeTiming, StageServer
+from node.roles.stage_core import ServeTiming
+from node.roles.stage_server import StageServer
 from node.runconfig import RunConfig
 from protocol import RoleAssignment, StageCall, StageResult, decode_tensor, make_codec, pack_tensors, unpack_tensors
 from protocol.records import slot_index
@@ -142,19 +143,19 @@ def test_a_through_call_hands_activations_stage_to_stage_and_gives_the_models_lo
             # says which peer of the route it would not call (the trainer picks another way)
             r = await through(client, s0, [s1_id], x=x, targets=y)
             assert r.failed == s1_id and r.failed_stage == 1 and f"{s1_id} serves no stage 1" in r.reason, r
-            assert s1.calls["through"] == 0 and s0.calls["forward"] == s0.compute.samples == 0 and not len(s0.compute.kept)
+            assert s1.calls["through"] == 0 and s0.calls["forward"] == s0.compute.samples == 0 and not s0.compute.kept
             with pytest.raises(RemoteError, match=r"bad_request: .*names a peer for each of the 1 stages after it, got 2"):
                 await through(client, s0, [s1_id, s1_id], x=x, targets=y)
             s0.stage_peers = {1: {s1_id, client.peer_id}}  # what member records naming them would give
             r = await through(client, s0, [s1_id], x=x, targets=y)
             assert unpack_tensors(r) == {} and len(r.times) == 2 and not r.failed  # the first stage sends no gradient back
-            assert s0.calls["through"] == s1.calls["through"] == 1 and s0.bytes_sent > 0 and not len(s0.compute.kept)
+            assert s0.calls["through"] == s1.calls["through"] == 1 and s0.bytes_sent > 0 and not s0.compute.kept
             grads = {n: p.grad.clone() for s in (s0, s1) for n, p in s.stage.named_parameters()}
 
             # a later stage that fails: the answer names it, and s0 keeps no graph for it
             failed = await through(client, s0, [client.peer_id], micro_batch="n", x=x, targets=y)  # the client serves no stage calls
             assert failed.failed == client.peer_id and failed.failed_stage == 1 and failed.reason and unpack_tensors(failed) == {}, failed
-            assert not len(s0.compute.kept) and s0.calls["failed_after"] == 2 and s0.compute.samples == 3  # (with the first call above); nothing of it accumulated
+            assert not s0.compute.kept and s0.calls["failed_after"] == 2 and s0.compute.samples == 3  # (with the first call above); nothing of it accumulated
             return r.loss, grads
 
     got_loss, grads = asyncio.run(main())

@@ -36,8 +36,7 @@ from .role import Role, RoleContext, RoleError
 from .serving import Pending
 from .slot_server import SlotName, SlotServer
 from .stage_compute import MAX_SAVED, SAVED_S, WeightStash, clipped_step
-from .stage_core import KeptGraphs, StepSchedule
-from .stage_server import ServeTiming
+from .stage_core import KeptGraphs, ServeTiming, StepSchedule
 from .stats import ComputeRate
 from .weights import SlotWeights
 

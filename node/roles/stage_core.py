@@ -90,6 +90,12 @@ class KeptGraphs:
         return key in self._kept
 
 
+@dataclass(frozen=True)
+class ServeTiming:
+    pending_s: float = 1.0  # longest a due step waits for the next call (which brings the other stages' norms)
+    report_s: float = 0.5  # after steps, the stats are written at most this often (syncs and the like at once)
+
+
 class StepSchedule:
     """When a stage's optimizer step is due and when it is taken.
 

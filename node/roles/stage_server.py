@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from protocol import RemoteProtocolError, RoleAssignment, StageCall, StageResult, pack_tensors
@@ -41,18 +40,12 @@ from .serving import Pending
 from .slot_server import SlotName, SlotServer
 from .stage_calls import MAX_BATCH_SAMPLES, StageCut, check_call, check_through_answer
 from .stage_compute import StageCompute
-from .stage_core import StepSchedule, take_batch
+from .stage_core import ServeTiming, StepSchedule, take_batch
 from .weights import SlotWeights
 
 log = logging.getLogger(__name__)
 
 PEERS_REFRESH_S = 2.0  # at most this often a through call's unknown next peer makes us read the member records again
-
-
-@dataclass(frozen=True)
-class ServeTiming:
-    pending_s: float = 1.0  # longest a due step waits for the next call (which brings the other stages' norms)
-    report_s: float = 0.5  # after steps, the stats are written at most this often (syncs and the like at once)
 
 
 class StageServer(Role):

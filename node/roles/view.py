@@ -89,7 +89,7 @@ class SwarmView:
         try:
             records = await asyncio.wait_for(read_members(self.host, self.swarm_id), READ_TIMEOUT_S)
         except (TimeoutError, DHTError) as e:
-            log.info("the member records could not be read (%s): going by the last ones read", e or f"no answer in {READ_TIMEOUT_S:.0f} s")
+            (log.info if self.last.ok else log.debug)("the member records could not be read (%s): going by the last ones read", e or f"no answer in {READ_TIMEOUT_S:.0f} s")
             self.last = replace(self.last, ok=False)
             return self.last
         self.last = Members.of(records, self.clock(), self.ttl_s)
