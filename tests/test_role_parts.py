@@ -4,6 +4,7 @@ reasons it skips a peer) over a real DHT, and the registry that makes a role of 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -139,3 +140,44 @@ def test_a_new_role_is_one_class_and_one_registry_entry(tmp_path):
     roles = (*ROLES, RoleSpec("idle", f"{__name__}:Echo"))
     role = make_role(ctx, assigned("idle", RunConfig(seed=7)), roles=roles)
     assert isinstance(role, Echo) and role.run_config.seed == 7
+
+
+# ---- a slot's states
+
+
+def test_a_state_without_a_hash_is_taken_only_where_the_slot_allows_it_and_never_from_our_own_disk(tmp_path):
+    """A replica's run may start from a checkpoint its owner seeded (a warm start: no hash in its
+    manifest); a stage's state must carry its hash. A state whose hash does not match is refused."""
+    import torch
+
+    from node.roles.slot_state import SlotState
+    from node.state.checkpoint_dir import read_manifest, write_checkpoint_dir
+
+    meta = {"model": "m"}
+    state = {"model": {"w": torch.arange(4.0)}}
+    hash_of = lambda s: "h-" + str(int(s["model"]["w"].sum()))  # noqa: E731
+
+    async def compute(fn, *args):
+        return fn(*args)
+
+    def slot(name: str, unhashed_ok: bool) -> SlotState:
+        return SlotState(None, tmp_path / name, tmp_path / f"{name}-dl", name, meta, hash_of, compute, unhashed_ok=unhashed_ok)
+
+    async def main():
+        seeded = write_checkpoint_dir(tmp_path / "seed", 0, state, meta)  # no hash
+        manifest = read_manifest(seeded)
+        strict, lenient = slot("stage", False), slot("replica", True)
+        offer = strict.offer("coordinator", 0, manifest)
+        assert offer is not None and offer.hash == ""
+        offer = dataclasses.replace(offer, path=seeded)  # (read where it lies: no transfer)
+        assert await strict.fetch(offer) is None  # refused, logged
+        taken = await lenient.fetch(offer)
+        assert taken is not None and torch.equal(taken["model"]["w"], state["model"]["w"])
+        assert strict.offer("p", 0, {**manifest, "model_config": {"model": "other"}}) is None  # another model's
+        hashed = write_checkpoint_dir(tmp_path / "hashed", 3, state, meta, "h-wrong")
+        wrong = dataclasses.replace(offer, step=3, hash="h-wrong", manifest=read_manifest(hashed), path=hashed)
+        assert await lenient.fetch(wrong) is None  # a hash that does not match is refused everywhere
+        write_checkpoint_dir(tmp_path / "stage", 5, state, meta)  # what this node saved, without a hash
+        assert strict.own() is None
+
+    asyncio.run(main())

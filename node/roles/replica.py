@@ -91,7 +91,7 @@ class Replica(Role):
         self.averager = Averager(ctx.host, ctx.transport, config, Faults(delay_parts_s=c.fault_delay_parts_s))
         self.threads = c.torch_threads()
         self._compute = ComputeThread(self.threads, "train")  # everything that trains, evaluates or loads a model's state
-        self.state = SlotState(ctx.transport, data / "state", data / "downloads", "replica", self.model_config.to_dict(), replica_hash, self._compute)
+        self.state = SlotState(ctx.transport, data / "state", data / "downloads", "replica", self.model_config.to_dict(), replica_hash, self._compute, unhashed_ok=True)
         self.view = SwarmView(ctx.host, c.swarm_id, c.record_ttl_s)
         self.stats = StatsFile(data, "replica", keep=1000)
         self.model: GPT | None = None

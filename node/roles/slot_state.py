@@ -84,10 +84,12 @@ class SlotState:
     role's compute thread (loading and hashing may take long)."""
 
     def __init__(self, transport, directory: Path, downloads: Path, what: str, meta: dict[str, Any],
-                 hash_of: Callable[[State], str], compute: Callable[..., Awaitable[Any]], keep: int = KEEP_STATES):  # fmt: skip
+                 hash_of: Callable[[State], str], compute: Callable[..., Awaitable[Any]], keep: int = KEEP_STATES, unhashed_ok: bool = False):  # fmt: skip
+        """`unhashed_ok`: a state whose manifest carries no hash may be taken unchecked (a replica's
+        run seeded by its owner with a checkpoint of its own, a warm start, say)."""
         self.transport, self.dir, self.downloads, self.what = transport, Path(directory), Path(downloads), what
         self.meta = json.loads(json.dumps(meta))  # as a manifest carries it
-        self.hash_of, self.compute, self.keep = hash_of, compute, keep
+        self.hash_of, self.compute, self.keep, self.unhashed_ok = hash_of, compute, keep, unhashed_ok
         self.step = 0  # the round of the state we hold (0: the run's initial one)
         self.hash = ""
         self.source = "init"  # where it came from: "init", "disk" or the peer id it was downloaded from
@@ -118,7 +120,7 @@ class SlotState:
         return path
 
     def fits(self, manifest: dict[str, Any]) -> bool:
-        return manifest.get("model_config") == self.meta and bool(manifest.get("state_hash"))
+        return manifest.get("model_config") == self.meta
 
     def own(self) -> Offer | None:
         """The newest state of this slot this node saved before (it restarted); None when there
@@ -128,7 +130,7 @@ class SlotState:
                 manifest = read_manifest(d)
             except (CheckpointDirError, OSError):
                 continue
-            if self.fits(manifest):
+            if self.fits(manifest) and manifest.get("state_hash"):
                 return Offer("disk", int(manifest["step"]), manifest["state_hash"], manifest, from_peer=False, path=d)
         return None
 
@@ -137,7 +139,7 @@ class SlotState:
         if not self.fits(manifest):
             log.warning("%s: %s holds a state for %s, not this one", self.what, peer[-8:], manifest.get("model_config"))
             return None
-        return Offer(peer, step, manifest["state_hash"], manifest, from_peer=from_peer, slot=slot)
+        return Offer(peer, step, manifest.get("state_hash") or "", manifest, from_peer=from_peer, slot=slot)
 
     async def ask(self, peers: Iterable[str], timeout: float, slot: int | None = None) -> dict[str, Offer]:
         """The newest state of this slot each of `peers` holds (of stage `slot` where a peer keeps
@@ -178,9 +180,10 @@ class SlotState:
         state = load_checkpoint_dir(path)
         if "model" not in state:
             raise CheckpointDirError("the state has no model.safetensors")
-        got = self.hash_of(state)
-        if got != expected:
-            raise CheckpointDirError(f"the state hashes to {got}, its manifest says {expected}")
+        if expected or not self.unhashed_ok:
+            got = self.hash_of(state)
+            if got != expected:
+                raise CheckpointDirError(f"the state hashes to {got}, its manifest says {expected or 'no hash'}")
         return state
 
     def upload(self, coordinator: str | None, step: int, state_hash: str) -> None:
