@@ -104,6 +104,15 @@ def test_a_coordinator_dir_gives_its_newest_checkpoint_and_a_step_dir_gives_itse
     assert torch.equal(five.transformer.h[1].attn.c_attn.weight, models[5].blocks[1].attn.c_attn.weight.t())
 
 
+def test_a_damaged_newest_checkpoint_is_skipped_as_the_coordinator_skips_it(swarm_run, tmp_path, capsys):
+    coord = shutil.copytree(swarm_run[0], tmp_path / "coord")
+    (coord / "checkpoints" / "step-00000010" / "outer.safetensors").write_bytes(b"x" * 8)
+    code, printed, err = run(capsys, "export", "--checkpoint", coord, "--out", tmp_path / "out")
+    assert code == 0 and "step 5" in printed and "skipping" in err and "outer.safetensors" in err
+    five = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert torch.equal(five.lm_head.weight, swarm_run[1][5].lm_head.weight)
+
+
 def test_the_tokenizer_is_bytes(exported):
     # the class name transformers 4 knows too (5 writes TokenizersBackend)
     assert json.loads((exported[0] / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
