@@ -4,6 +4,7 @@
     shard_of           the data shard a peer id trains on by default
     Batches            random (x, y) windows from one replica's shard of the train bytes, seeded
     evaluate           mean loss over a fixed set of validation windows (the same every call)
+    EVAL_SEED          the seed of the windows a replica reports its validation loss on
 
 Built-in corpus: the Python standard library's own *.py sources (no download), without
 site-packages, test directories and the build-specific `_sysconfigdata*` / `config-*` files,
@@ -36,6 +37,9 @@ from torch import nn
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024  # cap on the built-in corpus (train + val), in bytes
 VAL_MODULUS = 20  # one file in VAL_MODULUS goes to validation
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
+# The validation windows every replica reports its loss on (node/roles/replica.py), and that
+# `swarmtrain-model eval` uses, so an exported model's loss compares with the swarm's.
+EVAL_SEED = 1234
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 

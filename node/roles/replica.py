@@ -33,7 +33,7 @@ from protocol import RoleAssignment
 from ..averaging import Averager, AveragingFailed, NamespaceTaken
 from ..averaging.faults import Faults
 from ..config import averager_config
-from ..models.data import Batches, DataError, evaluate, load_corpus, shard_of
+from ..models.data import EVAL_SEED, Batches, DataError, evaluate, load_corpus, shard_of
 from ..models.diloco import InnerTrainer, OuterOptimizer, copy_into, state_hash
 from ..models.gpt import GPT, init_model
 from ..net.transport import NETWORK_ERRORS, HandlerTaken, RemoteError
@@ -49,7 +49,6 @@ from .weights import ComputeThread
 
 log = logging.getLogger(__name__)
 
-EVAL_SEED = 1234  # the same validation windows everywhere, so losses compare across replicas and runs
 ASK_S = 3.0  # longest a replica peer may take to say which state it holds
 COORDINATOR_S = 5.0  # ... the coordinator
 WATCH_S = 2.0  # how often a replica that may have fallen behind looks at the others' states while it matchmakes
