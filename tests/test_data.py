@@ -143,7 +143,7 @@ def test_batches_are_deterministic_per_seed():
         ((0, 0, 4, 8), "num_shards must be a positive int"),
         ((0, 1, 0, 8), "batch_size must be a positive int"),
         ((0, 1, 4, 0), "context must be a positive int"),
-        ((0, 20, 4, 8), "shard 0 of 20 has 5 bytes, fewer than one window"),
+        ((0, 20, 4, 8), "shard 0 of 20 has 5 tokens, fewer than one window"),
     ],
 )
 def test_batches_refuse_bad_arguments(args, match):
@@ -166,5 +166,5 @@ def test_evaluate_is_fixed_and_restores_mode():
 
 def test_evaluate_refuses_short_validation_data():
     model = init_model(PRESETS["tiny"], seed=0)
-    with pytest.raises(DataError, match="validation data has 10 bytes"):
+    with pytest.raises(DataError, match="validation data has 10 tokens"):
         evaluate(model, torch.zeros(10, dtype=torch.uint8), batch_size=2, context=32, num_batches=1)

@@ -4,7 +4,11 @@ Files:
     gpt.py       the built-in GPT (presets tiny, small)
     moe.py       the built-in mixture-of-experts GPT (tiny-moe, small-moe): router, experts, combine
     stages.py    the GPT cut into pipeline stages (plan_stages, Stage): each holds only its blocks
-    data.py      the built-in corpus (Python's stdlib sources) or --data, shards, evaluation
+    hf.py        Hugging Face models: a local model directory checked (open_model_dir), which roles
+                 train which model types (FAMILIES), CausalLM: a transformers model used like GPT
+    tokens.py    tokenizers: bytes (the built-in models) or a model directory's tokenizer.json
+    sources.py   where documents come from: text files, JSON lines, parquet, a saved `datasets` set
+    data.py      the corpus (built-in: Python's stdlib sources; or --data) as token ids, shards, evaluation
     diloco.py    inner/outer optimizers, the state hash, a one-process DiLoCo simulation
     export.py    the GPT as a Hugging Face GPT-2 (weights, config, byte tokenizer), sampling, its loss
 """
