@@ -255,6 +255,7 @@ class Host:
             if "bootstrap" in reason or "initial_peers" in reason:
                 raise HostError(f"none of the initial peers answered: {', '.join(config.initial_peers)}") from None
             raise HostError(f"libp2p host failed to start: {reason}") from None
+        _remove_dir(keyfile_dir)  # p2pd has read it: a key must not outlive a process killed before its shutdown
         return cls(key, dht, p2p, keyfile_dir, config)
 
     def listen_ips(self) -> list[str]:
@@ -415,6 +416,8 @@ def _stop_dht(dht: _HivemindDHT) -> None:
 
 
 def _remove_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        return  # removed already
     for name in os.listdir(path):
         os.unlink(os.path.join(path, name))
     os.rmdir(path)
