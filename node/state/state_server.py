@@ -3,7 +3,8 @@ streamed StateChunks. The coordinator serves its checkpoint store with it; a rep
 its own latest outer state, so joiners and stragglers download from peers first.
 
 A `source` is anything with the four methods of `CheckpointSource`; `DirectorySource` serves a
-directory of `step-XXXXXXXX/` checkpoints (the format of node/state/checkpoint_dir.py).
+directory of `step-XXXXXXXX/` checkpoints (the format of node/state/checkpoint_dir.py). Where
+given a `ModelFilesSource`, it also serves the run's model files (node/state/model_files.py).
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from protocol import CheckpointManifest, CheckpointQuery, RemoteProtocolError, S
 from protocol.manifest import step_dir_name, step_of_dir_name
 
 from .checkpoint_dir import CheckpointDirError, file_list, read_manifest, read_range
+from .model_files import PREFIX as MODEL_PREFIX
+from .model_files import ModelFilesSource
 from ..net.transport import CallContext, Registration, RPCError, Transport
 
 CHUNK = 4 << 20  # bytes per StateChunk
-PREFIX = "checkpoint/"  # StateRequest names: checkpoint/<step>/<file>, or stage-<i>/checkpoint/<step>/<file>
+PREFIX = "checkpoint/"  # StateRequest names: checkpoint/<step>/<file>, or stage-<i>/checkpoint/<step>/<file> (model/<pin>/<file>: model files)
 
 
 class CheckpointSource(Protocol):
@@ -84,8 +87,10 @@ class CheckpointServer:
         source: CheckpointSource,
         on_served: Callable[[str, int, str], None] | None = None,
         stage_source: Callable[[int], CheckpointSource | None] | None = None,
+        model_source: ModelFilesSource | None = None,
     ):
         self.transport, self.source = transport, source
+        self.model_source = model_source  # the run's model files (node/state/model_files.py), where kept (the coordinator)
         self.stage_source = stage_source  # a pipeline stage's checkpoints, where kept per stage (None: not here)
         self.on_served = on_served  # (peer, step, file name): that peer read the file to its end
         self._registration: Registration | None = None
@@ -124,6 +129,8 @@ class CheckpointServer:
     async def on_state_request(self, ctx: CallContext) -> AsyncIterator[StateChunk]:
         req: StateRequest = ctx.request
         name, stage = req.name, None
+        if name.startswith(MODEL_PREFIX):
+            return await self._model_file(req, ctx.peer_id)
         if name.startswith("stage-"):
             head, _, name = name.partition("/")
             if not head[6:].isdigit():
@@ -150,7 +157,20 @@ class CheckpointServer:
         end = size if req.length == 0 else min(size, req.offset + req.length)
         return self._chunks(source, step, filename, req.name, req.offset, end, size, sha, ctx.peer_id)
 
-    async def _chunks(self, source, step, filename, name, start, end, size, sha, peer) -> AsyncIterator[StateChunk]:
+    async def _model_file(self, req: StateRequest, peer: str) -> AsyncIterator[StateChunk]:
+        pin, _, filename = req.name[len(MODEL_PREFIX) :].partition("/")
+        if self.model_source is None:
+            raise RPCError("not_found", "no model files here")
+        try:
+            size, sha = (await asyncio.to_thread(self.model_source.files, pin))[filename]
+        except (KeyError, OSError, ValueError):
+            raise RPCError("not_found", f"no model file {req.name!r} here") from None
+        if req.offset > size:
+            raise RemoteProtocolError(f"offset {req.offset} is past the end ({size})", "offset")
+        end = size if req.length == 0 else min(size, req.offset + req.length)
+        return self._chunks(self.model_source, pin, filename, req.name, req.offset, end, size, sha, peer, served=False)
+
+    async def _chunks(self, source, step, filename, name, start, end, size, sha, peer, served=True) -> AsyncIterator[StateChunk]:
         loop = asyncio.get_running_loop()
         offset = start
         while True:
@@ -159,6 +179,6 @@ class CheckpointServer:
             yield StateChunk(name=name, offset=offset, total_size=size, sha256=sha, data=data)
             offset += n
             if offset >= end:
-                if end == size and self.on_served is not None:
+                if served and end == size and self.on_served is not None:
                     self.on_served(peer, step, filename)
                 return
