@@ -358,3 +358,20 @@ class Upload:
     def __exit__(self, *exc: object) -> None:
         if not self._closed:
             self.abort()
+
+
+def weights_as_first_checkpoint(store: CheckpointStore, src: str | Path, pin: str) -> CheckpointInfo | None:
+    """A new run of a Hugging Face model that comes with weights (fine-tuning) starts from them:
+    they become checkpoint 0, which every replica takes (none is seeded). Nothing when the store
+    already has a checkpoint (a restart) or the directory has no weights."""
+    from node.models.hf import ModelDirError, build_causal_lm, open_model_dir
+
+    try:
+        model_dir = open_model_dir(Path(src).expanduser())
+        if model_dir.weights is None or store.latest() is not None:
+            return None
+        model = build_causal_lm(model_dir, seed=0, weights=True)
+    except ModelDirError as e:
+        raise CheckpointError(str(e)) from None
+    state = {"model": {n: p.detach().contiguous() for n, p in model.named_parameters()}}
+    return store.save(0, state, model_config={"model": pin})

@@ -5,13 +5,14 @@ keys in the file, `--inner-steps`, SWARMTRAIN_COORDINATOR_INNER_STEPS)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from node.config import LOG_LEVELS, Check, ConfigError, at_least, check_fields, non_empty, one_of, positive, record_ttl, swarm_id
 from node.preflight import check_data_dir, check_http, check_maddrs, load_identity
-from node.runconfig import RunConfig, RunConfigError
+from node.runconfig import HF_PIN, RunConfig, RunConfigError
 from protocol.records import owner_of
 from protocol.signatures import SigningKey, peer_id_from_public_key
 
@@ -73,6 +74,42 @@ def expert_slots(config: CoordinatorConfig) -> tuple[str, ...]:
     return tuple(f"shard{i}" for i in range(run.expert_shards))
 
 
+def check_model(c: CoordinatorConfig) -> None:
+    """A Hugging Face model directory (`--model PATH`): it must open, and its architecture train
+    in the run's mode (replica mode only, for now). ConfigError naming the problem."""
+    run = c.run
+    if not run.is_hf or HF_PIN.fullmatch(run.model):
+        return
+    if c.mode != "replica":
+        raise RunConfigError(f"a Hugging Face model trains in replica mode for now, not {c.mode} mode (pipeline and experts take the built-in presets)", "model")
+    from node.models.hf import ModelDirError, check_role, open_model_dir
+
+    try:
+        check_role(open_model_dir(Path(run.model).expanduser()), "replica")
+    except ModelDirError as e:
+        raise RunConfigError(f"model: {e}", "model") from None
+
+
+def resolve_model(c: CoordinatorConfig, data: Path) -> RunConfig:
+    """The run as members get it: a model directory replaced by its pin, its config and tokenizer
+    files packed under DATA_DIR/model for nodes to fetch (node/state/model_files.py)."""
+    run = c.run
+    if not run.is_hf:
+        return run
+    from node.state.model_files import ModelFilesError, local_model_dir, pack_model_files
+
+    root = data / "model"
+    if HF_PIN.fullmatch(run.model):
+        if local_model_dir(root, run.model) is None:
+            raise RunConfigError(f"model {run.model}: its files are not in {root}; give the model's directory", "model")
+        return run
+    check_model(c)
+    try:
+        return dataclasses.replace(run, model=pack_model_files(Path(run.model).expanduser(), root))
+    except (ModelFilesError, OSError) as e:
+        raise RunConfigError(f"model: {e}", "model") from None
+
+
 def check_coordinator(c: CoordinatorConfig) -> tuple[Path, SigningKey]:
     """A coordinator's light checks (node/preflight.py's kind: no torch, no hivemind); creates the
     data dir and the identity if missing. Returns the data dir and the identity."""
@@ -84,6 +121,7 @@ def check_coordinator(c: CoordinatorConfig) -> tuple[Path, SigningKey]:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     expert_slots(c)  # a MoE model in experts mode, split into shards that fit it
+    check_model(c)
     if c.http:
         check_http(c.http)  # before anything starts, not after p2pd is up
     data = check_data_dir(c.data_dir)

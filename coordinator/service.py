@@ -36,11 +36,12 @@ from protocol.tokens import CERT_TTL_S, issue_certificate
 from node.config import ConfigError
 from node.net.gate import MemberGate
 from node.net.host import DHTError, Host, HostConfig
+from node.state.model_files import ModelFilesSource
 from node.state.state_server import CheckpointServer
 from node.net.transport import CallContext, RPCError, Transport, TransportConfig
 
-from .checkpoints import CheckpointError, CheckpointStore
-from .config import CoordinatorConfig, check_coordinator, expert_slots
+from .checkpoints import CheckpointError, CheckpointStore, weights_as_first_checkpoint
+from .config import CoordinatorConfig, check_coordinator, expert_slots, resolve_model
 from .tools import read_revoked, revocation_file
 from .planner import Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
 from .registry import AsyncRegistry, Member, ProgressPoint, Registry, RegistryError
@@ -140,7 +141,9 @@ class Coordinator:
         self.hash_reports: dict[int, dict[str, str]] = {}  # step -> peer -> state hash it reported
         self.stage_hash_reports: dict[tuple[int, int], dict[str, str]] = {}  # (stage, sync round) -> peer -> hash
         self.stage_stores: dict[int, CheckpointStore] = {}  # pipeline mode: each stage's checkpoints
+        self.run = config.run  # as members get it: a model directory becomes its pin (validate)
         self.run_config = json.dumps(config.run_config(), sort_keys=True).encode()
+        self.model_files: ModelFilesSource | None = None
         self.started_at = time.time()
         self._tasks: list[asyncio.Task] = []
         self.owned = False  # the swarm id names its owner (this coordinator's identity): members hold certificates
@@ -161,6 +164,9 @@ class Coordinator:
     def validate(self):
         c = self.config
         data, key = check_coordinator(c)  # --http, data dir, identity, multiaddrs (the CLI ran them first)
+        self.run = resolve_model(c, data)
+        self.run_config = json.dumps(self.run.to_dict(), sort_keys=True).encode()
+        self.model_files = ModelFilesSource(data / "model")
         if c.owner_public_key:
             try:
                 self.owner_key = bytes.fromhex(c.owner_public_key)
@@ -187,6 +193,11 @@ class Coordinator:
                 }
         except (CheckpointError, OSError) as e:
             raise ConfigError(f"checkpoint store: {e}") from None
+        if self.run.model != c.run.model:  # a model directory given: its weights, if any, start a new run
+            try:
+                weights_as_first_checkpoint(self.store, c.run.model, self.run.model)
+            except (CheckpointError, OSError) as e:
+                raise ConfigError(f"model: {e}") from None
         return key
 
     async def start(self) -> None:
@@ -209,7 +220,7 @@ class Coordinator:
         ]:
             self.transport.on(msg_type, handler)
         stage_sources = {i: StoreSource(store) for i, store in self.stage_stores.items()}
-        CheckpointServer(self.transport, StoreSource(self.store), stage_source=stage_sources.get).start()
+        CheckpointServer(self.transport, StoreSource(self.store), stage_source=stage_sources.get, model_source=self.model_files).start()
         await self.transport.start()
         if c.http:
             from .http import start_http
@@ -479,6 +490,7 @@ class Coordinator:
             }
         return {
             "swarm_id": self.config.swarm_id,
+            "run": self.run.to_dict(),  # as members get it (a Hugging Face model by its pin)
             "stages": stages,
             "expert_shards": shards,
             "peer_id": self.host.peer_id if self.host else None,

@@ -20,24 +20,20 @@ from pathlib import Path
 
 from protocol.manifest import MANIFEST, step_of_dir_name
 
+from .cli import _Parser
 from .runconfig import RunConfig
 
 # What the coordinator keeps under its data dir (coordinator/service.py): replica checkpoints,
 # and in pipeline mode one store per stage. Named here, not imported: node never imports coordinator.
 REPLICA_CHECKPOINTS = "checkpoints"
 STAGE_CHECKPOINTS = "stage-checkpoints"
+MODEL_FILES = "model"  # a Hugging Face model's config and tokenizer, by pin (node/state/model_files.py)
 HF_PACKAGES = ("transformers", "tokenizers", "safetensors")
-SUPPORTED = "replica checkpoints of the built-in GPT (tiny, small)"  # node/models/export.py says the same
+SUPPORTED = "replica checkpoints (the built-in GPT tiny or small, or a Hugging Face model)"  # node/models/export.py says the same
 
 
 class UsageError(Exception):
     """The user's input cannot be used: printed as one line, exit 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +141,9 @@ def export(args: argparse.Namespace) -> int:
     from .state.checkpoint_dir import CheckpointDirError, load_files
 
     path, manifest = _verified(candidates)
+    pin = (manifest.get("model_config") or {}).get("model") if isinstance(manifest.get("model_config"), dict) else None
+    if isinstance(pin, str) and pin.startswith("hf:"):
+        return _export_hf(ex, path, manifest, pin, out)
     try:
         cfg = ex.gpt_config_of(manifest.get("model_config"))
         if manifest["files"].keys() - {"model.safetensors", "outer.safetensors"} or "model.safetensors" not in manifest["files"]:
@@ -155,6 +154,27 @@ def export(args: argparse.Namespace) -> int:
         raise UsageError(f"{path}: {e}") from None
     _write_atomically(out, lambda tmp: ex.save_hf(state, cfg, tmp))
     print(f"exported step {manifest['step']} (state hash {manifest.get('state_hash')}) of {path} to {out}: a GPT2LMHeadModel, {cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.context}")
+    return 0
+
+
+def _export_hf(ex, path: Path, manifest: dict, pin: str, out: Path) -> int:
+    """A replica checkpoint of a Hugging Face model: its state, with the run's config and tokenizer
+    files, which the coordinator keeps beside its checkpoints (DATA_DIR/model/<pin>)."""
+    from .state.checkpoint_dir import CheckpointDirError, load_files
+
+    files = next((d / MODEL_FILES / pin[3:] for d in (path.parent.parent, path.parent) if (d / MODEL_FILES / pin[3:] / "config.json").is_file()), None)
+    if files is None:
+        raise UsageError(f"{path}: a checkpoint of the Hugging Face model {pin[:19]}…, whose config and tokenizer the coordinator keeps in its "
+                         f"data dir ({MODEL_FILES}/<pin>): export from a checkpoint inside the coordinator's data dir")  # fmt: skip
+    try:
+        state = load_files(path, {"files": {"model.safetensors": manifest["files"]["model.safetensors"]}})["model"]
+    except (CheckpointDirError, KeyError) as e:
+        raise UsageError(f"{path}: no model state ({e})") from None
+    try:
+        _write_atomically(out, lambda tmp: ex.save_hf_model(state, files, tmp))
+    except ex.ExportError as e:
+        raise UsageError(f"{path}: {e}") from None
+    print(f"exported step {manifest['step']} (state hash {manifest.get('state_hash')}) of {path} to {out}: the run's Hugging Face model ({pin[:19]}…)")
     return 0
 
 
@@ -206,15 +226,22 @@ def evaluate(args: argparse.Namespace) -> int:
 
     model, tokenizer = _load(ex, args.model)
     probe = "def f(x):\n\treturn 'é€😀'\x00\xff"
+    tokens = None  # bytes (the built-in GPT's), else the model's own tokenizer, as the replicas read the data
     if tokenizer(probe).input_ids != list(probe.encode()):
-        raise UsageError(f"--model {args.model}: its tokenizer is not byte-level (token id = byte value), so it cannot be evaluated on our byte windows")
+        from .models.hf import ModelDirError, open_model_dir
+        from .models.tokens import load_tokenizer
+
+        try:
+            tokens = load_tokenizer(open_model_dir(args.model))
+        except ModelDirError as e:
+            raise UsageError(f"--model {e}") from None
     context = ex.context_of(model)
     try:
-        corpus = load_corpus(args.data)
+        corpus = load_corpus(args.data, tokenizer=tokens)
         loss = evaluate(ex.LossHead(model), corpus.val, args.batch_size, context, args.batches, EVAL_SEED)
     except DataError as e:
         raise UsageError(f"--data: {e}") from None
-    print(f"val_loss {loss:.6f} ({args.batches} batches of {args.batch_size} windows of {context} bytes, seed {EVAL_SEED}, data {corpus.source})")
+    print(f"val_loss {loss:.6f} ({args.batches} batches of {args.batch_size} windows of {context} tokens, seed {EVAL_SEED}, data {corpus.source})")
     return 0
 
 

@@ -43,7 +43,10 @@ class RunConfigError(ConfigError, ValueError):
 class RunConfig:
     """The run's training settings; the coordinator hands the same ones to every member."""
 
-    model: str = "tiny"  # model preset (node/models/gpt.py, node/models/moe.py): tiny | small; experts mode: tiny-moe | small-moe
+    # model preset (node/models/gpt.py, node/models/moe.py): tiny | small; experts mode: tiny-moe |
+    # small-moe; or a Hugging Face model directory, which the coordinator replaces with its pin
+    # (hf:<sha256>, node/state/model_files.py) before handing the run to anyone
+    model: str = "tiny"
     inner_steps: int = 20  # H: local AdamW steps between two averaging rounds
     batch_size: int = 16  # sequences per inner step, per replica
     inner_lr: float = 3e-3  # peak AdamW learning rate, reached after warmup
@@ -113,11 +116,18 @@ class RunConfig:
 
     @property
     def is_moe(self) -> bool:
-        return self.model.endswith("-moe")
+        return self.model in MOE_EXPERTS
+
+    @property
+    def is_hf(self) -> bool:
+        """A Hugging Face model (its directory, or the pin nodes get)."""
+        return self.model not in MODEL_PRESETS
 
     def model_config(self) -> GPTConfig:
         from .models.gpt import PRESETS
 
+        if self.is_hf:
+            raise RunConfigError(f"model {self.model!r} is a Hugging Face model, not a built-in preset", "model")
         if self.is_moe:
             return self.moe_preset()[0]
         return PRESETS[self.model]
@@ -168,7 +178,7 @@ class RunConfig:
 
 
 _CHECKS: dict[str, Check] = {
-    "model": lambda v: None if v in MODEL_PRESETS else f"is an unknown model preset (known: {', '.join(MODEL_PRESETS)})",
+    "model": lambda v: _model(v),
     "inner_steps": at_least(1), "batch_size": at_least(1), "inner_lr": positive, "warmup_steps": at_least(0),
     "total_steps": at_least(1), "outer_lr": positive, "outer_momentum": below_one, "codec": one_of(*CODECS),
     "block_size": between(*INT8_BLOCK_SIZES), "max_outer_steps": at_least(0), "checkpoint_every": at_least(1),
@@ -178,6 +188,15 @@ _CHECKS: dict[str, Check] = {
     "stage_routing": one_of(*STAGE_ROUTINGS), "stage_clip": one_of(*STAGE_CLIPS), "synchronous_steps": lambda v: None,  # (a bool: its type is all there is to check)
     "stage_sync_every_s": positive, "stage_outer_momentum": below_one, "expert_shards": at_least(0),
 }  # fmt: skip
+
+
+HF_PIN = re.compile(r"hf:[0-9a-f]{64}")
+
+
+def _model(v: str) -> str | None:
+    if v in MODEL_PRESETS or HF_PIN.fullmatch(v) or "/" in v or v.startswith((".", "~")):
+        return None  # a path is checked by the coordinator (coordinator/config.py), which alone reads it
+    return f"is an unknown model preset (known: {', '.join(MODEL_PRESETS)}), and not a path to a Hugging Face model directory"
 
 
 def run_config_of(assignment: RoleAssignment) -> RunConfig:

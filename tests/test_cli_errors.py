@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from protocol.signatures import SigningKey, peer_id_from_public_key
 from tests.swarm import free_port, session_pids
@@ -141,6 +142,12 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
             "coordinator-private-unowned": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--private"), ("--private needs an owned swarm id", "init"), light=True),
             "coordinator-owned-by-another": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--swarm-id", OWNED), (f"owned by {peer_id_from_public_key(OWNER.public_key)}", "this identity"), light=True),
             "coordinator-zero-keep-checkpoints": Case(COORD, ("--keep-checkpoints", "0"), ("--keep-checkpoints", "keep_checkpoints", "≥ 1"), light=True),
+            # a Hugging Face model directory: read at start (transformers loads), refused before anything listens
+            "coordinator-model-dir-missing": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/no/such-model"), ("model", "no/such-model")),
+            "coordinator-model-without-config": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/empty-model"), ("empty-model", "config.json")),
+            "coordinator-model-hub-id": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "someorg/somemodel"), ("someorg/somemodel", "download")),
+            "coordinator-model-weights-misfit": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/misfit-model"), ("model.safetensors", "config.json", "wte")),
+            "coordinator-model-in-pipeline-mode": Case(COORD, ("--mode", "pipeline", "--num-stages", "2", "--model", "{tmp}/empty-model"), ("replica mode", "pipeline"), light=True),
         }
     )
     return cases
@@ -171,9 +178,22 @@ def _prepare(tmp: Path) -> None:
     OWNER.save(tmp / "owner.pem")
     (tmp / "revoked").mkdir()
     (tmp / "revoked" / "revoked").write_text(f"{PEER}\nnot-a-peer-id  # a hand edit gone wrong\n")
+    (tmp / "empty-model").mkdir()
+    _misfit_model(tmp / "misfit-model")
     (tmp / "too-early").mkdir()
     for module in ("torch", "hivemind"):
         (tmp / "too-early" / f"{module}.py").write_text(f"raise ImportError('{module} imported before the flags were checked')\n")
+
+
+def _misfit_model(path: Path) -> None:
+    """A GPT-2 directory whose weights are of another width than its config."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 300, "n_positions": 16, "n_embd": 32, "n_layer": 1, "n_head": 2}))
+    save_file({"transformer.wte.weight": torch.zeros(300, 48)}, str(path / "model.safetensors"))
 
 
 def _run(case: Case, tmp: Path) -> Result:

@@ -26,8 +26,9 @@ RULES = [
     ("node.models", "node.roles", "models hold no network code"),
     ("node.models", "hivemind", "models hold no network code"),
 ]
-# what the coordinator may take from the node: its net layer, state format, config loading
-COORDINATOR_MAY_IMPORT = ("node.net", "node.state", "node.config", "node.runconfig", "node.preflight", "node.cli", "node.osutil")
+# what the coordinator may take from the node: its net layer, state format, config loading, and
+# the reading of a Hugging Face model directory (to refuse a bad one at start)
+COORDINATOR_MAY_IMPORT = ("node.net", "node.state", "node.config", "node.runconfig", "node.preflight", "node.cli", "node.osutil", "node.models.hf")
 HIVEMIND_ADAPTER = "node.net.host"
 
 

@@ -22,6 +22,7 @@ output head without bias. Two differences are encoded: GPT-2's Conv1D keeps its 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from .gpt import GPT, PRESETS, GPTConfig
 
 # Conv1D layers of GPT-2 (weight stored as (in, out)): ours are nn.Linear, (out, in)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-SUPPORTED = f"replica checkpoints of the built-in GPT ({', '.join(PRESETS)})"
+SUPPORTED = f"replica checkpoints (the built-in GPT {' or '.join(PRESETS)}, or a Hugging Face model)"
 
 
 class ExportError(ValueError):
@@ -168,6 +169,32 @@ def save_hf(state: Mapping[str, torch.Tensor], cfg: GPTConfig, out: str | Path) 
     path.write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
 
 
+def save_hf_model(state: Mapping[str, torch.Tensor], files: str | Path, out: str | Path) -> None:
+    """Write a Hugging Face model's `state` (a replica's: every parameter once, by transformers'
+    names) into the existing directory `out`, with the config and the tokenizer files it was
+    trained with (`files`: the run's model files, node/state/model_files.py)."""
+    from .hf import TOKENIZER_FILES, ModelDirError, build_causal_lm, open_model_dir
+
+    try:
+        model = build_causal_lm(open_model_dir(files), seed=0, weights=False)
+    except ModelDirError as e:
+        raise ExportError(f"the run's model files: {e}") from None
+    names = {n: p.shape for n, p in model.named_parameters()}
+    for name, shape in names.items():
+        if name not in state:
+            raise ExportError(f"the state has no tensor {name} of the model")
+        if tuple(state[name].shape) != tuple(shape):
+            raise ExportError(f"tensor {name} is {tuple(state[name].shape)} in the state, {tuple(shape)} in the model")
+    extra = sorted(set(state) - set(names))
+    if extra:
+        raise ExportError(f"the state holds {extra[0]}, which the model has no place for")
+    model.load_state_dict({**model.state_dict(), **state})  # (buffers, which a state does not carry, stay the model's own)
+    model.hf.save_pretrained(Path(out))  # config.json, generation_config.json, model.safetensors
+    for name in TOKENIZER_FILES:
+        if (Path(files) / name).is_file():
+            shutil.copyfile(Path(files) / name, Path(out) / name)
+
+
 def load_hf(path: str | Path):
     """(model in eval mode, tokenizer) of a local Hugging Face directory; ExportError if it holds
     none. local_files_only: a path that is not a directory must never turn into a hub download."""
@@ -240,5 +267,6 @@ __all__ = [
     "gpt_config_of",
     "load_hf",
     "save_hf",
+    "save_hf_model",
     "to_gpt2",
 ]

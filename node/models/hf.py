@@ -124,7 +124,8 @@ def hf_config_of(config: dict[str, Any]):
     try:
         # as AutoConfig.from_pretrained reads config.json; a copy, since transformers rewrites nested
         # settings (rope parameters) in place and a ModelDir's config is what travels
-        return CONFIG_MAPPING[model_type].from_dict(copy.deepcopy(config))
+        with _quiet():  # (its warnings about the config: what it refuses, we say in one line)
+            return CONFIG_MAPPING[model_type].from_dict(copy.deepcopy(config))
     except _config_errors() as e:
         raise ModelDirError(f"{CONFIG_FILE}: transformers refuses it: {_first_line(e)}") from None
 

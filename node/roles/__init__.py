@@ -48,6 +48,8 @@ Files:
                          side of remote experts
     expert_trainer.py    `ExpertTrainer`: the dense parts here, the experts remote; dense syncs
     replica.py           `Replica`: the DiLoCo round, state taken from peers or the coordinator
+    run_model.py         `RunModel`: the run's model as a role makes it (a preset, or a Hugging Face
+                         model whose files are fetched from the coordinator by pin) and its data
     stats.py             `StatsFile`, `ComputeRate`, `LossLog`
     pause.py             `PauseWatch`: notices this process was frozen (a jump of the clocks)
 """

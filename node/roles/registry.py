@@ -23,7 +23,7 @@ def _any(run: RunConfig) -> bool:
 
 
 def _dense(run: RunConfig) -> bool:
-    return not run.is_moe
+    return not run.is_moe and not run.is_hf  # (a Hugging Face model trains on replicas)
 
 
 def _moe(run: RunConfig) -> bool:
@@ -44,7 +44,7 @@ class RoleSpec:
 
 ROLES: tuple[RoleSpec, ...] = (
     RoleSpec("replica", "replica:Replica"),
-    RoleSpec("stage", "stage_server:StageServer", _dense, "a run of the mixture-of-experts model {model} has no stage role"),
+    RoleSpec("stage", "stage_server:StageServer", _dense, "a run of {model} has no stage role (pipeline stages take the built-in presets tiny | small)"),
     RoleSpec("expert", "expert_host:ExpertHost", _moe, "the model {model} has no experts"),
     RoleSpec("trainer", "pipeline_trainer:PipelineTrainer", _dense),
     RoleSpec("trainer", "expert_trainer:ExpertTrainer", _moe),

@@ -33,15 +33,15 @@ from protocol import RoleAssignment
 from ..averaging import Averager, AveragingFailed, NamespaceTaken
 from ..averaging.faults import Faults
 from ..config import averager_config
-from ..models.data import EVAL_SEED, Batches, DataError, evaluate, load_corpus, shard_of
+from ..models.data import EVAL_SEED, Batches, DataError, evaluate, shard_of
 from ..models.diloco import InnerTrainer, OuterOptimizer, copy_into, state_hash
-from ..models.gpt import GPT, init_model
 from ..net.transport import NETWORK_ERRORS, HandlerTaken, RemoteError
 from ..runconfig import RunConfig
 from ..state.checkpoint_client import fetch_manifest, upload_checkpoint
 from ..state.checkpoint_dir import CheckpointDirError
 from .pause import PauseWatch
 from .role import Role, RoleContext, RoleError
+from .run_model import RunModel, model_meta, run_model
 from .slot_state import Offer, SlotState, State, choose_state
 from .stats import StatsFile
 from .view import SwarmView
@@ -81,7 +81,8 @@ class Replica(Role):
     def __init__(self, ctx: RoleContext, run: RunConfig, assignment: RoleAssignment | None = None):
         c, data = ctx.node_config, Path(ctx.node_config.data_dir)
         self.ctx, self.run_config = ctx, run
-        self.model_config, self.train_config = run.model_config(), run.train_config()
+        self.train_config = run.train_config()
+        self.spec: RunModel | None = None  # the model and its data (a Hugging Face model's files are fetched first)
         codec_params = {"block_size": run.block_size} if run.codec == "int8" else {}
         config = averager_config(  # the [averager] settings; the run's codec and join window win
             c, swarm_id=c.swarm_id, namespace="replicas", codec=run.codec, codec_params=codec_params, join_timeout_s=run.join_timeout_s,
@@ -90,10 +91,10 @@ class Replica(Role):
         self.averager = Averager(ctx.host, ctx.transport, config, Faults(delay_parts_s=c.fault_delay_parts_s))
         self.threads = c.torch_threads()
         self._compute = ComputeThread(self.threads, "train")  # everything that trains, evaluates or loads a model's state
-        self.state = SlotState(ctx.transport, data / "state", data / "downloads", "replica", self.model_config.to_dict(), replica_hash, self._compute, unhashed_ok=True)
+        self.state = SlotState(ctx.transport, data / "state", data / "downloads", "replica", model_meta(run), replica_hash, self._compute, unhashed_ok=True)
         self.view = SwarmView(ctx.host, c.swarm_id, c.record_ttl_s)
         self.stats = StatsFile(data, "replica", keep=1000)
-        self.model: GPT | None = None
+        self.model: torch.nn.Module | None = None
         self.outer: OuterOptimizer | None = None
         self.inner: InnerTrainer | None = None
         self.round = 0
@@ -135,19 +136,20 @@ class Replica(Role):
     async def _train(self) -> None:
         c = self.ctx.node_config
         try:
-            self.corpus = await asyncio.to_thread(load_corpus, c.data or None)
+            self.spec = await run_model(self.run_config, self.ctx.transport, lambda: self.ctx.membership.coordinator, Path(c.data_dir) / "model", lambda: self._stop)
+            self.corpus = await asyncio.to_thread(self.spec.corpus, c.data)
         except DataError as e:  # the daemon checked it at start: it changed since
             log.error("cannot train: %s", e)
             raise
         shard = c.shard_index if c.shard_index >= 0 else shard_of(self.ctx.host.peer_id, c.num_shards)
-        self.model = GPT(self.model_config)
+        self.model = await asyncio.to_thread(self.spec.make, None)
         await self._wait_for_replicas()
         await self._obtain_state()
-        batches = Batches(self.corpus.train, shard, c.num_shards, self.train_config.batch_size, self.model_config.context, self.train_config.seed + shard)
+        batches = Batches(self.corpus.train, shard, c.num_shards, self.train_config.batch_size, self.spec.context, self.train_config.seed + shard)
         # in a thread: the first AdamW of a process imports torch._dynamo, seconds of work
         self.inner = await self._compute(InnerTrainer, self.model, self.train_config, batches)
         self.inner.step_count = self.round * self.run_config.inner_steps
-        log.info("replica: %s model (%d params), data %s shard %d/%d, %d threads, starting at outer step %d (hash %s)", self.run_config.model,
+        log.info("replica: %s model (%d params), data %s shard %d/%d, %d threads, starting at outer step %d (hash %s)", self.spec.source,
                  sum(p.numel() for p in self.model.parameters()), self.corpus.source, shard, c.num_shards, self.threads, self.round, self.hash)  # fmt: skip
         val = await self._compute(self._evaluate)
         log.info("outer %d | val %.4f | hash %s (starting point)", self.round, val, self.hash)
@@ -205,7 +207,7 @@ class Replica(Role):
         self.hash = self._hash()
         self.bytes_sent += report.bytes_sent
         val = await self._compute(self._evaluate)
-        tokens = self.run_config.inner_steps * self.train_config.batch_size * self.model_config.context
+        tokens = self.run_config.inner_steps * self.train_config.batch_size * self.spec.context
         entry = {
             "outer_step": self.round, "val_loss": val, "train_loss": sum(losses) / len(losses), "state_hash": self.hash,
             "bytes_sent": self.bytes_sent, "members": len(report.survivors), "round_s": round(time.monotonic() - t1, 3),
@@ -215,7 +217,7 @@ class Replica(Role):
         log.info("outer %d | train %.3f | val %.4f | %d replicas | %.0f tok/s | round %.2f s | %.1f KB sent | hash %s", self.round, entry["train_loss"], val,
                  len(report.survivors), entry["tokens_per_s"], entry["round_s"], report.bytes_sent / 1e3, self.hash)  # fmt: skip
         await self._save()
-        self._publish_progress(val, tokens / t_inner / self.model_config.context)
+        self._publish_progress(val, tokens / t_inner / self.spec.context)
         if self.round % self.run_config.checkpoint_every == 0 and report.leader == self.ctx.host.peer_id:
             self.state.upload(self.ctx.membership.coordinator, self.round, self.hash)
 
@@ -243,7 +245,7 @@ class Replica(Role):
         return losses or [math.nan]
 
     def _evaluate(self) -> float:
-        return evaluate(self.model, self.corpus.val, self.train_config.batch_size, self.model_config.context, self.run_config.eval_batches, EVAL_SEED)
+        return evaluate(self.model, self.corpus.val, self.train_config.batch_size, self.spec.context, self.run_config.eval_batches, EVAL_SEED)
 
     def _hash(self) -> str:
         return replica_hash(self._state_tensors(copy=False))
@@ -317,7 +319,7 @@ class Replica(Role):
     async def _offer_initial_state(self, coord: str) -> None:
         """A brand-new run: offer our seeded initialisation as checkpoint 0. The coordinator keeps
         the first one it gets; everyone (us included) then downloads that one."""
-        self.model.load_state_dict(init_model(self.model_config, self.train_config.seed).state_dict())
+        self.model.load_state_dict(self.spec.make(self.train_config.seed).state_dict())
         self.outer = OuterOptimizer(self.model.parameters(), self.train_config.outer_lr, self.train_config.outer_momentum)
         self.round, self.hash = 0, self._hash()
         path = await self._save()

@@ -1,0 +1,87 @@
+"""The run's model as a role needs it: how to make it, what a state of it is called, its context,
+and the data it reads. A built-in preset is known by name; a Hugging Face model is known by its
+pin (node/state/model_files.py), and its config and tokenizer files are fetched from the
+coordinator and checked against the pin before anything is built from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..models.data import Corpus, load_corpus
+from ..net.transport import NETWORK_ERRORS
+from ..runconfig import RunConfig
+from ..state.model_files import fetch_model_files
+from .role import RoleError
+
+log = logging.getLogger(__name__)
+
+FETCH_RETRY_S = 2.0
+
+
+def model_meta(run: RunConfig) -> dict[str, Any]:
+    """What a state's manifest says of its model (states of other models are refused): a
+    preset's config, or a Hugging Face model's pin."""
+    return {"model": run.model} if run.is_hf else run.model_config().to_dict()
+
+
+@dataclass(frozen=True)
+class RunModel:
+    make: Callable[[int | None], nn.Module]  # seed -> the model, initialised from that seed (None: any init, a state is loaded next)
+    context: int  # tokens per window
+    tokenizer: Any  # node.models.tokens tokenizer; None: bytes (the built-in models)
+    source: str  # for logs
+
+    def corpus(self, data: str | None) -> Corpus:
+        return load_corpus(data or None, tokenizer=self.tokenizer)
+
+
+def builtin_model(run: RunConfig) -> RunModel:
+    from ..models.gpt import GPT, init_model
+
+    config = run.model_config()
+    return RunModel(lambda seed: GPT(config) if seed is None else init_model(config, seed), config.context, None, run.model)
+
+
+async def run_model(run: RunConfig, transport, coordinator: Callable[[], str | None], root: Path, stopping: Callable[[], bool]) -> RunModel:
+    """The run's model; a Hugging Face model's files are fetched from the coordinator first (again
+    every FETCH_RETRY_S until it answers). RoleError when the files cannot make the model."""
+    if not run.is_hf:
+        return builtin_model(run)
+    while True:
+        coord = coordinator()
+        if coord is not None:
+            try:
+                path = await fetch_model_files(transport, coord, run.model, root)
+                break
+            except NETWORK_ERRORS as e:
+                log.warning("cannot fetch the model's files from the coordinator yet: %s", e)
+        if stopping():
+            raise asyncio.CancelledError
+        await asyncio.sleep(FETCH_RETRY_S)
+    return await asyncio.to_thread(_hf_model, path)
+
+
+def _hf_model(path: Path) -> RunModel:
+    from ..models.hf import ModelDirError, build_causal_lm, check_role, open_model_dir
+    from ..models.tokens import load_tokenizer
+
+    try:
+        model_dir = open_model_dir(path)
+        check_role(model_dir, "replica")
+        tokenizer = load_tokenizer(model_dir)  # (bytes when the model has no tokenizer)
+        context = build_causal_lm(model_dir, seed=0, weights=False).context
+    except ModelDirError as e:
+        raise RoleError(f"the run's model cannot be built here: {e}") from None
+
+    def make(seed: int | None) -> nn.Module:
+        return build_causal_lm(model_dir, seed=0 if seed is None else seed, weights=False)
+
+    return RunModel(make, context, tokenizer, f"{model_dir.model_type} ({path.name[:8]})")
