@@ -3,7 +3,9 @@ training the built-in model on the built-in corpus on CPU — that shows validat
 and stops by itself. `--mode pipeline`: the model cut into stages instead, stage servers and
 trainers; it shows the training loss falling and each stage's hash. `--mode experts`: the
 mixture-of-experts model, its experts in shards on expert hosts, trainers calling them; it shows
-the training loss falling and each shard's hash.
+the training loss falling and each shard's hash. `--model DIR`: the replicas train a Hugging Face
+model directory (e.g. examples/tiny-gpt2) instead, and the demo ends by exporting the trained
+model and printing a sample of it.
 
 Every process is a real daemon started from its console script, talking over real libp2p on
 loopback; this script only starts them, watches the coordinator's /status, and stops them
@@ -24,6 +26,10 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from node.runconfig import MODEL_PRESETS
+
+CHECKPOINT_EVERY = 4  # outer steps between two kept checkpoints of a replica demo
 
 
 def free_port() -> int:
@@ -99,7 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--outer-steps", type=int, default=12, help="outer steps to train before stopping")
     ap.add_argument("--inner-steps", type=int, default=25, help="H: inner steps per outer step")
-    ap.add_argument("--model", default="", choices=["", "tiny", "small", "tiny-moe", "small-moe"], help="default: tiny (replicas), small (pipeline), tiny-moe (experts)")
+    ap.add_argument("--model", default="", help="a preset: tiny (replicas' default), small (pipeline's), tiny-moe (experts'), small-moe; "
+                    "or a Hugging Face model directory (replicas), e.g. examples/tiny-gpt2: the demo ends with a sample of the exported model")
     ap.add_argument("--codec", default="int8")
     ap.add_argument("--run-dir", default="", help="where logs and data go (default runs/demo-<time>)")
     ap.add_argument("--timeout-s", type=float, default=900, help="give up after this long")
@@ -113,6 +120,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.replicas < 1 or args.outer_steps < 1:
         ap.error("--replicas and --outer-steps must be at least 1")
+    if args.model not in ("", *MODEL_PRESETS):
+        args.model = model_dir_arg(ap, args)
     if args.mode == "experts":
         args.model = args.model or "tiny-moe"
         if not args.model.endswith("-moe"):
@@ -150,7 +159,7 @@ def main(argv=None) -> int:
         maddr = start_coordinator(
             procs, run_dir, http, p2p, t0,
             "--model", args.model, "--inner-steps", str(args.inner_steps), "--max-outer-steps", str(args.outer_steps),
-            "--checkpoint-every", "4", "--codec", args.codec, "--min-replicas", str(args.replicas), "--warmup-steps", "20",
+            "--checkpoint-every", str(CHECKPOINT_EVERY), "--codec", args.codec, "--min-replicas", str(args.replicas), "--warmup-steps", "20",
             "--total-steps", str(args.outer_steps * args.inner_steps), "--join-timeout-s", "20",
         )  # fmt: skip
         for i in range(args.replicas):
@@ -159,13 +168,43 @@ def main(argv=None) -> int:
                 "--data-dir", str(run_dir / f"replica{i}"), "--initial-peers", maddr, "--threads", "1",
                 "--shard-index", str(i), "--num-shards", str(args.replicas), "--bandwidth-mbps", "1000",
             )
-        return watch(http, args, run_dir, t0, procs)
+        done = watch(http, args, run_dir, t0, procs)
+        if done == 0 and args.model not in MODEL_PRESETS:
+            return take_out(http, args, run_dir, t0)
+        return done
     except KeyboardInterrupt:
         print("\ninterrupted; stopping the swarm")
         return 130
     finally:
         procs.stop()
         print(f"all processes stopped ({time.monotonic() - t0:.0f} s in all)")
+
+
+def model_dir_arg(ap, args) -> str:
+    """--model as a Hugging Face model directory, checked (ap.error otherwise); its absolute path."""
+    if not (Path(args.model) / "config.json").is_file():
+        ap.error(f"--model {args.model}: neither a preset ({', '.join(MODEL_PRESETS)}) nor a Hugging Face model directory (with a config.json)")
+    if args.mode != "replica":
+        ap.error(f"--model {args.model}: a Hugging Face model trains on replicas (--mode replica) for now")
+    return str(Path(args.model).resolve())
+
+
+def take_out(http: int, args, run_dir: Path, t0: float) -> int:
+    """The run's model out: its newest kept checkpoint exported as a Hugging Face directory, and
+    a sample of it (as `swarmtrain-model export` and `sample` do)."""
+    from node.model_cli import main as model_cli
+
+    last = args.outer_steps - args.outer_steps % CHECKPOINT_EVERY
+    while last and last not in [c["step"] for c in (get_status(http) or {}).get("checkpoints", [])]:
+        if time.monotonic() - t0 > args.timeout_s:
+            print(f"gave up waiting for the checkpoint of outer step {last}; see {run_dir}/coordinator.log")
+            return 1
+        time.sleep(0.5)
+    out = run_dir / "model"
+    if model_cli(["export", "--checkpoint", str(run_dir / "coordinator"), "--out", str(out)]) != 0:
+        return 1
+    print(f"a sample of it (swarmtrain-model sample --model {out}):", flush=True)
+    return model_cli(["sample", "--model", str(out), "--prompt", "def ", "--max-new-tokens", "120", "--seed", "0"])
 
 
 def replica_histories(run_dir: Path) -> dict[str, dict[int, str]]:

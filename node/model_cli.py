@@ -210,7 +210,10 @@ def sample(args: argparse.Namespace) -> int:
     ex = _hf()
     model, tokenizer = _load(ex, args.model)
     ids = tokenizer(args.prompt).input_ids
-    new = ex.continue_ids(model, ids, args.max_new_tokens, args.temperature, args.seed)
+    try:
+        new = ex.continue_ids(model, ids, args.max_new_tokens, args.temperature, args.seed)
+    except ex.ExportError as e:  # (a prompt its tokenizer makes no tokens of)
+        raise UsageError(f"--prompt {args.prompt!r}: {e}") from None
     print(tokenizer.decode(ids + new))
     return 0
 

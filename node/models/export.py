@@ -161,7 +161,11 @@ def save_hf(state: Mapping[str, torch.Tensor], cfg: GPTConfig, out: str | Path) 
     """Write the Hugging Face directory of our GPT `state` into the existing directory `out`."""
     out = Path(out)
     to_gpt2(state, cfg).save_pretrained(out)  # config.json, generation_config.json, model.safetensors
-    byte_tokenizer(cfg.context).save_pretrained(out)
+    save_byte_tokenizer(out, cfg.context)
+
+
+def save_byte_tokenizer(out: Path, context: int) -> None:
+    byte_tokenizer(context).save_pretrained(out)
     # transformers 5 names its class TokenizersBackend, which transformers 4 cannot resolve; both
     # load tokenizer.json under the older name
     path = out / "tokenizer_config.json"
@@ -190,9 +194,11 @@ def save_hf_model(state: Mapping[str, torch.Tensor], files: str | Path, out: str
         raise ExportError(f"the state holds {extra[0]}, which the model has no place for")
     model.load_state_dict({**model.state_dict(), **state})  # (buffers, which a state does not carry, stay the model's own)
     model.hf.save_pretrained(Path(out))  # config.json, generation_config.json, model.safetensors
-    for name in TOKENIZER_FILES:
-        if (Path(files) / name).is_file():
-            shutil.copyfile(Path(files) / name, Path(out) / name)
+    tokenizer = [name for name in TOKENIZER_FILES if (Path(files) / name).is_file()]
+    for name in tokenizer:
+        shutil.copyfile(Path(files) / name, Path(out) / name)
+    if not tokenizer:  # it trained on bytes (node/models/tokens.py)
+        save_byte_tokenizer(Path(out), model.context)
 
 
 def load_hf(path: str | Path):
@@ -267,6 +273,7 @@ __all__ = [
     "gpt_config_of",
     "load_hf",
     "save_hf",
+    "save_byte_tokenizer",
     "save_hf_model",
     "to_gpt2",
 ]
