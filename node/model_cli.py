@@ -238,7 +238,9 @@ def evaluate(args: argparse.Namespace) -> int:
             tokens = load_tokenizer(open_model_dir(args.model))
         except ModelDirError as e:
             raise UsageError(f"--model {e}") from None
-    context = ex.context_of(model)
+    from .models.hf import context_of
+
+    context = context_of(model.config)
     try:
         corpus = load_corpus(args.data, tokenizer=tokens)
         loss = evaluate(ex.LossHead(model), corpus.val, args.batch_size, context, args.batches, EVAL_SEED)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gpt import GPT, PRESETS, GPTConfig
+from .hf import context_of
 
 # Conv1D layers of GPT-2 (weight stored as (in, out)): ours are nn.Linear, (out, in)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -219,12 +220,6 @@ def load_hf(path: str | Path):
     return model.eval(), tokenizer
 
 
-def context_of(model) -> int:
-    """The longest input the model's position embeddings take."""
-    cfg = model.config
-    return int(getattr(cfg, "n_positions", None) or cfg.max_position_embeddings)
-
-
 class LossHead(nn.Module):
     """A transformers causal LM called the way data.evaluate calls our GPT: (idx, targets) ->
     (logits, mean cross-entropy of targets). The targets are already shifted (data._windows), so
@@ -247,7 +242,7 @@ def continue_ids(lm: nn.Module, ids: list[int], max_new_tokens: int, temperature
     cropped to the model's context, which learned positions cannot exceed (generate() would fail)."""
     if not ids:
         raise ExportError("the prompt is empty: the model needs at least one token to continue")
-    context, gen = context_of(lm), torch.Generator().manual_seed(seed)
+    context, gen = context_of(lm.config), torch.Generator().manual_seed(seed)
     device = next(lm.parameters()).device
     out = list(ids)
     for _ in range(max_new_tokens):
@@ -266,7 +261,6 @@ __all__ = [
     "LossHead",
     "byte_tokenizer",
     "bytes_to_unicode",
-    "context_of",
     "continue_ids",
     "gpt2_config",
     "gpt2_state_dict",

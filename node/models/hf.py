@@ -214,7 +214,8 @@ def _text_config(config):
     return get() if get is not None else config
 
 
-def _context_of(config) -> int:
+def context_of(config) -> int:
+    """The longest sequence a model of this (transformers) config takes."""
     text = _text_config(config)
     for name in ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"):
         value = getattr(text, name, None)
@@ -233,7 +234,7 @@ class CausalLM(nn.Module):
     def __init__(self, hf: nn.Module):
         super().__init__()
         self.hf = hf
-        self.context = _context_of(hf.config)
+        self.context = context_of(hf.config)
         self.vocab_size = int(hf.get_output_embeddings().weight.shape[0])
         self.train()  # a new module trains, as gpt.GPT does (from_pretrained hands it back in eval)
 

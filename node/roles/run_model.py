@@ -70,18 +70,21 @@ async def run_model(run: RunConfig, transport, coordinator: Callable[[], str | N
 
 
 def _hf_model(path: Path) -> RunModel:
-    from ..models.hf import ModelDirError, build_causal_lm, check_role, open_model_dir
+    from ..models.hf import ModelDirError, build_causal_lm, check_role, context_of, open_model_dir
     from ..models.tokens import load_tokenizer
 
     try:
         model_dir = open_model_dir(path)
         check_role(model_dir, "replica")
         tokenizer = load_tokenizer(model_dir)  # (bytes when the model has no tokenizer)
-        context = build_causal_lm(model_dir, seed=0, weights=False).context
+        context = context_of(model_dir.hf_config())
     except ModelDirError as e:
         raise RoleError(f"the run's model cannot be built here: {e}") from None
 
     def make(seed: int | None) -> nn.Module:
-        return build_causal_lm(model_dir, seed=0 if seed is None else seed, weights=False)
+        try:
+            return build_causal_lm(model_dir, seed=0 if seed is None else seed, weights=False)
+        except ModelDirError as e:
+            raise RoleError(f"the run's model cannot be built here: {e}") from None
 
     return RunModel(make, context, tokenizer, f"{model_dir.model_type} ({path.name[:8]})")
