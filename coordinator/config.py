@@ -91,8 +91,9 @@ def check_model(c: CoordinatorConfig) -> None:
 
 
 def resolve_model(c: CoordinatorConfig, data: Path) -> RunConfig:
-    """The run as members get it: a model directory replaced by its pin, its config and tokenizer
-    files packed under DATA_DIR/model for nodes to fetch (node/state/model_files.py)."""
+    """The run as members get it: a model directory (checked by check_coordinator, run first)
+    replaced by its pin, its config and tokenizer files packed under DATA_DIR/model for nodes to
+    fetch (node/state/model_files.py)."""
     run = c.run
     if not run.is_hf:
         return run
@@ -103,7 +104,6 @@ def resolve_model(c: CoordinatorConfig, data: Path) -> RunConfig:
         if local_model_dir(root, run.model) is None:
             raise RunConfigError(f"model {run.model}: its files are not in {root}; give the model's directory", "model")
         return run
-    check_model(c)
     try:
         return dataclasses.replace(run, model=pack_model_files(Path(run.model).expanduser(), root))
     except (ModelFilesError, OSError) as e:

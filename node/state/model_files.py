@@ -28,13 +28,14 @@ from protocol import RemoteProtocolError, StateRequest
 
 from ..models.hf import TOKENIZER_FILES
 from ..osutil import fsync_path, remove_tree, sha256_file
+from ..runconfig import HF_PIN
 from .checkpoint_dir import make_tmp_dir, read_range, remove_stale_temp_dirs
 
 # what travels: the config and the tokenizer's files
 TRAVELLING = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 INDEX = "index.json"
 PREFIX = "model/"  # StateRequest names: model/<pin hex>/<file>
-PIN = re.compile(r"hf:([0-9a-f]{64})")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 MAX_INDEX_BYTES = 64 << 10
 MAX_FILE_BYTES = 256 << 20  # a tokenizer.json of a large vocabulary is tens of MB
 FETCH_TIMEOUT_S = 120.0
@@ -50,10 +51,9 @@ def index_bytes(files: Mapping[str, Mapping[str, Any]]) -> bytes:
 
 
 def pin_hex(pin: str) -> str:
-    m = PIN.fullmatch(pin)
-    if m is None:
+    if HF_PIN.fullmatch(pin) is None:
         raise ModelFilesError(f"{pin!r} is not a model pin (hf:<64 hex digits>)")
-    return m.group(1)
+    return pin[len("hf:") :]
 
 
 def parse_index(data: bytes) -> dict[str, dict[str, Any]]:
@@ -68,7 +68,7 @@ def parse_index(data: bytes) -> dict[str, dict[str, Any]]:
         if name not in TRAVELLING:
             raise ModelFilesError(f"the model's index lists {name!r}, not a config or tokenizer file")
         if not (isinstance(meta, dict) and isinstance(meta.get("size"), int) and 0 <= meta["size"] <= MAX_FILE_BYTES
-                and isinstance(meta.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", meta["sha256"])):  # fmt: skip
+                and isinstance(meta.get("sha256"), str) and SHA256_HEX.fullmatch(meta["sha256"])):  # fmt: skip
             raise ModelFilesError(f"the model's index has a bad entry for {name!r}")
     return files
 
@@ -110,7 +110,7 @@ class ModelFilesSource:
         self.root = Path(root)
 
     def files(self, pin: str) -> dict[str, tuple[int, str]]:
-        if not re.fullmatch(r"[0-9a-f]{64}", pin):
+        if not SHA256_HEX.fullmatch(pin):
             raise KeyError(pin)
         index = (self.root / pin / INDEX).read_bytes()
         out = {n: (m["size"], m["sha256"]) for n, m in parse_index(index).items()}
