@@ -13,15 +13,21 @@ from tests.swarm import ROOT
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
+def run_demo(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """The demo with `args`, its run dir under tmp_path; it must exit 0."""
+    out = subprocess.run(
+        [sys.executable, "-m", "node.demo", *args, "--run-dir", str(tmp_path / "run"), "--timeout-s", "300"],
+        cwd=ROOT, capture_output=True, text=True, timeout=360, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
 ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+(\d+)\s+([0-9a-f]{16}) \((.+)\)$")
 
 
 def test_demo_trains_in_lockstep_and_stops_by_itself(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "node.demo", "--outer-steps", "3", "--inner-steps", "10", "--run-dir", str(tmp_path / "run"), "--timeout-s", "300"],
-        cwd=ROOT, capture_output=True, text=True, timeout=360, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = run_demo(tmp_path, "--outer-steps", "3", "--inner-steps", "10")
     rows = [ROW.match(line) for line in out.stdout.splitlines()]
     rows = [(int(m[1]), float(m[2]), int(m[3]), m[4], m[5]) for m in rows if m]
     assert [r[0] for r in rows] == [0, 1, 2, 3], out.stdout
@@ -34,12 +40,7 @@ def test_demo_trains_in_lockstep_and_stops_by_itself(tmp_path):
 
 
 def test_the_demo_of_a_hugging_face_model_trains_it_and_prints_a_sample_of_the_exported_model(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "node.demo", "--model", "examples/tiny-gpt2", "--replicas", "2", "--outer-steps", "4", "--inner-steps", "10",
-         "--run-dir", str(tmp_path / "run"), "--timeout-s", "300"],
-        cwd=ROOT, capture_output=True, text=True, timeout=360, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = run_demo(tmp_path, "--model", "examples/tiny-gpt2", "--replicas", "2", "--outer-steps", "4", "--inner-steps", "10")
     rows = [(int(m[1]), float(m[2]), m[5]) for m in map(ROW.match, out.stdout.splitlines()) if m]
     assert [r[0] for r in rows] == [0, 1, 2, 3, 4] and all(r[2] == "identical" for r in rows), out.stdout
     assert rows[-1][1] < rows[0][1] - 1.0, out.stdout  # a byte-level GPT-2 from ~5.5 down
@@ -53,12 +54,7 @@ PIPE_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+0: (\d) (\S+)\s+1: (\d
 
 
 def test_the_pipeline_demo_trains_shows_each_stages_hash_and_stops_by_itself(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "node.demo", "--mode", "pipeline", "--model", "tiny", "--stages", "2", "--micro-batches", "64",
-         "--run-dir", str(tmp_path / "run"), "--timeout-s", "300"],
-        cwd=ROOT, capture_output=True, text=True, timeout=360, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = run_demo(tmp_path, "--mode", "pipeline", "--model", "tiny", "--stages", "2", "--micro-batches", "64")
     rows = [m for m in map(PIPE_ROW.match, out.stdout.splitlines()) if m]
     assert rows and int(rows[-1][1]) >= 64, out.stdout
     assert all(r[4] == r[6] == "1" and "/" not in r[5] + r[7] for r in rows), out.stdout  # one peer, one hash per stage
