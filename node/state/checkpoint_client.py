@@ -21,7 +21,7 @@ import asyncio
 import hashlib
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -155,9 +155,62 @@ async def download_checkpoint(
         raise CallTimeout(f"download of checkpoint {step if step is not None else '(latest)'} from {peer_id} passed its {timeout_s:.0f} s deadline") from None
 
 
-def _append(f, h, data: bytes) -> None:
-    f.write(data)
+def _take(write: Callable[[bytes], object], h, data: bytes) -> None:
+    write(data)
     h.update(data)
+
+
+async def receive_file(
+    transport: Transport, peer_id: str, name: str, file: str, size: int | None, sha: str, write: Callable[[bytes], object],
+    chunk_timeout_s: float, timeout_s: float, max_size: int | None = None,
+) -> int:
+    """Stream the state blob `name` (a StateRequest name) from `peer_id` into `write` (called off
+    the event loop), each chunk checked as it arrives against `size` and `sha` and the whole
+    against `sha`; the bytes received. `size` None: the size the first chunk states, up to
+    `max_size`. Bad data is a CheckpointTransferError naming `file` (the peer is scored down); a
+    peer that stops sending, a CallTimeout."""
+    h = hashlib.sha256()
+    written = 0
+    # The caller's whole-transfer deadline (started earlier, so it fires first) bounds this
+    # stream; the stream's own deadline must not fire first: it spans our awaits between
+    # chunks, where its cancellation would not be turned into a CallTimeout.
+    stream = transport.stream(peer_id, StateRequest(name=name), timeout=timeout_s)
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(chunk_timeout_s):
+                    chunk = await anext(stream)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise CallTimeout(f"{file}: no data from {peer_id} for {chunk_timeout_s:.0f} s ({written} of {size} bytes received)") from None
+            if not isinstance(chunk, StateChunk):
+                raise _bad(transport, peer_id, file, f"expected StateChunk frames, got {type(chunk).__name__}")
+            if chunk.name != name:
+                raise _bad(transport, peer_id, file, f"asked for {name!r}, got a chunk of {chunk.name!r}")
+            if size is None:
+                if max_size is not None and chunk.total_size > max_size:
+                    raise _bad(transport, peer_id, file, f"the peer says the file is {chunk.total_size} bytes, over {max_size}")
+                size = chunk.total_size
+            if chunk.total_size != size:
+                raise _bad(transport, peer_id, file, f"the peer says the file is {chunk.total_size} bytes, the manifest says {size}")
+            if chunk.sha256 != sha:
+                raise _bad(transport, peer_id, file, f"the peer serves another file: sha256 {chunk.sha256[:16]}..., the manifest says {sha[:16]}...")
+            if chunk.offset != written:
+                raise _bad(transport, peer_id, file, f"chunk at offset {chunk.offset}, expected {written}")
+            if not chunk.data:
+                raise _bad(transport, peer_id, file, f"empty chunk at offset {written} of {size}")
+            await asyncio.to_thread(_take, write, h, chunk.data)
+            written += len(chunk.data)  # StateChunk's own checks keep offset + len <= total_size
+            if written == size:  # all there: we hang up first (the server waits for that: see TransportConfig.linger_s)
+                break
+    finally:
+        await stream.aclose()
+    if written != size:
+        raise _bad(transport, peer_id, file, f"the stream ended after {written} of {size} bytes")
+    if h.hexdigest() != sha:
+        raise _bad(transport, peer_id, file, "the received bytes do not match the manifest's sha256 (corrupt or tampered)")
+    return written
 
 
 def _finish_file(f, path: Path) -> str | None:
@@ -172,45 +225,8 @@ async def _download_file(
     stage: int | None = None,
 ) -> None:
     name = ("" if stage is None else f"stage-{stage}/") + f"{CHECKPOINT_PREFIX}{step}/{fname}"
-    size, sha = meta["size"], meta["sha256"]
-    h = hashlib.sha256()
-    written = 0
     with open(path, "wb") as f:
-        # The caller's whole-transfer deadline (started earlier, so it fires first) bounds this
-        # stream; the stream's own deadline must not fire first: it spans our awaits between
-        # chunks, where its cancellation would not be turned into a CallTimeout.
-        stream = transport.stream(peer_id, StateRequest(name=name), timeout=timeout_s)
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(chunk_timeout_s):
-                        chunk = await anext(stream)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    raise CallTimeout(f"{fname}: no data from {peer_id} for {chunk_timeout_s:.0f} s ({written} of {size} bytes received)") from None
-                if not isinstance(chunk, StateChunk):
-                    raise _bad(transport, peer_id, fname, f"expected StateChunk frames, got {type(chunk).__name__}")
-                if chunk.name != name:
-                    raise _bad(transport, peer_id, fname, f"asked for {name!r}, got a chunk of {chunk.name!r}")
-                if chunk.total_size != size:
-                    raise _bad(transport, peer_id, fname, f"the peer says the file is {chunk.total_size} bytes, the manifest says {size}")
-                if chunk.sha256 != sha:
-                    raise _bad(transport, peer_id, fname, f"the peer serves another file: sha256 {chunk.sha256[:16]}..., the manifest says {sha[:16]}...")
-                if chunk.offset != written:
-                    raise _bad(transport, peer_id, fname, f"chunk at offset {chunk.offset}, expected {written}")
-                if not chunk.data:
-                    raise _bad(transport, peer_id, fname, f"empty chunk at offset {written} of {size}")
-                await asyncio.to_thread(_append, f, h, chunk.data)
-                written += len(chunk.data)  # StateChunk's own checks keep offset + len <= total_size
-                if written == size:  # all there: we hang up first (the server waits for that: see TransportConfig.linger_s)
-                    break
-        finally:
-            await stream.aclose()
-        if written != size:
-            raise _bad(transport, peer_id, fname, f"the stream ended after {written} of {size} bytes")
-        if h.hexdigest() != sha:
-            raise _bad(transport, peer_id, fname, "the received bytes do not match the manifest's sha256 (corrupt or tampered)")
+        await receive_file(transport, peer_id, name, fname, meta["size"], meta["sha256"], f.write, chunk_timeout_s, timeout_s)
         problem = await asyncio.to_thread(_finish_file, f, path)
         if problem:
             raise _bad(transport, peer_id, fname, problem)

@@ -24,11 +24,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from protocol import RemoteProtocolError, StateRequest
+from protocol import RemoteProtocolError
 
 from ..models.hf import TOKENIZER_FILES
 from ..osutil import fsync_path, remove_tree, sha256_file
 from ..runconfig import HF_PIN
+from .checkpoint_client import receive_file
 from .checkpoint_dir import make_tmp_dir, read_range, remove_stale_temp_dirs
 
 # what travels: the config and the tokenizer's files
@@ -164,42 +165,9 @@ async def fetch_model_files(transport, peer_id: str, pin: str, root: str | os.Pa
 
 
 async def _receive(transport, peer_id: str, pin: str, name: str, size: int | None, sha: str, tmp: Path) -> bytes:
-    """One file of the model, checked as it arrives; its bytes (these files are small)."""
-    request = f"{PREFIX}{pin}/{name}"
-    limit = MAX_INDEX_BYTES if size is None else size
-    data, h = bytearray(), hashlib.sha256()
-    stream = transport.stream(peer_id, StateRequest(name=request), timeout=FETCH_TIMEOUT_S)
-    try:
-        while True:
-            try:
-                async with asyncio.timeout(CHUNK_TIMEOUT_S):
-                    chunk = await anext(stream)
-            except StopAsyncIteration:
-                break
-            problem = _chunk_problem(chunk, request, len(data), size, sha, limit)
-            if problem:
-                raise RemoteProtocolError(f"{peer_id[-8:]} sent a bad chunk of the model's {name}: {problem}", name)
-            data += chunk.data
-            h.update(chunk.data)
-            if len(data) == chunk.total_size:
-                break
-    finally:
-        await stream.aclose()
-    if h.hexdigest() != sha or (size is not None and len(data) != size):
-        raise RemoteProtocolError(f"the model's {name} from {peer_id[-8:]} does not match its sha256 (corrupt or tampered)", name)
+    """One file of the model, checked as it arrives as a checkpoint's files are; its bytes (these
+    files are small). The index's size is not known before: it is bounded instead."""
+    data = bytearray()
+    await receive_file(transport, peer_id, f"{PREFIX}{pin}/{name}", name, size, sha, data.extend, CHUNK_TIMEOUT_S, FETCH_TIMEOUT_S, max_size=MAX_INDEX_BYTES)
     await asyncio.to_thread((tmp / name).write_bytes, bytes(data))
     return bytes(data)
-
-
-def _chunk_problem(chunk, request: str, have: int, size: int | None, sha: str, limit: int) -> str | None:
-    if getattr(chunk, "name", None) != request:
-        return f"expected a StateChunk of {request!r}"
-    if size is not None and chunk.total_size != size:
-        return f"size {chunk.total_size}, the index says {size}"
-    if chunk.total_size > limit:
-        return f"size {chunk.total_size} is over {limit} bytes"
-    if chunk.sha256 != sha:
-        return "another file's sha256"
-    if chunk.offset != have or not chunk.data:
-        return f"chunk at offset {chunk.offset} with {len(chunk.data)} bytes, expected data at {have}"
-    return None
