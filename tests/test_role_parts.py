@@ -181,34 +181,3 @@ def test_a_state_without_a_hash_is_taken_only_where_the_slot_allows_it_and_never
         assert strict.own() is None
 
     asyncio.run(main())
-
-
-def test_a_state_asked_for_while_an_upload_is_on_its_way_follows_it_and_only_the_newest(tmp_path, monkeypatch):
-    """A run's last state is always sent: asked for while another is uploading, it follows that
-    one; states asked for in between, and superseded, are not sent."""
-    import node.roles.slot_state as slot_state
-
-    sent: list[str] = []
-    release = asyncio.Event()
-
-    async def upload_checkpoint(transport, peer, path):  # the transfer itself: tests/test_checkpoint_transfer.py
-        sent.append(path.name)
-        await release.wait()
-        return 0
-
-    monkeypatch.setattr(slot_state, "upload_checkpoint", upload_checkpoint)
-
-    async def main():
-        state = slot_state.SlotState(None, tmp_path / "s", tmp_path / "dl", "replica", {}, lambda s: "", None)
-        state.upload("coordinator", 2, "h2")
-        await asyncio.sleep(0)
-        for step in (3, 4):  # while 2 is on its way
-            state.upload("coordinator", step, f"h{step}")
-        release.set()
-        await state.uploads_done()
-        assert sent == ["step-00000002", "step-00000004"]
-        state.upload("coordinator", 6, "h6")  # and a later one starts at once
-        await state.uploads_done()
-        assert sent[-1] == "step-00000006"
-
-    asyncio.run(main())

@@ -97,7 +97,6 @@ class SlotState:
         self._served: dict[int, dict[str, set[str]]] = {}  # round -> peer -> files it fetched in full
         self._uploads: set[asyncio.Task] = set()
         self._uploading = ""  # the state dir an upload reads
-        self._next_upload: tuple[str, int, str] | None = None  # (coordinator, step, hash) asked for while one was on its way
 
     def start(self) -> None:
         """Serve our states (HandlerTaken when another service serves checkpoints here)."""
@@ -189,20 +188,11 @@ class SlotState:
 
     def upload(self, coordinator: str | None, step: int, state_hash: str) -> None:
         """State `step` (of `state_hash`) to the coordinator, in the background (it keeps it once
-        the slot's peers reported that hash). Asked for while an upload is on its way, it follows
-        that one, unless a newer state is asked for first: the last state a run asks to keep is
-        always sent (its final one, say), without a queue of stale ones."""
-        if coordinator is None:
+        the slot's peers reported that hash). Skipped while the last upload is still on its way."""
+        if coordinator is None or self._uploads:
             return
-        self._next_upload = (coordinator, step, state_hash)
-        if not any(not t.done() for t in self._uploads):  # (a finished one may not be discarded yet)
-            task = asyncio.create_task(self._upload_newest())
-            self._uploads.add(task)
-            task.add_done_callback(self._uploads.discard)
 
-    async def _upload_newest(self) -> None:
-        while self._next_upload is not None:
-            (coordinator, step, state_hash), self._next_upload = self._next_upload, None
+        async def upload() -> None:
             self._uploading = step_dir_name(step)
             try:
                 await upload_checkpoint(self.transport, coordinator, self.dir / step_dir_name(step))
@@ -211,6 +201,10 @@ class SlotState:
                 log.warning("%s: state %d not kept by the coordinator: %s", self.what, step, short(e))
             finally:
                 self._uploading = ""
+
+        task = asyncio.create_task(upload())
+        self._uploads.add(task)
+        task.add_done_callback(self._uploads.discard)
 
     async def uploads_done(self) -> None:
         await asyncio.gather(*self._uploads, return_exceptions=True)
