@@ -6,6 +6,7 @@
                                coordinator pins and sends to its members (weights travel as state)
     FAMILIES, check_role       which model types each role can train
     CausalLM                   forward(idx, targets=None) -> (logits, loss), like gpt.GPT
+    HFNames                    a wrapper's names are its transformers model's (CausalLM, a stage's)
     build_causal_lm            random init from the config (one seed, one set of bits) or the
                                directory's weights
 
@@ -224,34 +225,9 @@ def context_of(config) -> int:
     raise ModelDirError(f"{CONFIG_FILE} names no context length (n_positions or max_position_embeddings)")
 
 
-class CausalLM(nn.Module):
-    """A transformers causal LM used as the roles use gpt.GPT: forward(idx, targets=None) ->
-    (logits, loss), loss the mean cross-entropy over all positions of already-shifted targets.
-
-    `hf` is the transformers model; `context` the longest sequence it takes, `vocab_size` its
-    logits' width. Names (parameters, state dict) are `hf`'s own, without a prefix."""
-
-    def __init__(self, hf: nn.Module):
-        super().__init__()
-        self.hf = hf
-        self.context = context_of(hf.config)
-        self.vocab_size = int(hf.get_output_embeddings().weight.shape[0])
-        self.train()  # a new module trains, as gpt.GPT does (from_pretrained hands it back in eval)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if idx.dim() != 2:
-            raise ValueError(f"idx must be (batch, time), got shape {tuple(idx.shape)}")
-        if idx.size(1) > self.context:
-            raise ValueError(f"sequence length {idx.size(1)} exceeds the model's context {self.context}")
-        # no labels: transformers would shift them again, and our targets are shifted already
-        logits = self.hf(input_ids=idx, use_cache=False).logits
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-        return logits, loss
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+class HFNames:
+    """Names of a module holding a transformers model as `self.hf`: its parameters, buffers and
+    state dict under hf's own names (no prefix of the wrapper), every tied tensor once."""
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self.hf.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
@@ -282,6 +258,36 @@ class CausalLM(nn.Module):
             if alias not in state and kept in state:
                 state[alias] = state[kept]  # both names are one parameter: the copy keeps them tied
         return self.hf.load_state_dict(state, strict=strict, assign=assign)
+
+
+class CausalLM(HFNames, nn.Module):
+    """A transformers causal LM used as the roles use gpt.GPT: forward(idx, targets=None) ->
+    (logits, loss), loss the mean cross-entropy over all positions of already-shifted targets.
+
+    `hf` is the transformers model; `context` the longest sequence it takes, `vocab_size` its
+    logits' width. Names (parameters, state dict) are `hf`'s own, without a prefix."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+        self.context = context_of(hf.config)
+        self.vocab_size = int(hf.get_output_embeddings().weight.shape[0])
+        self.train()  # a new module trains, as gpt.GPT does (from_pretrained hands it back in eval)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (batch, time), got shape {tuple(idx.shape)}")
+        if idx.size(1) > self.context:
+            raise ValueError(f"sequence length {idx.size(1)} exceeds the model's context {self.context}")
+        # no labels: transformers would shift them again, and our targets are shifted already
+        logits = self.hf(input_ids=idx, use_cache=False).logits
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return logits, loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
 
 
 def build_causal_lm(model_dir: ModelDir | dict[str, Any], seed: int, weights: bool = True) -> CausalLM:

@@ -1,6 +1,6 @@
 """The built-in GPT cut into pipeline stages: each stage holds only its own layers.
 
-    plan_stages(config, S, counts=None)  which blocks each of S stages holds: [start, end) per stage
+    plan_stages(config, S, counts=None)  which blocks (decoder layers) each of S stages holds: [start, end) per stage
     Stage(config, index, plan)           one stage's layers; the first adds the embeddings, the last
                                          the final LayerNorm, the head and the loss
     init_stage(config, index, plan, s)   a stage with exactly the parameters init_model(config, s) has
@@ -31,8 +31,9 @@ class StageInputError(ValueError):
     """What reached a stage is not what it computes on; the message names the problem."""
 
 
-def plan_stages(config: GPTConfig, num_stages: int, counts: Sequence[int] | None = None) -> tuple[tuple[int, int], ...]:
-    """[start, end) block indices for each of `num_stages` stages. `counts`: blocks per stage, in
+def plan_stages(config, num_stages: int, counts: Sequence[int] | None = None) -> tuple[tuple[int, int], ...]:
+    """[start, end) block indices for each of `num_stages` stages of a model of `config.n_layer`
+    blocks (a GPTConfig, or hf_stages.CutDims: a block is a decoder layer). `counts`: blocks per stage, in
     order (they must add up to n_layer); without it, blocks are spread evenly and the stages at
     the ends, which also hold the embeddings and the head, get the fewer where it does not divide
     (what is left over goes to the middle stages, then the first, then the last: the head and the
@@ -41,7 +42,7 @@ def plan_stages(config: GPTConfig, num_stages: int, counts: Sequence[int] | None
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
     if num_stages > n:
-        raise ValueError(f"num_stages ({num_stages}) exceeds the model's {n} blocks: every stage holds at least one block")
+        raise ValueError(f"num_stages ({num_stages}) exceeds the model's {n} blocks (decoder layers): every stage holds at least one")
     if counts is None:
         base, extra = divmod(n, num_stages)
         # the extra blocks go to the middle stages first: the ends carry embeddings and head
@@ -102,27 +103,7 @@ class Stage(nn.Module):
     def check_input(self, x: torch.Tensor, finite: bool = True) -> None:
         """Raise StageInputError unless `x` is what this stage computes on. `finite` False: the
         caller knows it holds no NaN or Inf (it was decoded with a bound on its values)."""
-        cfg = self.config
-        if not isinstance(x, torch.Tensor):
-            raise StageInputError(f"stage {self.index}: expected a tensor, got {type(x).__name__}")
-        if self.first:
-            if x.dtype != torch.int64:
-                raise StageInputError(f"stage {self.index}: token ids must be int64, got {x.dtype}")
-            if x.dim() != 2:
-                raise StageInputError(f"stage {self.index}: token ids must be (batch, time), got shape {tuple(x.shape)}")
-            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= cfg.vocab_size):
-                raise StageInputError(f"stage {self.index}: token ids must be in [0, {cfg.vocab_size}), got {int(x.min())}..{int(x.max())}")
-        else:
-            if x.dtype != torch.float32:
-                raise StageInputError(f"stage {self.index}: activations must be float32, got {x.dtype}")
-            if x.dim() != 3 or x.size(2) != cfg.n_embd:
-                raise StageInputError(f"stage {self.index}: activations must be (batch, time, {cfg.n_embd}), got shape {tuple(x.shape)}")
-            if finite and not bool(torch.isfinite(x).all()):
-                raise StageInputError(f"stage {self.index}: activations hold NaN or Inf")
-        if x.size(0) < 1 or x.size(1) < 1:
-            raise StageInputError(f"stage {self.index}: empty batch, shape {tuple(x.shape)}")
-        if x.size(1) > cfg.context:
-            raise StageInputError(f"stage {self.index}: sequence length {x.size(1)} exceeds the model's context {cfg.context}")
+        check_stage_input(x, self.index, self.first, self.config, finite)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, checked: bool = False):
         """`checked`: the caller has run check_input on `x` already (a stage server, on what a
@@ -149,3 +130,29 @@ def init_stage(config: GPTConfig, index: int, plan: Sequence[tuple[int, int]], s
     """A stage whose parameters are bit for bit those of init_model(config, seed) for its layers
     (the draws follow the whole model's order, so the whole model is built once to take them)."""
     return Stage.from_gpt(init_model(config, seed), index, plan)
+
+
+def check_stage_input(x: torch.Tensor, index: int, first: bool, dims, finite: bool = True) -> None:
+    """Raise StageInputError unless `x` is what stage `index` of a cut sized by `dims` (n_embd,
+    vocab_size, context: a GPTConfig or hf_stages.CutDims) computes on: token ids into the first
+    stage, the residual stream into the others."""
+    if not isinstance(x, torch.Tensor):
+        raise StageInputError(f"stage {index}: expected a tensor, got {type(x).__name__}")
+    if first:
+        if x.dtype != torch.int64:
+            raise StageInputError(f"stage {index}: token ids must be int64, got {x.dtype}")
+        if x.dim() != 2:
+            raise StageInputError(f"stage {index}: token ids must be (batch, time), got shape {tuple(x.shape)}")
+        if x.numel() and (int(x.min()) < 0 or int(x.max()) >= dims.vocab_size):
+            raise StageInputError(f"stage {index}: token ids must be in [0, {dims.vocab_size}), got {int(x.min())}..{int(x.max())}")
+    else:
+        if x.dtype != torch.float32:
+            raise StageInputError(f"stage {index}: activations must be float32, got {x.dtype}")
+        if x.dim() != 3 or x.size(2) != dims.n_embd:
+            raise StageInputError(f"stage {index}: activations must be (batch, time, {dims.n_embd}), got shape {tuple(x.shape)}")
+        if finite and not bool(torch.isfinite(x).all()):
+            raise StageInputError(f"stage {index}: activations hold NaN or Inf")
+    if x.size(0) < 1 or x.size(1) < 1:
+        raise StageInputError(f"stage {index}: empty batch, shape {tuple(x.shape)}")
+    if x.size(1) > dims.context:
+        raise StageInputError(f"stage {index}: sequence length {x.size(1)} exceeds the model's context {dims.context}")
