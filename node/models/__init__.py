@@ -6,6 +6,7 @@ Files:
     stages.py    the GPT cut into pipeline stages (plan_stages, Stage): each holds only its blocks
     hf.py        Hugging Face models: a local model directory checked (open_model_dir), which roles
                  train which model types (FAMILIES), CausalLM: a transformers model used like GPT
+    hf_stages.py a Hugging Face GPT-2 or Llama-family model cut into stages by decoder layers (HFStage)
     tokens.py    tokenizers: bytes (the built-in models) or a model directory's tokenizer.json
     sources.py   where documents come from: text files, JSON lines, parquet, a saved `datasets` set
     data.py      the corpus (built-in: Python's stdlib sources; or --data) as token ids, shards, evaluation
