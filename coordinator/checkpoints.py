@@ -375,3 +375,25 @@ def weights_as_first_checkpoint(store: CheckpointStore, src: str | Path, pin: st
         raise CheckpointError(str(e)) from None
     state = {"model": {n: p.detach().contiguous() for n, p in model.named_parameters()}}
     return store.save(0, state, model_config={"model": pin})
+
+
+def weights_as_first_stage_checkpoints(stores: Mapping[int, CheckpointStore], src: str | Path, pin: str, plan) -> list[CheckpointInfo]:
+    """weights_as_first_checkpoint for a pipeline run: each stage's slice of the weights (with a
+    zero outer momentum) becomes checkpoint 0 of its stage, named as a stage server names its
+    states, so each stage's first peer takes it. Nothing when a stage's store already has one."""
+    from node.models.hf import ModelDirError, open_model_dir
+    from node.models.hf_stages import stage_weights
+
+    try:
+        model_dir = open_model_dir(Path(src).expanduser())
+        if model_dir.weights is None or any(store.latest() is not None for store in stores.values()):
+            return []
+        states = stage_weights(model_dir, plan)
+    except ModelDirError as e:
+        raise CheckpointError(str(e)) from None
+    kept = []
+    for index, (params, params_hash) in sorted(states.items()):
+        meta = {"model": pin, "stage": index, "blocks": list(plan[index]), "num_stages": len(plan)}
+        state = {"model": params, "outer": {n: torch.zeros_like(t) for n, t in params.items()}}
+        kept.append(stores[index].save(0, state, model_config=meta, state_hash=params_hash))
+    return kept

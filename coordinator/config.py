@@ -74,18 +74,45 @@ def expert_slots(config: CoordinatorConfig) -> tuple[str, ...]:
     return tuple(f"shard{i}" for i in range(run.expert_shards))
 
 
+MODE_ROLE = {"replica": "replica", "pipeline": "pipeline"}  # the node.models.hf.FAMILIES role a mode's model must fit
+
+
 def check_model(c: CoordinatorConfig) -> None:
     """A Hugging Face model directory (`--model PATH`): it must open, and its architecture train
-    in the run's mode (replica mode only, for now). ConfigError naming the problem."""
+    in the run's mode (replica and pipeline modes; in pipeline mode its cut must fit its decoder
+    layers). ConfigError naming the problem."""
     run = c.run
     if not run.is_hf or HF_PIN.fullmatch(run.model):
         return
-    if c.mode != "replica":
-        raise RunConfigError(f"a Hugging Face model trains in replica mode for now, not {c.mode} mode (pipeline and experts take the built-in presets)", "model")
+    if c.mode not in MODE_ROLE:
+        raise RunConfigError(f"a Hugging Face model trains in {' or '.join(MODE_ROLE)} mode, not {c.mode} mode (experts mode takes the built-in presets)", "model")
     from node.models.hf import ModelDirError, check_role, open_model_dir
 
     try:
-        check_role(open_model_dir(Path(run.model).expanduser()), "replica")
+        model_dir = open_model_dir(Path(run.model).expanduser())
+        check_role(model_dir, MODE_ROLE[c.mode])
+    except ModelDirError as e:
+        raise RunConfigError(f"model: {e}", "model") from None
+    if c.mode == "pipeline":
+        run.stage_plan(cut_dims(c))
+
+
+def cut_dims(c: CoordinatorConfig):
+    """What the run's pipeline cut is sized by: None for a preset (its config), a Hugging Face
+    model's hf_stages.CutDims (read from its directory, or from the files kept under
+    DATA_DIR/model for a pin). RunConfigError when they cannot be read."""
+    run = c.run
+    if not run.is_hf:
+        return None
+    from node.models.hf import ModelDirError, open_model_dir
+    from node.models.hf_stages import dims_of
+    from node.state.model_files import local_model_dir
+
+    path = local_model_dir(Path(c.data_dir).expanduser() / "model", run.model) if HF_PIN.fullmatch(run.model) else Path(run.model).expanduser()
+    if path is None:
+        raise RunConfigError(f"model {run.model}: its files are not in {Path(c.data_dir) / 'model'}; give the model's directory", "model")
+    try:
+        return dims_of(open_model_dir(path))
     except ModelDirError as e:
         raise RunConfigError(f"model: {e}", "model") from None
 

@@ -40,8 +40,8 @@ from node.state.model_files import ModelFilesSource
 from node.state.state_server import CheckpointServer
 from node.net.transport import CallContext, RPCError, Transport, TransportConfig
 
-from .checkpoints import CheckpointError, CheckpointStore, weights_as_first_checkpoint
-from .config import CoordinatorConfig, check_coordinator, expert_slots, resolve_model
+from .checkpoints import CheckpointError, CheckpointStore, weights_as_first_checkpoint, weights_as_first_stage_checkpoints
+from .config import CoordinatorConfig, check_coordinator, cut_dims, expert_slots, resolve_model
 from .tools import read_revoked, revocation_file
 from .planner import Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
 from .registry import AsyncRegistry, Member, ProgressPoint, Registry, RegistryError
@@ -124,7 +124,7 @@ def stage_costs(config: CoordinatorConfig) -> tuple[float, ...]:
     naming it) when the cut does not fit the model."""
     if config.mode != "pipeline" or config.run.num_stages < 1:
         return ()
-    return tuple(float(end - start) for start, end in config.run.stage_plan())
+    return tuple(float(end - start) for start, end in config.run.stage_plan(cut_dims(config)))
 
 
 class Coordinator:
@@ -195,7 +195,10 @@ class Coordinator:
             raise ConfigError(f"checkpoint store: {e}") from None
         if self.run.model != c.run.model:  # a model directory given: its weights, if any, start a new run
             try:
-                weights_as_first_checkpoint(self.store, c.run.model, self.run.model)
+                if self.stage_stores:
+                    weights_as_first_stage_checkpoints(self.stage_stores, c.run.model, self.run.model, c.run.stage_plan(cut_dims(c)))
+                else:
+                    weights_as_first_checkpoint(self.store, c.run.model, self.run.model)
             except (CheckpointError, OSError) as e:
                 raise ConfigError(f"model: {e}") from None
         return key

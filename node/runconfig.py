@@ -159,14 +159,15 @@ class RunConfig:
             raise RunConfigError(f"expert shard {shard} is not a shard of this run (0..{self.expert_shards - 1})", "expert_shards")
         return tuple(expert_name(layer, e) for layer in range(gpt.n_layer) for e in range(shard, moe.num_experts, self.expert_shards))
 
-    def stage_plan(self) -> tuple[tuple[int, int], ...]:
-        """[start, end) blocks of each stage (node/models/stages.py plan_stages); RunConfigError when
-        num_stages and stage_blocks do not fit the model."""
+    def stage_plan(self, dims=None) -> tuple[tuple[int, int], ...]:
+        """[start, end) blocks of each stage (node/models/stages.py plan_stages) of a model sized by
+        `dims` (default: the preset's config; a Hugging Face model's: hf_stages.dims_of);
+        RunConfigError when num_stages and stage_blocks do not fit the model."""
         from .models.stages import plan_stages
 
         counts = [int(c) for c in self.stage_blocks.replace(" ", "").split(",")] if self.stage_blocks.strip() else None
         try:
-            return plan_stages(self.model_config(), self.num_stages, counts)
+            return plan_stages(self.model_config() if dims is None else dims, self.num_stages, counts)
         except ValueError as e:
             raise RunConfigError(f"pipeline cut: {e} (model {self.model!r}, num_stages {self.num_stages}, stage_blocks {self.stage_blocks!r})", "num_stages") from None
 

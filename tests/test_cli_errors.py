@@ -147,7 +147,12 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
             "coordinator-model-without-config": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/empty-model"), ("empty-model", "config.json")),
             "coordinator-model-hub-id": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "someorg/somemodel"), ("someorg/somemodel", "download")),
             "coordinator-model-weights-misfit": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/misfit-model"), ("model.safetensors", "config.json", "wte")),
-            "coordinator-model-in-pipeline-mode": Case(COORD, ("--mode", "pipeline", "--num-stages", "2", "--model", "{tmp}/empty-model"), ("replica mode", "pipeline"), light=True),
+            "coordinator-model-cut-past-its-layers": Case(
+                COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline", "--num-stages", "3", "--model", "{tmp}/one-layer-model"), ("num_stages (3)", "1 blocks (decoder layers)"),
+            ),
+            "coordinator-model-family-not-cut": Case(
+                COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline", "--num-stages", "2", "--model", "{tmp}/opt-model"), ("pipeline role", "gpt2, llama", "'opt'"),
+            ),
         }
     )
     return cases
@@ -179,10 +184,19 @@ def _prepare(tmp: Path) -> None:
     (tmp / "revoked").mkdir()
     (tmp / "revoked" / "revoked").write_text(f"{PEER}\nnot-a-peer-id  # a hand edit gone wrong\n")
     (tmp / "empty-model").mkdir()
+    _config_only(tmp / "one-layer-model", {"model_type": "gpt2", "vocab_size": 300, "n_positions": 16, "n_embd": 32, "n_layer": 1, "n_head": 2})
+    _config_only(tmp / "opt-model", {"model_type": "opt", "vocab_size": 300, "hidden_size": 16, "ffn_dim": 32, "num_hidden_layers": 2, "num_attention_heads": 2})
     _misfit_model(tmp / "misfit-model")
     (tmp / "too-early").mkdir()
     for module in ("torch", "hivemind"):
         (tmp / "too-early" / f"{module}.py").write_text(f"raise ImportError('{module} imported before the flags were checked')\n")
+
+
+def _config_only(path: Path, config: dict) -> None:
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
 
 
 def _misfit_model(path: Path) -> None:

@@ -6,6 +6,7 @@
     HFStage.cut(lm, index, plan)  one stage of a whole CausalLM: its layers kept, the rest dropped
     init_hf_stage(dir, i, plan, seed)  a stage whose tensors are the whole model's (its weights, or
                                   the random init of build_causal_lm(dir, seed)) for its layers
+    stage_weights(dir, plan)      each stage's slice of the directory's weights, with its state hash
 
 The first stage adds the embeddings, the last the final norm, the head and the loss. Every stage
 builds the attention mask and the positions (Llama's rotary embeddings) the whole model builds, so
@@ -175,3 +176,18 @@ def init_hf_stage(model_dir: ModelDir, index: int, plan: Sequence[tuple[int, int
     true, else the random init of build_causal_lm(model_dir, seed), the same bits on every peer
     (the whole model is built once to take its draws, then cut)."""
     return HFStage.cut(build_causal_lm(model_dir, seed, weights=weights), index, plan)
+
+
+def stage_weights(model_dir: ModelDir, plan: Sequence[tuple[int, int]]) -> dict[int, tuple[dict[str, torch.Tensor], str]]:
+    """stage -> (its parameters, their state hash) of the directory's weights, cut by `plan`:
+    what each stage of a fine-tuning run starts from (the model is loaded once)."""
+    import copy
+
+    from .diloco import state_hash
+
+    whole = build_causal_lm(model_dir, seed=0, weights=True)
+    out = {}
+    for index in range(len(plan)):
+        params = {n: p.detach().contiguous() for n, p in HFStage.cut(copy.deepcopy(whole), index, plan).named_parameters()}
+        out[index] = (params, state_hash(params))
+    return out

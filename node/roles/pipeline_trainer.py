@@ -31,6 +31,7 @@ from ..runconfig import RunConfig, RunConfigError
 from .activations import TOKENS, activation_codec, decode_checked, encode_floats
 from .caller import NO_PEER_WAIT_S, REFUSALS_TO_GIVE_UP, CallFailed, GiveUp, NoSlotPeer, PeerCaller, short
 from .role import Role, RoleContext, RoleError
+from .run_model import RunModel, builtin_model, run_model
 from .stage_calls import MAX_BATCH_SAMPLES
 from .stage_core import NormBook
 from .stats import LossLog
@@ -46,17 +47,13 @@ class PipelineTrainer(Role):
     name = "trainer"
 
     def __init__(self, ctx: RoleContext, run: RunConfig, assignment: RoleAssignment | None = None):
-        try:
-            self.plan = run.stage_plan()
-        except RunConfigError as e:
-            raise RoleError(str(e)) from None
         c = ctx.node_config
         self.ctx, self.run_config = ctx, run
-        self.model_config = run.model_config()
-        self.codec = activation_codec(run, self.model_config.n_embd)
-        self.max_numel = MAX_BATCH_SAMPLES * self.model_config.context * max(self.model_config.n_embd, 1)
+        self.model: RunModel | None = None
+        self._stopping = False
+        if not run.is_hf:  # (a Hugging Face model's cut is known once its files are here: at start)
+            self._cut(builtin_model(run))
         self.caller = PeerCaller(ctx.transport)
-        self.norms = NormBook(len(self.plan))
         self.view = SwarmView(ctx.host, c.swarm_id, c.record_ttl_s)
         self.losses = LossLog(Path(c.data_dir), ctx.membership, run.batch_size, stats=self._stats, line=lambda: f"{self.caller.retries} retries, {self.losses.lost} lost")
         self._known = asyncio.Event()
@@ -65,14 +62,28 @@ class PipelineTrainer(Role):
     def _stats(self) -> dict:
         return {"retries": self.caller.retries, "bytes_sent": self.caller.bytes_sent, "bytes_received": self.caller.bytes_received}
 
+    def _cut(self, model: RunModel) -> None:
+        try:
+            self.plan = self.run_config.stage_plan(model.dims)
+        except RunConfigError as e:
+            raise RoleError(str(e)) from None
+        self.model, self.dims = model, model.dims
+        self.codec = activation_codec(self.run_config, self.dims.n_embd)
+        self.max_numel = MAX_BATCH_SAMPLES * self.dims.context * max(self.dims.n_embd, 1)
+        self.norms = NormBook(len(self.plan))
+
     async def start(self) -> None:
-        pass
+        if self.model is None:
+            c = self.ctx.node_config
+            self._cut(await run_model(self.run_config, self.ctx.transport, lambda: self.ctx.membership.coordinator, Path(c.data_dir) / "model",
+                                      lambda: self._stopping, role="pipeline"))  # fmt: skip
 
     async def stop(self, planned: bool = True) -> None:
+        self._stopping = True
         self.view.close()
 
     async def run(self) -> None:
-        batches, shard, nshards = await trainer_batches(self.ctx, self.run_config, self.model_config.context)
+        batches, shard, nshards = await trainer_batches(self.ctx, self.run_config, self.dims.context, self.model)
         follow = asyncio.create_task(self.view.follow(self._peers, self._known), name="stage-peers")
         run = self.run_config
         try:
@@ -229,7 +240,7 @@ class PipelineTrainer(Role):
         if set(encoded) != set(want):
             raise RemoteProtocolError(f"{op} reply carries {sorted(encoded)}, expected {sorted(want)}")
         outs = [decode_checked(encoded[k], self.max_numel, k) for k in want]
-        shape = (*bt, self.model_config.n_embd)
+        shape = (*bt, self.dims.n_embd)
         for k, t in zip(want, outs):
             if tuple(t.shape) != shape or t.dtype != torch.float32:
                 raise RemoteProtocolError(f"{op} reply's {k} is {t.dtype} {tuple(t.shape)}, expected float32 {shape}")

@@ -22,8 +22,8 @@ def _any(run: RunConfig) -> bool:
     return True
 
 
-def _dense(run: RunConfig) -> bool:
-    return not run.is_moe and not run.is_hf  # (a Hugging Face model trains on replicas)
+def _pipeline(run: RunConfig) -> bool:
+    return not run.is_moe and (not run.is_hf or run.num_stages > 0)  # (a Hugging Face model's run is cut when it names stages)
 
 
 def _moe(run: RunConfig) -> bool:
@@ -44,9 +44,9 @@ class RoleSpec:
 
 ROLES: tuple[RoleSpec, ...] = (
     RoleSpec("replica", "replica:Replica"),
-    RoleSpec("stage", "stage_server:StageServer", _dense, "a run of {model} has no stage role (pipeline stages take the built-in presets tiny | small)"),
+    RoleSpec("stage", "stage_server:StageServer", _pipeline, "a run of {model} has no stage role (it is not cut into pipeline stages)"),
     RoleSpec("expert", "expert_host:ExpertHost", _moe, "the model {model} has no experts"),
-    RoleSpec("trainer", "pipeline_trainer:PipelineTrainer", _dense),
+    RoleSpec("trainer", "pipeline_trainer:PipelineTrainer", _pipeline),
     RoleSpec("trainer", "expert_trainer:ExpertTrainer", _moe),
 )
 

@@ -1,5 +1,5 @@
-"""The run's model as a role needs it: how to make it, what a state of it is called, its context,
-and the data it reads. A built-in preset is known by name; a Hugging Face model is known by its
+"""The run's model as a role needs it: how to make it (whole, or one stage of its pipeline cut),
+what a state of it is called, its context, and the data it reads. A built-in preset is known by name; a Hugging Face model is known by its
 pin (node/state/model_files.py), and its config and tokenizer files are fetched from the
 coordinator and checked against the pin before anything is built from them.
 """
@@ -38,6 +38,8 @@ class RunModel:
     context: int  # tokens per window
     tokenizer: Any  # node.models.tokens tokenizer; None: bytes (the built-in models)
     source: str  # for logs
+    dims: Any = None  # what a pipeline cut is sized by (n_layer, n_embd, vocab_size, context): a GPTConfig or hf_stages.CutDims
+    stage: Callable[[int, Any, int], nn.Module] | None = None  # (index, plan, seed) -> that stage, initialised from the seed
 
     def corpus(self, data: str | None) -> Corpus:
         return load_corpus(data or None, tokenizer=self.tokenizer)
@@ -45,14 +47,18 @@ class RunModel:
 
 def builtin_model(run: RunConfig) -> RunModel:
     from ..models.gpt import GPT, init_model
+    from ..models.stages import init_stage
 
     config = run.model_config()
-    return RunModel(lambda seed: GPT(config) if seed is None else init_model(config, seed), config.context, None, run.model)
+    return RunModel(lambda seed: GPT(config) if seed is None else init_model(config, seed), config.context, None, run.model,
+                    config, lambda index, plan, seed: init_stage(config, index, plan, seed))  # fmt: skip
 
 
-async def run_model(run: RunConfig, transport, coordinator: Callable[[], str | None], root: Path, stopping: Callable[[], bool]) -> RunModel:
-    """The run's model; a Hugging Face model's files are fetched from the coordinator first (again
-    every FETCH_RETRY_S until it answers). RoleError when the files cannot make the model."""
+async def run_model(run: RunConfig, transport, coordinator: Callable[[], str | None], root: Path, stopping: Callable[[], bool],
+                    role: str = "replica") -> RunModel:  # fmt: skip
+    """The run's model for `role` (a node.models.hf.FAMILIES role: replica, pipeline); a Hugging
+    Face model's files are fetched from the coordinator first (again every FETCH_RETRY_S until it
+    answers). RoleError when the files cannot make the model, or not for this role."""
     if not run.is_hf:
         return builtin_model(run)
     while True:
@@ -66,25 +72,28 @@ async def run_model(run: RunConfig, transport, coordinator: Callable[[], str | N
         if stopping():
             raise asyncio.CancelledError
         await asyncio.sleep(FETCH_RETRY_S)
-    return await asyncio.to_thread(_hf_model, path)
+    return await asyncio.to_thread(_hf_model, path, role)
 
 
-def _hf_model(path: Path) -> RunModel:
+def _hf_model(path: Path, role: str) -> RunModel:
     from ..models.hf import ModelDirError, build_causal_lm, check_role, context_of, open_model_dir
+    from ..models.hf_stages import dims_of, init_hf_stage
     from ..models.tokens import load_tokenizer
 
     try:
         model_dir = open_model_dir(path)
-        check_role(model_dir, "replica")
+        check_role(model_dir, role)
         tokenizer = load_tokenizer(model_dir)  # (bytes when the model has no tokenizer)
         context = context_of(model_dir.hf_config())
+        dims = dims_of(model_dir) if role == "pipeline" else None
     except ModelDirError as e:
         raise RoleError(f"the run's model cannot be built here: {e}") from None
 
-    def make(seed: int | None) -> nn.Module:
-        try:
-            return build_causal_lm(model_dir, seed=0 if seed is None else seed, weights=False)
+    def built(build: Callable[..., nn.Module], *args) -> nn.Module:
+        try:  # the weights come as state: from peers, or the coordinator's first checkpoint
+            return build(*args, weights=False)
         except ModelDirError as e:
             raise RoleError(f"the run's model cannot be built here: {e}") from None
 
-    return RunModel(make, context, tokenizer, f"{model_dir.model_type} ({path.name[:8]})")
+    return RunModel(lambda seed: built(build_causal_lm, model_dir, 0 if seed is None else seed), context, tokenizer, f"{model_dir.model_type} ({path.name[:8]})",
+                    dims, lambda index, plan, seed: built(init_hf_stage, model_dir, index, plan, seed))  # fmt: skip

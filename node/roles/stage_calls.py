@@ -8,12 +8,12 @@ naming it: the server refuses the call with `bad_request` and scores the sender 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from protocol import RemoteProtocolError, StageCall, StageResult, unpack_tensors
 
-from ..models.gpt import GPTConfig
 from ..models.stages import Stage, StageInputError
 from .activations import decode_checked
 
@@ -27,11 +27,11 @@ class StageCut:
 
     index: int
     stages: int
-    config: GPTConfig
+    dims: Any  # n_layer, n_embd, vocab_size, context: a GPTConfig or hf_stages.CutDims
 
     @property
     def max_numel(self) -> int:
-        return MAX_BATCH_SAMPLES * self.config.context * self.config.n_embd
+        return MAX_BATCH_SAMPLES * self.dims.context * self.dims.n_embd
 
     @property
     def first(self) -> bool:
@@ -46,7 +46,7 @@ def check_call(req: StageCall, cut: StageCut, stage: Stage) -> tuple[torch.Tenso
     """(input, gradient or targets) of a call; input None for a backward through the graph this
     peer kept. Raises RemoteProtocolError or StageInputError naming the problem."""
     encoded = unpack_tensors(req, cut.max_numel)
-    n_embd = cut.config.n_embd
+    n_embd = cut.dims.n_embd
     if req.op == "through" and len(req.route) != cut.stages - 1 - cut.index:
         raise StageInputError(f"a through call to stage {cut.index} names a peer for each of the {cut.stages - 1 - cut.index} stages after it, got {len(req.route)}")
     if req.op == "train" and not cut.last:
@@ -78,7 +78,7 @@ def check_call(req: StageCall, cut: StageCut, stage: Stage) -> tuple[torch.Tenso
         targets = decode_checked(encoded["targets"], cut.max_numel, "targets")
         if targets.dtype != torch.int64 or tuple(targets.shape) != tuple(x.shape[:2]):
             raise StageInputError(f"targets must be int64 {tuple(x.shape[:2])}, got {targets.dtype} {tuple(targets.shape)}")
-        vocab = cut.config.vocab_size
+        vocab = cut.dims.vocab_size
         if int(targets.min()) < 0 or int(targets.max()) >= vocab:
             raise StageInputError(f"targets must be token ids in [0, {vocab}), got {int(targets.min())}..{int(targets.max())}")
         return x, targets

@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from protocol import RemoteProtocolError, RoleAssignment, StageCall, StageResult, pack_tensors
 
 from ..models.diloco import adamw
-from ..models.stages import Stage, StageInputError, init_stage
+from ..models.stages import Stage, StageInputError
 from ..net.transport import NETWORK_ERRORS, RPCError
 from ..runconfig import RunConfig, RunConfigError
 from .activations import TOKENS, activation_codec, encode_floats
 from .caller import short
 from .role import Role, RoleContext, RoleError
+from .run_model import RunModel, builtin_model, model_meta, run_model
 from .serving import Pending
 from .slot_server import SlotName, SlotServer
 from .stage_calls import MAX_BATCH_SAMPLES, StageCut, check_call, check_through_answer
@@ -56,25 +58,34 @@ class StageServer(Role):
     name = "stage"
 
     def __init__(self, ctx: RoleContext, run: RunConfig, assignment: RoleAssignment, timing: ServeTiming = ServeTiming()):
-        try:
-            self.plan = run.stage_plan()
-        except RunConfigError as e:
-            raise RoleError(str(e)) from None
-        index = assignment.stage
-        if index is None or not 0 <= index < len(self.plan):
-            raise RoleError(f"stage {index} is not a stage of this run's cut (0..{len(self.plan) - 1})")
-        self.ctx, self.run_config, self.index, self.what = ctx, run, index, f"stage {index}"
-        self.cut = StageCut(index, len(self.plan), run.model_config())
-        self.codec = activation_codec(run, self.cut.config.n_embd)
-        self.schedule = StepSchedule(run.stage_step_samples, len(self.plan), index, run.stage_clip == "global", timing.pending_s, timing.report_s)
+        self.ctx, self.run_config, self.index, self.what, self.timing = ctx, run, assignment.stage, f"stage {assignment.stage}", timing
         # kept: backwards through a kept graph (stale: of a forward on older weights than now); failed_after: through calls whose later stage failed
         self.calls = {"forward": 0, "backward": 0, "train": 0, "through": 0, "refused": 0, "batched": 0, "kept": 0, "stale": 0, "failed_after": 0, "norms": 0}
-        meta = {**self.cut.config.to_dict(), "stage": index, "blocks": list(self.plan[index]), "num_stages": len(self.plan)}
-        name = SlotName("stage", self.what, "stage", str(index), f"stage-{index}", coordinator_slot=index)
-        self.slot = SlotServer(ctx, run, name, meta, self.schedule, self._compute, self._stats)
-        self.compute, self.queue = self.slot.compute, self.slot.queue
         self.stage_peers: dict[int, set[str]] = {}  # the peers of each stage as the member records name them (through calls go only to them)
         self.bytes_sent = self.bytes_received = 0  # of through calls to the next stage
+        self.slot: SlotServer | None = None
+        self._stopping = False
+        if not run.is_hf:  # (a Hugging Face model's cut is known once its files are here: at start)
+            self._cut(builtin_model(run))
+
+    def _cut(self, model: RunModel) -> None:
+        """This stage of the run's cut, and the slot that serves it; RoleError when the cut does
+        not fit the model or has no such stage."""
+        run, index = self.run_config, self.index
+        try:
+            self.plan = run.stage_plan(model.dims)
+        except RunConfigError as e:
+            raise RoleError(str(e)) from None
+        if index is None or not 0 <= index < len(self.plan):
+            raise RoleError(f"stage {index} is not a stage of this run's cut (0..{len(self.plan) - 1})")
+        self.model = model
+        self.cut = StageCut(index, len(self.plan), model.dims)
+        self.codec = activation_codec(run, model.dims.n_embd)
+        self.schedule = StepSchedule(run.stage_step_samples, len(self.plan), index, run.stage_clip == "global", self.timing.pending_s, self.timing.report_s)
+        meta = {**model_meta(run), "stage": index, "blocks": list(self.plan[index]), "num_stages": len(self.plan)}
+        name = SlotName("stage", self.what, "stage", str(index), f"stage-{index}", coordinator_slot=index)
+        self.slot = SlotServer(self.ctx, run, name, meta, self.schedule, self._compute, self._stats)
+        self.compute, self.queue = self.slot.compute, self.slot.queue
 
     @property
     def stage(self) -> Stage:
@@ -89,7 +100,7 @@ class StageServer(Role):
         return self.slot.state
 
     def _build(self):
-        stage = init_stage(self.cut.config, self.index, self.plan, self.run_config.seed)
+        stage = self.model.stage(self.index, self.plan, self.run_config.seed)
         return stage, adamw(stage.parameters(), self.run_config.train_config())
 
     def _compute(self, weights: SlotWeights) -> StageCompute:
@@ -105,13 +116,19 @@ class StageServer(Role):
                 "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received}  # fmt: skip
 
     async def start(self) -> None:
+        if self.slot is None:
+            c = self.ctx.node_config
+            self._cut(await run_model(self.run_config, self.ctx.transport, lambda: self.ctx.membership.coordinator, Path(c.data_dir) / "model",
+                                      lambda: self._stopping, role="pipeline"))  # fmt: skip
         await self.slot.start(self._build, {StageCall: self._on_call}, self._describe)
 
     async def run(self) -> None:
         await self.slot.serve(self._take)
 
     async def stop(self, planned: bool = True) -> None:
-        await self.slot.stop(planned)
+        self._stopping = True
+        if self.slot is not None:
+            await self.slot.stop(planned)
 
     # ---- serving
 

@@ -23,12 +23,13 @@ log = logging.getLogger(__name__)
 Send = Callable[[str, torch.Tensor, torch.Tensor], Awaitable["float | None"]]
 
 
-async def trainer_batches(ctx: RoleContext, run: RunConfig, context: int) -> tuple[Batches, int, int]:
+async def trainer_batches(ctx: RoleContext, run: RunConfig, context: int, model=None) -> tuple[Batches, int, int]:
     """A trainer's micro-batches: its shard of the corpus (--shard-index, else from its peer id),
-    and (shard, number of shards). DataError when the corpus cannot be read."""
+    tokenized by the run's `model` (a run_model.RunModel; None: bytes), and (shard, number of
+    shards). DataError when the corpus cannot be read."""
     c = ctx.node_config
     try:
-        corpus = await asyncio.to_thread(load_corpus, c.data or None)
+        corpus = await asyncio.to_thread(load_corpus, c.data or None) if model is None else await asyncio.to_thread(model.corpus, c.data)
     except DataError as e:
         log.error("cannot train: %s", e)
         raise
