@@ -13,8 +13,9 @@ outer state the other replicas hold, exactly as a joiner does (`SlotState`, `cho
 Where the state comes from, in order: a replica peer that has it; the coordinator's latest
 checkpoint; for a brand-new run, the first replica's seeded initialisation, uploaded as
 checkpoint 0 so everyone starts from the same bits (seeded init differs between CPU kinds, so it
-is never re-created per node). Every `checkpoint_every` rounds the round's leader uploads the
-state to the coordinator, which keeps it once enough replicas reported the same hash.
+is never re-created per node). Every `checkpoint_every` rounds, and at the run's last round, the
+round's leader uploads the state to the coordinator, which keeps it once enough replicas
+reported the same hash.
 """
 
 from __future__ import annotations
@@ -218,8 +219,9 @@ class Replica(Role):
                  len(report.survivors), entry["tokens_per_s"], entry["round_s"], report.bytes_sent / 1e3, self.hash)  # fmt: skip
         await self._save()
         self._publish_progress(val, tokens / t_inner / self.spec.context)
-        if self.round % self.run_config.checkpoint_every == 0 and report.leader == self.ctx.host.peer_id:
-            self.state.upload(self.ctx.membership.coordinator, self.round, self.hash)
+        final = bool(self.run_config.max_outer_steps) and self.round >= self.run_config.max_outer_steps
+        if (final or self.round % self.run_config.checkpoint_every == 0) and report.leader == self.ctx.host.peer_id:
+            self.state.upload(self.ctx.membership.coordinator, self.round, self.hash, final)
 
     async def _round_failed(self, e: AveragingFailed, moved_on: bool, wait_s: float) -> None:
         self._out_of_step = True

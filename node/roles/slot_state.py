@@ -186,13 +186,16 @@ class SlotState:
                 raise CheckpointDirError(f"the state hashes to {got}, its manifest says {expected or 'no hash'}")
         return state
 
-    def upload(self, coordinator: str | None, step: int, state_hash: str) -> None:
+    def upload(self, coordinator: str | None, step: int, state_hash: str, final: bool = False) -> None:
         """State `step` (of `state_hash`) to the coordinator, in the background (it keeps it once
-        the slot's peers reported that hash). Skipped while the last upload is still on its way."""
-        if coordinator is None or self._uploads:
+        the slot's peers reported that hash). Skipped while the last upload is still on its way,
+        but for a run's `final` state, which follows it: a finished run keeps its last state."""
+        if coordinator is None or (self._uploads and not final):
             return
+        before = list(self._uploads)
 
         async def upload() -> None:
+            await asyncio.gather(*before, return_exceptions=True)
             self._uploading = step_dir_name(step)
             try:
                 await upload_checkpoint(self.transport, coordinator, self.dir / step_dir_name(step))
