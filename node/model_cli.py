@@ -1,13 +1,17 @@
 """`swarmtrain-model`: take what a swarm trained out as a Hugging Face directory, and use it.
 
-    export --checkpoint PATH --out DIR   a coordinator's data dir (its newest kept checkpoint) or one
-                                         checkpoint directory -> a directory transformers loads
-    sample --model DIR [--prompt TEXT]   print the prompt and the model's continuation
-    eval --model DIR [--data PATH]       validation loss on the windows replicas report theirs on
+    export --checkpoint PATH --out DIR        a coordinator's data dir (its newest kept checkpoint,
+                                              or every stage's of a pipeline, put together), its
+                                              checkpoints/ or stage-checkpoints/, or one checkpoint
+                                              directory -> a directory transformers loads
+    sample (--model DIR | --checkpoint PATH)  print the prompt and the model's continuation
+    eval (--model DIR | --checkpoint PATH)    validation loss on the windows replicas report theirs on
 
-The conversion is node/models/export.py; the checkpoint format node/state/checkpoint_dir.py. Every
-mistake of the user's is one line on stderr and exit 2. The cheap checks come before torch and
-transformers load (seconds), so a typo is answered at once.
+Which checkpoints PATH means and how they become one model is node/model_source.py; the
+conversion node/models/export.py (node/models/stage_merge.py for a pipeline's stages); the
+checkpoint format node/state/checkpoint_dir.py. Every mistake of the user's is one line on stderr
+and exit 2. The cheap checks come before torch and transformers load (seconds), so a typo is
+answered at once.
 """
 
 from __future__ import annotations
@@ -16,24 +20,25 @@ import argparse
 import os
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-
-from protocol.manifest import MANIFEST, step_of_dir_name
+from tempfile import TemporaryDirectory
 
 from .cli import _Parser
+from .model_source import Source, UsageError, assemble, find_source
 from .runconfig import RunConfig
 
-# What the coordinator keeps under its data dir (coordinator/service.py): replica checkpoints,
-# and in pipeline mode one store per stage. Named here, not imported: node never imports coordinator.
-REPLICA_CHECKPOINTS = "checkpoints"
-STAGE_CHECKPOINTS = "stage-checkpoints"
-MODEL_FILES = "model"  # a Hugging Face model's config and tokenizer, by pin (node/state/model_files.py)
 HF_PACKAGES = ("transformers", "tokenizers", "safetensors")
-SUPPORTED = "replica checkpoints (the built-in GPT tiny or small, or a Hugging Face model)"  # node/models/export.py says the same
 
 
-class UsageError(Exception):
-    """The user's input cannot be used: printed as one line, exit 2."""
+CHECKPOINT_HELP = ("a coordinator's data dir (its newest kept checkpoint; a pipeline's: every stage's newest, put together), "
+                   "its checkpoints/ or stage-checkpoints/ dir, or one step-XXXXXXXX/ dir")
+
+
+def _model_or_checkpoint(p: argparse.ArgumentParser) -> None:
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="DIR", help="an exported directory")
+    which.add_argument("--checkpoint", metavar="PATH", help=f"instead of --model: {CHECKPOINT_HELP}, exported on the fly")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,48 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="swarmtrain-model", description="Export a swarm's checkpoint as a Hugging Face model directory; sample from it; evaluate it.")
     sub = p.add_subparsers(dest="command", required=True, metavar="{export,sample,eval}", parser_class=_Parser)
     e = sub.add_parser("export", help="a checkpoint -> a Hugging Face directory (config, model.safetensors, tokenizer)")
-    e.add_argument("--checkpoint", required=True, metavar="PATH", help="a coordinator's data dir (its newest kept checkpoint), its checkpoints/ dir, or one step-XXXXXXXX/ dir")
+    e.add_argument("--checkpoint", required=True, metavar="PATH", help=CHECKPOINT_HELP)
     e.add_argument("--out", required=True, metavar="DIR", help="the directory to write (must not exist, or be empty)")
     s = sub.add_parser("sample", help="print a continuation of a prompt")
-    s.add_argument("--model", required=True, metavar="DIR", help="an exported directory")
+    _model_or_checkpoint(s)
     s.add_argument("--prompt", default="def ", help="the text to continue (default %(default)r)")
     s.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens (bytes) to add (default %(default)s)")
     s.add_argument("--temperature", type=float, default=0.8, metavar="T", help="softmax temperature; 0: always the most likely token (default %(default)s)")
     s.add_argument("--seed", type=int, default=0, help="seed of the sampling (default %(default)s)")
     v = sub.add_parser("eval", help="validation loss, comparable to the swarm's reported val loss")
-    v.add_argument("--model", required=True, metavar="DIR", help="an exported directory")
+    _model_or_checkpoint(v)
     v.add_argument("--data", metavar="PATH", help="text file or directory, as the nodes' --data (default: the built-in corpus)")
     v.add_argument("--batches", type=int, default=run.eval_batches, metavar="N", help="validation batches, as the run's eval_batches (default %(default)s)")
     v.add_argument("--batch-size", type=int, default=run.batch_size, metavar="B", help="windows per batch, as the run's batch_size (default %(default)s)")
     return p
 
 
-# ---- finding the checkpoint (no torch) ------------------------------------------------------------
-
-
-def _step_dirs(root: Path) -> list[Path]:
-    """The step directories under `root`, newest first."""
-    if not root.is_dir():
-        return []
-    dirs = [(step, p) for p in root.iterdir() if (step := step_of_dir_name(p.name)) is not None and p.is_dir() and not p.is_symlink()]
-    return [p for _, p in sorted(dirs, reverse=True)]
-
-
-def checkpoint_candidates(path: Path) -> list[Path]:
-    """The checkpoint directories PATH may mean, newest first: itself (it has a manifest or a step
-    directory's name), else the step directories of a coordinator's data dir or of a checkpoints root."""
-    if not path.exists():
-        raise UsageError(f"--checkpoint {path}: no such file or directory")
-    if not path.is_dir():
-        raise UsageError(f"--checkpoint {path}: not a directory (give a coordinator's data dir or a step-XXXXXXXX checkpoint dir)")
-    if (path / MANIFEST).exists() or step_of_dir_name(path.name) is not None:
-        return [path]
-    found = _step_dirs(path / REPLICA_CHECKPOINTS) or _step_dirs(path)
-    if found:
-        return found
-    if (path / STAGE_CHECKPOINTS).is_dir():
-        raise UsageError(f"--checkpoint {path}: it holds pipeline stage checkpoints only; swarmtrain-model export supports {SUPPORTED} for now")
-    raise UsageError(f"--checkpoint {path}: no checkpoint here (neither a {MANIFEST} nor step-XXXXXXXX directories under it or its {REPLICA_CHECKPOINTS}/)")
+# ---- cheap checks (no torch) ---------------------------------------------------------------------
 
 
 def check_model_dir(path: str) -> None:
@@ -117,64 +97,13 @@ def _hf():
     return export
 
 
-def _verified(candidates: list[Path]):
-    """(path, manifest) of the newest candidate whose files match their hashes (and signature): the
-    coordinator's newest kept checkpoint, which its store lists only once verified."""
-    from .state.checkpoint_dir import CheckpointDirError, verify_checkpoint_dir
-
-    problems = []
-    for path in candidates:
-        try:
-            return path, verify_checkpoint_dir(path)
-        except CheckpointDirError as e:
-            problems.append(str(e))
-            if len(candidates) > 1:
-                print(f"note: skipping {e}", file=sys.stderr)
-    raise UsageError(problems[-1] if len(problems) == 1 else f"no checkpoint under {candidates[0].parent} verifies (last: {problems[-1]})")
-
-
 def export(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    candidates = checkpoint_candidates(Path(args.checkpoint))
+    source = find_source(Path(args.checkpoint))
     check_out_dir(out)
-    ex = _hf()
-    from .state.checkpoint_dir import CheckpointDirError, load_files
-
-    path, manifest = _verified(candidates)
-    pin = (manifest.get("model_config") or {}).get("model") if isinstance(manifest.get("model_config"), dict) else None
-    if isinstance(pin, str) and pin.startswith("hf:"):
-        return _export_hf(ex, path, manifest, pin, out)
-    try:
-        cfg = ex.gpt_config_of(manifest.get("model_config"))
-        if manifest["files"].keys() - {"model.safetensors", "outer.safetensors"} or "model.safetensors" not in manifest["files"]:
-            raise ex.ExportError(f"it holds {', '.join(sorted(manifest['files']))}, not a replica's model (and outer) state; only {SUPPORTED} can be exported")
-        state = load_files(path, {"files": {"model.safetensors": manifest["files"]["model.safetensors"]}})["model"]
-        ex.gpt2_state_dict(state, cfg)  # refuses a wrong tensor before anything is written
-    except (ex.ExportError, CheckpointDirError) as e:
-        raise UsageError(f"{path}: {e}") from None
-    _write_atomically(out, lambda tmp: ex.save_hf(state, cfg, tmp))
-    print(f"exported step {manifest['step']} (state hash {manifest.get('state_hash')}) of {path} to {out}: a GPT2LMHeadModel, {cfg.n_layer} layers, width {cfg.n_embd}, context {cfg.context}")
-    return 0
-
-
-def _export_hf(ex, path: Path, manifest: dict, pin: str, out: Path) -> int:
-    """A replica checkpoint of a Hugging Face model: its state, with the run's config and tokenizer
-    files, which the coordinator keeps beside its checkpoints (DATA_DIR/model/<pin>)."""
-    from .state.checkpoint_dir import CheckpointDirError, load_files
-
-    files = next((d / MODEL_FILES / pin[3:] for d in (path.parent.parent, path.parent) if (d / MODEL_FILES / pin[3:] / "config.json").is_file()), None)
-    if files is None:
-        raise UsageError(f"{path}: a checkpoint of the Hugging Face model {pin[:19]}…, whose config and tokenizer the coordinator keeps in its "
-                         f"data dir ({MODEL_FILES}/<pin>): export from a checkpoint inside the coordinator's data dir")  # fmt: skip
-    try:
-        state = load_files(path, {"files": {"model.safetensors": manifest["files"]["model.safetensors"]}})["model"]
-    except (CheckpointDirError, KeyError) as e:
-        raise UsageError(f"{path}: no model state ({e})") from None
-    try:
-        _write_atomically(out, lambda tmp: ex.save_hf_model(state, files, tmp))
-    except ex.ExportError as e:
-        raise UsageError(f"{path}: {e}") from None
-    print(f"exported step {manifest['step']} (state hash {manifest.get('state_hash')}) of {path} to {out}: the run's Hugging Face model ({pin[:19]}…)")
+    model = assemble(_hf(), source)
+    _write_atomically(out, model.write)
+    print(f"exported {model.what} to {out}: {model.kind}")
     return 0
 
 
@@ -206,14 +135,14 @@ def sample(args: argparse.Namespace) -> int:
         raise UsageError(f"--temperature must be a finite number ≥ 0, got {args.temperature}")
     if not args.prompt:
         raise UsageError("--prompt is empty: the model needs at least one token to continue")
-    check_model_dir(args.model)
+    which = _which_model(args)
     ex = _hf()
-    model, tokenizer = _load(ex, args.model)
-    ids = tokenizer(args.prompt).input_ids
-    try:
-        new = ex.continue_ids(model, ids, args.max_new_tokens, args.temperature, args.seed)
-    except ex.ExportError as e:  # (a prompt its tokenizer makes no tokens of)
-        raise UsageError(f"--prompt {args.prompt!r}: {e}") from None
+    with _opened(ex, which) as (model, tokenizer, _):
+        ids = tokenizer(args.prompt).input_ids
+        try:
+            new = ex.continue_ids(model, ids, args.max_new_tokens, args.temperature, args.seed)
+        except ex.ExportError as e:  # (a prompt its tokenizer makes no tokens of)
+            raise UsageError(f"--prompt {args.prompt!r}: {e}") from None
     print(tokenizer.decode(ids + new))
     return 0
 
@@ -223,11 +152,15 @@ def evaluate(args: argparse.Namespace) -> int:
         raise UsageError(f"--batches and --batch-size must be ≥ 1, got {args.batches} and {args.batch_size}")
     if args.data is not None and not Path(args.data).exists():
         raise UsageError(f"--data {args.data}: no such file or directory")
-    check_model_dir(args.model)
+    which = _which_model(args)
     ex = _hf()
+    with _opened(ex, which) as (model, tokenizer, path):
+        return _evaluate(ex, args, model, tokenizer, path)
+
+
+def _evaluate(ex, args: argparse.Namespace, model, tokenizer, path: str) -> int:
     from .models.data import EVAL_SEED, DataError, evaluate, load_corpus
 
-    model, tokenizer = _load(ex, args.model)
     probe = "def f(x):\n\treturn 'é€😀'\x00\xff"
     tokens = None  # bytes (the built-in GPT's), else the model's own tokenizer, as the replicas read the data
     if tokenizer(probe).input_ids != list(probe.encode()):
@@ -235,7 +168,7 @@ def evaluate(args: argparse.Namespace) -> int:
         from .models.tokens import load_tokenizer
 
         try:
-            tokens = load_tokenizer(open_model_dir(args.model))
+            tokens = load_tokenizer(open_model_dir(path))
         except ModelDirError as e:
             raise UsageError(f"--model {e}") from None
     from .models.hf import context_of
@@ -248,6 +181,28 @@ def evaluate(args: argparse.Namespace) -> int:
         raise UsageError(f"--data: {e}") from None
     print(f"val_loss {loss:.6f} ({args.batches} batches of {args.batch_size} windows of {context} tokens, seed {EVAL_SEED}, data {corpus.source})")
     return 0
+
+
+def _which_model(args: argparse.Namespace) -> str | Source:
+    """--model DIR or --checkpoint PATH, checked before transformers loads (seconds)."""
+    if args.checkpoint is not None:
+        return find_source(Path(args.checkpoint))
+    check_model_dir(args.model)
+    return args.model
+
+
+@contextmanager
+def _opened(ex, which: str | Source):
+    """(model, tokenizer, its directory) of an exported directory, or of checkpoints exported on
+    the fly into a temporary one (gone on leaving), as `export` writes them."""
+    if isinstance(which, str):
+        yield (*_load(ex, which), which)
+        return
+    model = assemble(ex, which)
+    with TemporaryDirectory(prefix="swarmtrain-model-") as tmp:
+        model.write(Path(tmp))
+        print(f"note: the model of {model.what}: {model.kind}", file=sys.stderr)
+        yield (*_load(ex, tmp), tmp)
 
 
 def _load(ex, path: str):

@@ -139,6 +139,16 @@ def test_sample_prints_our_greedy_continuation(exported, capsys):
     assert run(capsys, "sample", "--model", out, "--prompt", "x", "--max-new-tokens", 30, "--seed", 3)[1] == sampled
 
 
+def test_sample_of_a_checkpoint_path_is_sample_of_its_export(swarm_run, exported, capsys):
+    argv = ("sample", "--prompt", "x", "--max-new-tokens", 30, "--seed", 3)
+    code, of_export, _ = run(capsys, *argv, "--model", exported[0])
+    code2, of_checkpoint, err = run(capsys, *argv, "--checkpoint", swarm_run[0])
+    assert code == code2 == 0 and of_checkpoint == of_export and "step 10" in err, err
+    with pytest.raises(SystemExit) as e:  # one of the two, not both
+        main(["sample", "--model", str(exported[0]), "--checkpoint", str(swarm_run[0])])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
 def test_eval_gives_the_loss_evaluate_gives_our_model(exported, tmp_path, capsys):
     out, ours = exported
     text = tmp_path / "corpus.txt"
@@ -150,7 +160,7 @@ def test_eval_gives_the_loss_evaluate_gives_our_model(exported, tmp_path, capsys
 
 
 def _stage_dir(root: Path) -> Path:
-    return save(root, 3, {"params": {"w": torch.zeros(2)}}, {**CFG.to_dict(), "stage": 0, "blocks": [0], "num_stages": 2})
+    return save(root, 3, {"params": {"w": torch.zeros(2)}}, {**CFG.to_dict(), "stage": 0, "blocks": [0, 1], "num_stages": 2})
 
 
 def _corrupt(root: Path, swarm_run) -> Path:
@@ -170,7 +180,7 @@ BAD_EXPORTS = {
     "step-dir-without-manifest": (lambda d, s: (d / "step-00000001").mkdir() or d / "step-00000001", "manifest.json is missing"),
     "bad-hash": (_corrupt, "model.safetensors does not match its sha256"),
     "stage": (lambda d, s: _stage_dir(d), "pipeline stage checkpoint"),
-    "stage-only-coordinator": (lambda d, s: _stage_dir(d / "stage-checkpoints" / "stage-0").parent.parent.parent, "pipeline stage checkpoints only"),
+    "stage-only-coordinator": (lambda d, s: _stage_dir(d / "stage-checkpoints" / "stage-0").parent.parent.parent, "stage 1 of the 2-stage cut has no checkpoint"),
     "experts": (lambda d, s: save(d, 3, {"experts": {"w": torch.zeros(2)}}, {**CFG.to_dict(), "moe": {"num_experts": 4}}), "expert shard checkpoint"),
     "no-model-config": (lambda d, s: save(d, 3, replica_state(trained_like(0)), {}), "no model_config"),
     "other-model": (lambda d, s: save(d, 3, replica_state(init_model(PRESETS["small"], 0))), "not those of a GPT"),

@@ -36,7 +36,8 @@ from .hf import context_of
 
 # Conv1D layers of GPT-2 (weight stored as (in, out)): ours are nn.Linear, (out, in)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-SUPPORTED = f"replica checkpoints (the built-in GPT {' or '.join(PRESETS)}, or a Hugging Face model)"
+SUPPORTED = f"replica and pipeline checkpoints (the built-in GPT {' or '.join(PRESETS)}, or a Hugging Face model)"
+STAGES_HOWTO = "export the coordinator's data dir or its stage-checkpoints/, whose stages are put together into one model"
 
 
 class ExportError(ValueError):
@@ -49,7 +50,7 @@ def gpt_config_of(model_config: Any) -> GPTConfig:
     GPT's fields plus their own (stage, moe): named, and refused."""
     if isinstance(model_config, Mapping):
         if "stage" in model_config:
-            raise ExportError(f"this is a pipeline stage checkpoint (stage {model_config['stage']}); only {SUPPORTED} can be exported")
+            raise ExportError(f"this is a pipeline stage checkpoint (stage {model_config['stage']}) alone; {STAGES_HOWTO}")
         if "moe" in model_config:
             raise ExportError(f"this is an expert shard checkpoint (mixture of experts); only {SUPPORTED} can be exported")
         if not model_config:
@@ -174,14 +175,17 @@ def save_byte_tokenizer(out: Path, context: int) -> None:
     path.write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2) + "\n")
 
 
-def save_hf_model(state: Mapping[str, torch.Tensor], files: str | Path, out: str | Path) -> None:
-    """Write a Hugging Face model's `state` (a replica's: every parameter once, by transformers'
-    names) into the existing directory `out`, with the config and the tokenizer files it was
-    trained with (`files`: the run's model files, node/state/model_files.py)."""
+def save_hf_model(state: Mapping[str, torch.Tensor], files: str | Path, out: str | Path, untie: bool = False) -> None:
+    """Write a Hugging Face model's `state` (every parameter once, by transformers' names) into
+    the existing directory `out`, with the config and the tokenizer files it was trained with
+    (`files`: the run's model files, node/state/model_files.py). `untie`: the output head is a
+    tensor of its own in `state` although the config ties it to the input embedding (a pipeline
+    trains them apart, stage_merge.py): the config written says tie_word_embeddings false."""
     from .hf import TOKENIZER_FILES, ModelDirError, build_causal_lm, open_model_dir
 
     try:
-        model = build_causal_lm(open_model_dir(files), seed=0, weights=False)
+        model_dir = open_model_dir(files)
+        model = build_causal_lm({**model_dir.config, "tie_word_embeddings": False} if untie else model_dir, seed=0, weights=False)
     except ModelDirError as e:
         raise ExportError(f"the run's model files: {e}") from None
     names = {n: p.shape for n, p in model.named_parameters()}
@@ -256,6 +260,7 @@ def continue_ids(lm: nn.Module, ids: list[int], max_new_tokens: int, temperature
 
 
 __all__ = [
+    "STAGES_HOWTO",
     "SUPPORTED",
     "ExportError",
     "LossHead",
