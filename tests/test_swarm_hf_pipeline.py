@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.swarm import Swarm, wait_for
-from tests.test_swarm_hf import text_data
+from tests.test_swarm_hf import model_cli, text_data
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 
@@ -89,5 +89,40 @@ def test_a_hugging_face_model_trains_in_pipeline_stages(swarm, tmp_path, family)
     assert t["lost"] == 0, t
     assert t["history"][-1]["loss"] < t["first_loss"] - 0.3, [(e["micro_batches"], round(e["loss"], 3)) for e in t["history"]]
     # the coordinator keeps each stage's checkpoints, listed in /status
-    wait_for(lambda: all(v["checkpoints"] for v in coord.status()["stages"].values()), 60, "a checkpoint of each stage kept")
+    wait_for(lambda: all(v["checkpoints"] and max(c["step"] for c in v["checkpoints"]) > 0 for v in coord.status()["stages"].values()), 60,
+             "a checkpoint of each stage after its first sync")  # fmt: skip
     assert sorted(coord.status()["stages"]) == ["0", "1"]
+
+    # the stages' newest checkpoints out, as one directory transformers loads, with the stages' logits
+    out = tmp_path / "exported"
+    model_cli("export", "--checkpoint", str(Path(swarm.tmp) / "coordinator"), "--out", str(out))
+    check_logits(out, Path(swarm.tmp) / "coordinator", 2)
+
+
+def check_logits(out: Path, coordinator_dir: Path, num_stages: int) -> None:
+    """The exported model's logits are those of the stages, built from their newest checkpoints, chained."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from node.models.hf import open_model_dir
+    from node.models.hf_stages import dims_of, init_hf_stage
+    from node.models.stages import plan_stages
+    from node.state.checkpoint_dir import load_checkpoint_dir
+
+    stages = []
+    for i in range(num_stages):
+        newest = max((coordinator_dir / "stage-checkpoints" / f"stage-{i}").glob("step-*"))
+        pin = json.loads((newest / "manifest.json").read_text())["model_config"]["model"]
+        model_dir = open_model_dir(coordinator_dir / "model" / pin[3:])
+        stage = init_hf_stage(model_dir, i, plan_stages(dims_of(model_dir), num_stages), seed=0, weights=False)
+        stage.load_state_dict(load_checkpoint_dir(newest)["model"])
+        stages.append(stage.eval())
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        x = tokens
+        for stage in stages[:-1]:
+            x = stage(x)
+        want, _ = stages[-1](x)
+        got = loaded(tokens).logits
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
