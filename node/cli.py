@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-ttl-s", type=float, help=f"seconds our member record lives in the DHT; refreshed (with the owner's revocation list read) every third of it (default {d.record_ttl_s})")
     p.add_argument("--bandwidth-mbps", type=float, help="your link's bandwidth: reported instead of measured, and averaging paces its uploads to it")
     p.add_argument("--data", metavar="PATH", help="text file or directory to train on (default: the built-in corpus)")
+    p.add_argument("--text-field", metavar="NAME", help=f"the field of a JSON line, or the column of a table, that holds the text (default {d.text_field})")
     p.add_argument("--shard-index", type=int, help="data shard this replica reads (default: from the peer id)")
     p.add_argument("--num-shards", type=int, help=f"number of data shards (default {d.num_shards})")
     p.add_argument("--threads", type=int, help="torch threads (default: cores - 1)")

@@ -251,6 +251,7 @@ class NodeConfig:
     bandwidth_mbps: float = 0.0  # Mbit/s, the link's up/down bandwidth: reported, and averaging paces its sends to it; 0: measure against the coordinator, no pacing
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
     data: str = ""  # text file or directory to train on; empty: the built-in corpus (Python's stdlib sources)
+    text_field: str = "text"  # the field of a JSON line, or the column of a table or data set, that holds the text
     shard_index: int = -1  # which data shard this replica reads, in [0, num_shards); -1: derived from the peer id
     num_shards: int = 8  # how many shards the data is cut into
     threads: int = 0  # torch threads for training; 0: cores - 1 (p2pd and the DHT need the rest)
@@ -276,7 +277,7 @@ _NODE_CHECKS: dict[str, Check] = {
     "swarm_id": swarm_id, "host_maddrs": non_empty, "device": non_empty, "data_dir": non_empty,
     "direct_port": between(-1, 65535, "a TCP port (0: any free one, -1: off)"),
     "heartbeat_interval_s": positive, "record_ttl_s": record_ttl, "rpc_timeout_s": positive, "max_backoff_s": positive,
-    "bandwidth_mbps": non_negative, "log_level": one_of(*LOG_LEVELS), "shard_index": at_least(-1), "num_shards": at_least(1),
+    "bandwidth_mbps": non_negative, "log_level": one_of(*LOG_LEVELS), "shard_index": at_least(-1), "num_shards": at_least(1), "text_field": non_empty,
     "threads": at_least(0), "fault_delay_parts_s": non_negative,
     "fault_slowdown": lambda v: None if 1.0 <= v <= 100.0 else "must be in [1, 100]",
     "relays": lambda v: next(filter(None, map(relay_maddr_problem, v)), None),

@@ -55,7 +55,7 @@ class Node:
             from .models.data import DataError, load_corpus
 
             try:
-                load_corpus(c.data)  # what the replica role trains on: missing, empty or unreadable data ends here
+                load_corpus(c.data, text_field=c.text_field)  # what the roles train on: missing, empty or unreadable data ends here
             except (DataError, OSError) as e:
                 raise ConfigError(f"--data: {e}") from None
         transport_config(c)

@@ -100,6 +100,7 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
         {
             "node-negative-bandwidth": Case(NODE, ("--bandwidth-mbps", "-5"), ("--bandwidth-mbps", "bandwidth_mbps", "≥ 0", "-5"), light=True),
             "node-missing-data": Case(NODE, (*data, "--data", "{tmp}/missing/dir"), ("--data", "missing/dir", "does not exist"), light=True),
+            "node-data-without-text-field": Case(NODE, (*data, "--data", "{tmp}/records.jsonl", "--text-field", "body"), ("--data", "records.jsonl:1", "no field 'body'")),
             "node-negative-threads": Case(NODE, ("--threads", "-2"), ("--threads", "threads", "-2"), light=True),
             "node-shard-index-too-large": Case(NODE, ("--shard-index", "4", "--num-shards", "4"), ("--shard-index", "num_shards (4)", "4"), light=True),
             "node-zero-heartbeat-interval": Case(NODE, ("--heartbeat-interval-s", "0"), ("--heartbeat-interval-s", "heartbeat_interval_s", "> 0"), light=True),
@@ -184,6 +185,7 @@ def _prepare(tmp: Path) -> None:
     (tmp / "revoked").mkdir()
     (tmp / "revoked" / "revoked").write_text(f"{PEER}\nnot-a-peer-id  # a hand edit gone wrong\n")
     (tmp / "empty-model").mkdir()
+    (tmp / "records.jsonl").write_text('{"text": "a record whose text is under another name"}\n')
     _config_only(tmp / "one-layer-model", {"model_type": "gpt2", "vocab_size": 300, "n_positions": 16, "n_embd": 32, "n_layer": 1, "n_head": 2})
     _config_only(tmp / "opt-model", {"model_type": "opt", "vocab_size": 300, "hidden_size": 16, "ffn_dim": 32, "num_hidden_layers": 2, "num_attention_heads": 2})
     _misfit_model(tmp / "misfit-model")

@@ -167,8 +167,16 @@ def test_record_refusals_name_the_file_and_line(tmp_path, tokenizer):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="no data in .*empty.jsonl: the file"):
         load_corpus(tmp_path / "empty.jsonl", tokenizer)
-    with pytest.raises(DataError, match="built-in corpus is bytes"):
-        load_corpus(None, tokenizer)
+
+
+def test_the_built_in_corpus_is_tokenized_by_a_models_tokenizer(tokenizer):
+    as_bytes = load_corpus(None, max_tokens=20_000)
+    tokenized = load_corpus(None, tokenizer, max_tokens=20_000)
+    assert tokenized.source == "stdlib" and tokenized.vocab_size == tokenizer.vocab_size
+    assert int(tokenized.train.max()) < tokenizer.vocab_size and tokenized.fingerprint != as_bytes.fingerprint
+    # the same text: the first document's first characters, tokenized, start the tokenized corpus
+    want = tokenizer.encode(bytes(as_bytes.train[:300].tolist()).decode("utf-8"))[:-2].tolist()  # (the last tokens may merge on)
+    assert len(want) > 20 and tokenized.train[: len(want)].tolist() == want
 
 
 def test_a_dataset_dict_trains_on_its_train_split(tmp_path):

@@ -133,12 +133,16 @@ def _build(docs: Iterable[Doc], tokenizer: Tokenizer, cap: int | None, source: s
 
 @functools.lru_cache(maxsize=4)
 def _builtin(max_tokens: int | None) -> Corpus:
+    return _stdlib(ByteTokenizer(), max_tokens)
+
+
+def _stdlib(tokenizer: Tokenizer, max_tokens: int | None) -> Corpus:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = _stdlib_files(root)
     if not files:
         raise DataError(f"no Python sources found in the standard library at {root}")
     files.sort(key=lambda p: p.relative_to(root).as_posix())
-    return _build(file_docs(files, root), ByteTokenizer(), max_tokens, "stdlib")
+    return _build(file_docs(files, root), tokenizer, max_tokens, "stdlib")
 
 
 def load_corpus(
@@ -149,7 +153,7 @@ def load_corpus(
     *,
     max_bytes: int | None = None,
 ) -> Corpus:
-    """The built-in corpus (path=None, cached, bytes) or the data at `path`, tokenized by
+    """The built-in corpus (path=None; as bytes, cached) or the data at `path`, tokenized by
     `tokenizer` (None: bytes). `text_field`: the field of a JSON line or the column of a table
     that holds the text. `max_tokens` caps the tokens read (None: no cap); `max_bytes` is its
     name from before tokenizers and wins when given."""
@@ -158,9 +162,7 @@ def load_corpus(
         raise DataError(f"max_tokens (max_bytes) must be an int ≥ 2 or None, got {cap!r}")
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     if path is None:
-        if not isinstance(tokenizer, ByteTokenizer):
-            raise DataError("the built-in corpus is bytes: pass --data to train a tokenizer's model on your own text")
-        return _builtin(cap)
+        return _builtin(cap) if isinstance(tokenizer, ByteTokenizer) else _stdlib(tokenizer, cap)
     p = Path(path)
     return _build(documents(p, text_field), tokenizer, cap, str(p))
 

@@ -41,8 +41,8 @@ class RunModel:
     dims: Any = None  # what a pipeline cut is sized by (n_layer, n_embd, vocab_size, context): a GPTConfig or hf_stages.CutDims
     stage: Callable[[int, Any, int], nn.Module] | None = None  # (index, plan, seed) -> that stage, initialised from the seed
 
-    def corpus(self, data: str | None) -> Corpus:
-        return load_corpus(data or None, tokenizer=self.tokenizer)
+    def corpus(self, data: str | None, text_field: str = "text") -> Corpus:
+        return load_corpus(data or None, tokenizer=self.tokenizer, text_field=text_field)
 
 
 def builtin_model(run: RunConfig) -> RunModel:

@@ -29,7 +29,7 @@ async def trainer_batches(ctx: RoleContext, run: RunConfig, context: int, model=
     shards). DataError when the corpus cannot be read."""
     c = ctx.node_config
     try:
-        corpus = await asyncio.to_thread(load_corpus, c.data or None) if model is None else await asyncio.to_thread(model.corpus, c.data)
+        corpus = await asyncio.to_thread(load_corpus, c.data or None, None, c.text_field) if model is None else await asyncio.to_thread(model.corpus, c.data, c.text_field)
     except DataError as e:
         log.error("cannot train: %s", e)
         raise
