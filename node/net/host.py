@@ -52,6 +52,11 @@ def _register_hivemind_lightly() -> None:
     sys.modules["hivemind"] = pkg
 
 
+# hivemind's futures share one byte of state each between this process and the DHT's child. Its
+# default way (torch's "file_system" sharing) starts a torch_shm_manager process per node, about a
+# fifth of an idle node's memory, which may outlive the node; file descriptors need no process.
+os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     _register_hivemind_lightly()
