@@ -87,10 +87,12 @@ def check_model(c: CoordinatorConfig) -> None:
     if c.mode not in MODE_ROLE:
         raise RunConfigError(f"a Hugging Face model trains in {' or '.join(MODE_ROLE)} mode, not {c.mode} mode (experts mode takes the built-in presets)", "model")
     from node.models.hf import ModelDirError, check_role, open_model_dir
+    from node.models.tokens import load_tokenizer
 
     try:
         model_dir = open_model_dir(Path(run.model).expanduser())
         check_role(model_dir, MODE_ROLE[c.mode])
+        load_tokenizer(model_dir)  # (its ids must fit the model's embedding)
     except ModelDirError as e:
         raise RunConfigError(f"model: {e}", "model") from None
     if c.mode == "pipeline":

@@ -148,6 +148,9 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
             "coordinator-model-without-config": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/empty-model"), ("empty-model", "config.json")),
             "coordinator-model-hub-id": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "someorg/somemodel"), ("someorg/somemodel", "download")),
             "coordinator-model-weights-misfit": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/misfit-model"), ("model.safetensors", "config.json", "wte")),
+            "coordinator-model-tokenizer-past-its-vocabulary": Case(
+                COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/small-vocab-model"), ("tokenizer", "embeds only 100 tokens"),
+            ),
             "coordinator-model-cut-past-its-layers": Case(
                 COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline", "--num-stages", "3", "--model", "{tmp}/one-layer-model"), ("num_stages (3)", "1 blocks (decoder layers)"),
             ),
@@ -187,11 +190,22 @@ def _prepare(tmp: Path) -> None:
     (tmp / "empty-model").mkdir()
     (tmp / "records.jsonl").write_text('{"text": "a record whose text is under another name"}\n')
     _config_only(tmp / "one-layer-model", {"model_type": "gpt2", "vocab_size": 300, "n_positions": 16, "n_embd": 32, "n_layer": 1, "n_head": 2})
+    _config_only(tmp / "small-vocab-model", {"model_type": "gpt2", "vocab_size": 100, "n_positions": 16, "n_embd": 32, "n_layer": 1, "n_head": 2})
+    _byte_level_tokenizer(tmp / "small-vocab-model" / "tokenizer.json")
     _config_only(tmp / "opt-model", {"model_type": "opt", "vocab_size": 300, "hidden_size": 16, "ffn_dim": 32, "num_hidden_layers": 2, "num_attention_heads": 2})
     _misfit_model(tmp / "misfit-model")
     (tmp / "too-early").mkdir()
     for module in ("torch", "hivemind"):
         (tmp / "too-early" / f"{module}.py").write_text(f"raise ImportError('{module} imported before the flags were checked')\n")
+
+
+def _byte_level_tokenizer(path: Path) -> None:
+    """A tokenizer.json whose ids go up to 255 (one per byte)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.save(str(path))
 
 
 def _config_only(path: Path, config: dict) -> None:
