@@ -3,9 +3,9 @@ training the built-in model on the built-in corpus on CPU — that shows validat
 and stops by itself. `--mode pipeline`: the model cut into stages instead, stage servers and
 trainers; it shows the training loss falling and each stage's hash. `--mode experts`: the
 mixture-of-experts model, its experts in shards on expert hosts, trainers calling them; it shows
-the training loss falling and each shard's hash. `--model DIR`: the replicas train a Hugging Face
-model directory (e.g. examples/tiny-gpt2) instead, and the demo ends by exporting the trained
-model and printing a sample of it.
+the training loss falling and each shard's hash. `--model DIR`: the replicas (or the pipeline's
+stages) train a Hugging Face model directory (e.g. examples/tiny-gpt2) instead, and the demo ends
+by exporting the trained model and printing a sample of it.
 
 Every process is a real daemon started from its console script, talking over real libp2p on
 loopback; this script only starts them, watches the coordinator's /status, and stops them
@@ -30,7 +30,7 @@ from pathlib import Path
 from node.runconfig import MODEL_PRESETS
 
 CHECKPOINT_EVERY = 4  # outer steps between two kept checkpoints of a replica demo
-LAST_CHECKPOINT_WAIT_S = 30.0  # how long the demo waits for the last step's checkpoint before it exports the newest
+LAST_CHECKPOINT_WAIT_S = 30.0  # how long the demo waits for the checkpoints it exports (see `kept`) before it exports the newest
 
 
 def free_port() -> int:
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--outer-steps", type=int, default=12, help="outer steps to train before stopping")
     ap.add_argument("--inner-steps", type=int, default=25, help="H: inner steps per outer step")
     ap.add_argument("--model", default="", help="a preset: tiny (replicas' default), small (pipeline's), tiny-moe (experts'), small-moe; "
-                    "or a Hugging Face model directory (replicas), e.g. examples/tiny-gpt2: the demo ends with a sample of the exported model")
+                    "or a Hugging Face model directory (replicas or pipeline), e.g. examples/tiny-gpt2: the demo ends with a sample of the exported model")
     ap.add_argument("--codec", default="int8")
     ap.add_argument("--run-dir", default="", help="where logs and data go (default runs/demo-<time>)")
     ap.add_argument("--timeout-s", type=float, default=900, help="give up after this long")
@@ -140,9 +140,7 @@ def main(argv=None) -> int:
             ap.error("--stages, --peers-per-stage, --trainers and --micro-batches must be at least 1")
         if args.model.endswith("-moe"):
             ap.error(f"--model {args.model} is a mixture of experts: run it with --mode experts")
-        from node.models.gpt import PRESETS
-
-        blocks = PRESETS[args.model or "small"].n_layer
+        blocks = model_blocks(args.model or "small")
         if args.stages > blocks:
             ap.error(f"--stages {args.stages}: the {args.model or 'small'} model has {blocks} blocks, and every stage holds at least one")
         return main_pipeline(args)
@@ -185,9 +183,24 @@ def model_dir_arg(ap, args) -> str:
     """--model as a Hugging Face model directory, checked (ap.error otherwise); its absolute path."""
     if not (Path(args.model) / "config.json").is_file():
         ap.error(f"--model {args.model}: neither a preset ({', '.join(MODEL_PRESETS)}) nor a Hugging Face model directory (with a config.json)")
-    if args.mode != "replica":
-        ap.error(f"--model {args.model}: a Hugging Face model trains on replicas (--mode replica) for now")
+    if args.mode == "experts":
+        ap.error(f"--model {args.model}: the demo trains a Hugging Face model on replicas or in a pipeline (--mode replica | pipeline)")
     return str(Path(args.model).resolve())
+
+
+def model_blocks(model: str) -> int:
+    """The blocks (decoder layers) a pipeline cuts: a preset's, or a model directory's."""
+    if model in MODEL_PRESETS:
+        from node.models.gpt import PRESETS
+
+        return PRESETS[model].n_layer
+    from node.models.hf import ModelDirError, open_model_dir
+    from node.models.hf_stages import dims_of
+
+    try:
+        return dims_of(open_model_dir(model)).n_layer
+    except ModelDirError as e:
+        raise SystemExit(f"--model: {e}") from None
 
 
 def take_out(http: int, args, run_dir: Path, t0: float) -> int:
@@ -195,17 +208,23 @@ def take_out(http: int, args, run_dir: Path, t0: float) -> int:
     a sample of it (as `swarmtrain-model export` and `sample` do)."""
     from node.model_cli import main as model_cli
 
-    # the last step's checkpoint, unless its upload was skipped (one still on its way): then the
-    # newest kept one, after a short wait
-    last = args.outer_steps - args.outer_steps % CHECKPOINT_EVERY
     deadline = time.monotonic() + LAST_CHECKPOINT_WAIT_S
-    while last and last not in [c["step"] for c in (get_status(http) or {}).get("checkpoints", [])] and time.monotonic() < deadline:
+    while not kept(get_status(http) or {}, args) and time.monotonic() < deadline:
         time.sleep(0.5)
     out = run_dir / "model"
     if model_cli(["export", "--checkpoint", str(run_dir / "coordinator"), "--out", str(out)]) != 0:
         return 1
     print(f"a sample of it (swarmtrain-model sample --model {out}):", flush=True)
     return model_cli(["sample", "--model", str(out), "--prompt", "def ", "--max-new-tokens", "120", "--seed", "0"])
+
+
+def kept(status: dict, args) -> bool:
+    """Whether the coordinator keeps what the demo exports: the last outer step's checkpoint
+    (replicas), or a checkpoint of every stage after its first sync (a pipeline)."""
+    if args.mode == "pipeline":
+        stages = status.get("stages", {})
+        return len(stages) == args.stages and all(any(c["step"] > 0 for c in v["checkpoints"]) for v in stages.values())
+    return args.outer_steps in [c["step"] for c in status.get("checkpoints", [])]
 
 
 def replica_histories(run_dir: Path) -> dict[str, dict[int, str]]:
@@ -297,7 +316,7 @@ def main_pipeline(args) -> int:
     try:
         maddr = start_coordinator(
             procs, run_dir, http, p2p, t0,
-            *split, "--model", model, "--batch-size", "8", "--stage-step-samples", "32",
+            *split, "--model", model, "--batch-size", "8", "--stage-step-samples", "32", "--checkpoint-every", "1",
             "--warmup-steps", "5", "--stage-sync-every-s", "5", "--activation-codec", args.activation_codec, "--codec", args.codec,
         )  # fmt: skip
         node = ["--initial-peers", maddr, "--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "1"]
@@ -312,7 +331,10 @@ def main_pipeline(args) -> int:
                 f"trainer{i}", script("swarmtrain-node"), "--data-dir", str(run_dir / f"trainer{i}"), *node,
                 "--wanted-role", "trainer", "--shard-index", str(i), "--num-shards", str(args.trainers),
             )  # fmt: skip
-        return watch_pipeline(http, args, run_dir, t0, procs)
+        done = watch_pipeline(http, args, run_dir, t0, procs)
+        if done == 0 and model not in MODEL_PRESETS:
+            return take_out(http, args, run_dir, t0)
+        return done
     except KeyboardInterrupt:
         print("\ninterrupted; stopping the swarm")
         return 130

@@ -53,12 +53,16 @@ def test_the_demo_of_a_hugging_face_model_trains_it_and_prints_a_sample_of_the_e
 PIPE_ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+0: (\d) (\S+)\s+1: (\d) (\S+)$")
 
 
-def test_the_pipeline_demo_trains_shows_each_stages_hash_and_stops_by_itself(tmp_path):
-    out = run_demo(tmp_path, "--mode", "pipeline", "--model", "tiny", "--stages", "2", "--micro-batches", "64")
+def test_the_pipeline_demo_trains_a_hugging_face_model_shows_each_stages_hash_and_prints_a_sample(tmp_path):
+    out = run_demo(tmp_path, "--mode", "pipeline", "--model", "examples/tiny-gpt2", "--stages", "2", "--micro-batches", "64")
     rows = [m for m in map(PIPE_ROW.match, out.stdout.splitlines()) if m]
     assert rows and int(rows[-1][1]) >= 64, out.stdout
     assert all(r[4] == r[6] == "1" and "/" not in r[5] + r[7] for r in rows), out.stdout  # one peer, one hash per stage
     done = re.search(r"done: training loss ([\d.]+) -> ([\d.]+) after \d+ micro-batches per trainer \(0 lost", out.stdout)
     # an untrained byte-level model starts near ln(256) = 5.5; the first row comes after dozens of micro-batches
     assert done and float(done[2]) < float(done[1]) - 0.8, out.stdout  # (5.15 -> 3.9-4.1 in CI runs: a global clip steps more carefully than per-stage ones did)
+    # the stages' newest checkpoints exported as one model, and a sample of it
+    assert "exported the 2 stages" in out.stdout and (tmp_path / "run" / "model" / "model.safetensors").is_file(), out.stdout
+    sample = out.stdout.split("a sample of it", 1)[1].split("\n", 1)[1]
+    assert sample.startswith("def ") and len(sample.split("all processes stopped")[0]) > len("def ") + 20, out.stdout
     assert "all processes stopped" in out.stdout
