@@ -37,12 +37,13 @@ def one_torch_thread():
 
 
 def swarm_parts(config: dict, shards: int):
-    """(the trainer's dense model and its MoE blocks, the shards' experts), all from one seed,
+    """(the trainer's dense model, the shards' experts), all from one seed,
     each built as its role builds it."""
     layout = mixtral_layout(build_causal_lm(config, seed=SEED).hf.config)
     parts = [MixtralExpertShard(build_causal_lm(config, seed=SEED), layout.shard(s, shards)) for s in range(shards)]
     dense = build_causal_lm(config, seed=SEED)
-    return dense, split_experts(dense), parts
+    split_experts(dense)
+    return dense, parts
 
 
 def batch(seed=0, b=2, t=12, vocab=256):
@@ -53,12 +54,12 @@ def batch(seed=0, b=2, t=12, vocab=256):
 def test_the_dense_parts_with_every_expert_compute_transformers_mixtral():
     config = tiny_config()
     reference = build_causal_lm(config, seed=SEED)
-    dense, blocks, shards = swarm_parts(config, 2)
+    dense, shards = swarm_parts(config, 2)
     x, y = batch()
     out = reference.hf(input_ids=x, use_cache=False, output_router_logits=True)
     want_ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 256), y.reshape(-1))
     want_loss = want_ce + reference.hf.config.router_aux_loss_coef * out.aux_loss
-    logits, ce, loss = forward_loss(dense, blocks, local_experts(shards), x, y)
+    logits, ce, loss = forward_loss(dense, local_experts(shards), x, y)
     assert (logits - out.logits).abs().max() < 1e-5
     assert abs(ce.item() - want_ce.item()) < 1e-5 and abs(loss.item() - want_loss.item()) < 1e-5
     assert loss.item() != ce.item()  # the router's loss is in (output_router_logits)
@@ -79,8 +80,8 @@ def test_the_dense_parts_with_every_expert_compute_transformers_mixtral():
 
 def test_without_output_router_logits_the_loss_is_the_cross_entropy():
     config = tiny_config(output_router_logits=False)
-    dense, blocks, shards = swarm_parts(config, 1)
-    _, ce, loss = forward_loss(dense, blocks, local_experts(shards), *batch(1))
+    dense, shards = swarm_parts(config, 1)
+    _, ce, loss = forward_loss(dense, local_experts(shards), *batch(1))
     assert loss.item() == ce.item()
 
 

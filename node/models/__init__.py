@@ -4,6 +4,8 @@ Files:
     gpt.py       the built-in GPT (presets tiny, small)
     moe.py       the built-in mixture-of-experts GPT (tiny-moe, small-moe): router, experts, combine
     stages.py    the GPT cut into pipeline stages (plan_stages, Stage): each holds only its blocks
+    mixtral.py   a Hugging Face Mixtral cut for the experts role: per-expert shards of its fused
+                 experts, the dense parts calling them with Mixtral's routing, the shards fused back
     hf.py        Hugging Face models: a local model directory checked (open_model_dir), which roles
                  train which model types (FAMILIES), CausalLM: a transformers model used like GPT
     tokens.py    tokenizers: bytes (the built-in models) or a model directory's tokenizer.json

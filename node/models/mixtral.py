@@ -165,11 +165,12 @@ def local_experts(shards: Iterable[MixtralExpertShard]) -> ExpertsCall:
     return call
 
 
-def forward_loss(model: CausalLM, blocks: Sequence[SwarmMoe], call: ExpertsCall, x: torch.Tensor, y: torch.Tensor | None = None):
-    """The model's forward with its experts through `call`: (logits, cross-entropy of the
-    already-shifted targets `y` or None, the training loss: the cross-entropy plus Mixtral's router
-    loss times router_aux_loss_coef when the config asks for it)."""
+def forward_loss(model: CausalLM, call: ExpertsCall, x: torch.Tensor, y: torch.Tensor | None = None):
+    """The forward of a model cut by split_experts, its experts through `call`: (logits,
+    cross-entropy of the already-shifted targets `y` or None, the training loss: the cross-entropy
+    plus Mixtral's router loss times router_aux_loss_coef when the config asks for it)."""
     config = model.hf.config
+    blocks = [m for m in model.modules() if isinstance(m, SwarmMoe)]
     aux_on = bool(getattr(config, "output_router_logits", False))
     for block in blocks:
         block.call = call
