@@ -135,6 +135,10 @@ def _verified(candidates: list[Path]):
 
 def export(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    from .experts_export import export_experts, holds_experts
+
+    if holds_experts(Path(args.checkpoint)):  # an experts run's coordinator: its shards and dense parts together
+        return export_experts(Path(args.checkpoint), out)
     candidates = checkpoint_candidates(Path(args.checkpoint))
     check_out_dir(out)
     ex = _hf()
@@ -142,6 +146,8 @@ def export(args: argparse.Namespace) -> int:
 
     path, manifest = _verified(candidates)
     pin = (manifest.get("model_config") or {}).get("model") if isinstance(manifest.get("model_config"), dict) else None
+    if isinstance(pin, str) and {"expert_shard", "dense"} & set(manifest["model_config"]):
+        raise UsageError(f"{path}: one part of an experts run (a shard's experts or the dense parts): export the run from its coordinator's data dir")
     if isinstance(pin, str) and pin.startswith("hf:"):
         return _export_hf(ex, path, manifest, pin, out)
     try:

@@ -13,4 +13,5 @@ Files:
     data.py      the corpus (built-in: Python's stdlib sources; or --data) as token ids, shards, evaluation
     diloco.py    inner/outer optimizers, the state hash, a one-process DiLoCo simulation
     export.py    the GPT as a Hugging Face GPT-2 (weights, config, byte tokenizer), sampling, its loss
+    export_experts.py  an experts run's shards and dense parts as one Hugging Face Mixtral
 """
