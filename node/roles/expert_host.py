@@ -2,8 +2,10 @@
 expert_shards == its shard), served to the trainers that run the rest of the model.
 
 An expert host is a `SlotServer` as a stage server is (slot_server.py: its shard's hosts average
-in namespace "experts-<shard>" and hold bitwise-identical experts afterwards), serving one call at
-a time (its graphs are kept per expert), with `ExpertCompute` for the arithmetic.
+in namespace "experts-<shard>" and hold bitwise-identical experts afterwards; the coordinator keeps
+the shard's checkpoints), serving one call at a time (its graphs are kept per expert), with
+`ExpertCompute` for the arithmetic. The model is the run's (expert_model.py): a MoE preset's
+experts, or slices of a Hugging Face Mixtral's fused expert tensors.
 
 One ExpertCall carries all tokens of all this shard's experts a trainer's micro-batch routed here,
 for one layer. The host keeps the forward's graph, so the backward sends only the gradient; a
