@@ -15,10 +15,11 @@ import torch
 
 from node.config import NodeConfig
 from node.models.hf import build_causal_lm
-from node.net.transport import RemoteError
+from node.net.transport import RemoteError, Transport
 from node.roles.expert_client import clip_and_commit, mixtral_forward_loss
 from node.roles.expert_host import ExpertHost
 from node.roles.expert_model import expert_model
+from node.roles.expert_trainer import ExpertTrainer
 from node.roles.role import RoleContext, RoleError
 from node.runconfig import RunConfig
 from node.state.model_files import pack_model_files
@@ -26,6 +27,7 @@ from protocol import RemoteProtocolError, make_codec, pack_tensors, unpack_tenso
 from protocol.messages import ExpertCall
 from tests.test_experts import client_for, expert, expert_hosts
 from tests.test_mixtral import tiny_config
+from tests.swarm import start_hosts
 from tests.test_pipeline import NO_SYNC, _Membership
 
 pytestmark = pytest.mark.timeout(180)
@@ -159,6 +161,19 @@ def test_a_model_the_experts_role_does_not_train_is_refused_by_name(tmp_path):
     ctx = RoleContext(None, None, _WithFiles(), NodeConfig(data_dir=str(tmp_path / "h0"), threads=1))
     with pytest.raises(RoleError, match="the experts role trains model types mixtral; .* is 'llama'"):
         asyncio.run(ExpertHost(ctx, run, expert("shard0")).start())
+
+    async def trainer() -> str:
+        (host,) = await start_hosts(1)
+        try:
+            t = ExpertTrainer(RoleContext(host, Transport(host), _WithFiles(), NodeConfig(data_dir=str(tmp_path / "h0"), threads=1)), run)
+            with pytest.raises(RoleError) as e:
+                await t.start()
+            await t.stop(planned=False)  # (as the runner does after a refused start)
+            return str(e.value)
+        finally:
+            await host.shutdown()
+
+    assert "the experts role trains model types mixtral" in asyncio.run(trainer())
     too_many = packed_run(tmp_path, model_dir(tmp_path), 1, expert_shards=5)
     with pytest.raises(RoleError, match=re.escape("expert_shards must be in 1..4")):
         asyncio.run(ExpertHost(ctx, too_many, expert("shard0")).start())

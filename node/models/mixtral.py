@@ -100,9 +100,9 @@ def mixtral_routing(logits: torch.Tensor, top_k: int, alive: Sequence[bool] | No
     """Mixtral's routing of (N, E) router logits as a moe.Routing (see the module's docstring);
     experts not `alive` take no tokens. Its aux_loss is 0: Mixtral's is over all layers at once."""
     n, num = logits.shape
+    if alive is not None and (len(alive) != num or not any(alive)):
+        raise ValueError(f"alive must name {num} experts, at least one alive; got {list(alive)}")
     if alive is not None and not all(alive):
-        if len(alive) != num or not any(alive):
-            raise ValueError(f"alive must name {num} experts, at least one alive; got {list(alive)}")
         logits = logits.masked_fill(torch.tensor([not a for a in alive], device=logits.device), float("-inf"))
     probs = F.softmax(logits.float(), dim=-1)
     k = min(top_k, num if alive is None else sum(map(bool, alive)))
