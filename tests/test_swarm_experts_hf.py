@@ -3,7 +3,7 @@ directory (a tiny Mixtral's config, made here), two expert hosts each fetch its 
 serve one shard of its experts, a trainer holds the dense parts and calls them; the loss falls,
 the coordinator keeps each shard's and the dense parts' checkpoints, and they come out as one
 directory transformers loads, with the logits of the swarm's model. A host killed at the end is
-routed around."""
+routed around, and the node that takes its shard starts from the coordinator's checkpoint of it."""
 
 from __future__ import annotations
 
@@ -112,6 +112,20 @@ def test_a_hugging_face_mixtral_trains_on_expert_hosts_and_comes_out_as_one_mode
     hosts["h1"].kill()
     wait_for(lambda: micro_batches(swarm, "t0") >= before + 16, 120, "16 more micro-batches with a shard's host killed")
     assert f"on {victim[-8:]} failed" in trainer.log()  # (a call to it failed once; then it is left alone, its experts given no tokens)
+
+    # once it is evicted, a new node takes its shard from the coordinator's kept checkpoint
+    wait_for(lambda: victim not in coord.members(), 60, "the killed host evicted")
+    kept_hash = coord.status()["expert_shards"]["shard1"]["checkpoints"][-1]["state_hash"]
+    swarm.node("h2", [maddr], *NODE)
+
+    def started() -> dict | None:
+        entries = [e for e in stats(swarm, "h2", "expert").get("history", []) if e.get("start")]
+        return entries[-1] if entries else None
+
+    start = wait_for(started, 120, "the new host to take shard 1")
+    assert stats(swarm, "h2", "expert")["expert_shard"] == 1
+    assert (start["state_from"], start["state_hash"]) == (status["peer_id"], kept_hash), start
+    wait_for(lambda: stats(swarm, "h2", "expert").get("calls", {}).get("forward", 0) > 0, 60, "the new host serving the trainer")
     assert "Traceback" not in trainer.log() and "role failed" not in trainer.log(), trainer.log()[-3000:]
     for n in ("h0",):
         assert "Traceback" not in hosts[n].log(), hosts[n].log()[-3000:]
