@@ -10,6 +10,9 @@ is.
     DATA_DIR/expert-checkpoints/shard-<i>/step-XXXXXXXX/   shard i's experts
     DATA_DIR/expert-checkpoints/dense/step-XXXXXXXX/       the trainers' dense parts
 
+Nodes ask for them by index as a pipeline stage's servers ask for a stage's (CheckpointQuery's
+stage): shard i at i, the dense parts at the number of shards (`dense_index`).
+
 (node/model_cli.py reads these names to export the run: keep them in step.)
 """
 
@@ -27,6 +30,11 @@ from .checkpoints import CheckpointStore
 EXPERT_CHECKPOINTS = "expert-checkpoints"
 DENSE = "dense"  # the slot of the trainers' dense parts
 KEEP_ROUNDS = 64  # rounds of hash reports kept per slot
+
+
+def dense_index(shards: int) -> int:
+    """The index nodes ask for the dense parts' checkpoints by (node/roles/expert_trainer.py says the same)."""
+    return shards
 
 
 def slot_of(role: str | None, expert: str | None) -> str | None:
@@ -51,6 +59,10 @@ class ExpertStores:
         self.reports.setdefault((slot, step), {})[peer] = state_hash
         while len(self.reports) > KEEP_ROUNDS * (len(self.shards) + 1):  # a bounded window of the newest rounds
             del self.reports[min(self.reports, key=lambda k: k[1])]
+
+    def by_index(self) -> dict[int, CheckpointStore]:
+        """The stores as nodes ask for them: shard i at i, the dense parts at the number of shards."""
+        return {**self.shards, dense_index(len(self.shards)): self.dense}
 
     def store_for(self, manifest: Any) -> tuple[str, CheckpointStore]:
         """(slot, store) of an upload's manifest; RemoteProtocolError naming what it must say."""

@@ -224,8 +224,8 @@ class Coordinator:
         ]:
             self.transport.on(msg_type, handler)
         stage_sources = {i: StoreSource(store) for i, store in self.stage_stores.items()}
-        if self.expert_stores is not None:  # (a shard's hosts ask for its checkpoints as a stage's servers do, by its index)
-            stage_sources = {i: StoreSource(store) for i, store in self.expert_stores.shards.items()}
+        if self.expert_stores is not None:  # (asked for by index, as a stage's are: expert_stores.py)
+            stage_sources = {i: StoreSource(store) for i, store in self.expert_stores.by_index().items()}
         CheckpointServer(self.transport, StoreSource(self.store), stage_source=stage_sources.get, model_source=self.model_files).start()
         await self.transport.start()
         if c.http:

@@ -226,3 +226,4 @@ def test_the_coordinator_keeps_each_shard_and_the_dense_parts_on_their_reports(t
     assert checkpoint_quorum(7, "h1", *reversed(stores.reported("shard0", 7, members)))[0]
     assert checkpoint_quorum(7, "d1", *reversed(stores.reported(DENSE, 7, members)))[0]  # a lone trainer
     assert stores.listed() == {"shard0": [], "shard1": [], DENSE: []}
+    assert stores.by_index() == {0: stores.shards[0], 1: stores.shards[1], 2: stores.dense}  # as nodes ask for them

@@ -3,7 +3,8 @@ directory (a tiny Mixtral's config, made here), two expert hosts each fetch its 
 serve one shard of its experts, a trainer holds the dense parts and calls them; the loss falls,
 the coordinator keeps each shard's and the dense parts' checkpoints, and they come out as one
 directory transformers loads, with the logits of the swarm's model. A host killed at the end is
-routed around, and the node that takes its shard starts from the coordinator's checkpoint of it."""
+routed around, and the node that takes its shard starts from the coordinator's checkpoint of it;
+so does a new trainer from the dense parts'."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def test_a_hugging_face_mixtral_trains_on_expert_hosts_and_comes_out_as_one_mode
     assert (got - want).abs().max() < 1e-5
 
     # a host killed: its experts are routed around, training goes on
-    victim = node_peer_id(hosts["h1"])
+    victim, lost = node_peer_id(hosts["h1"]), stats(swarm, "h1", "expert")["expert_shard"]
     before = micro_batches(swarm, "t0")
     hosts["h1"].kill()
     wait_for(lambda: micro_batches(swarm, "t0") >= before + 16, 120, "16 more micro-batches with a shard's host killed")
@@ -115,17 +116,27 @@ def test_a_hugging_face_mixtral_trains_on_expert_hosts_and_comes_out_as_one_mode
 
     # once it is evicted, a new node takes its shard from the coordinator's kept checkpoint
     wait_for(lambda: victim not in coord.members(), 60, "the killed host evicted")
-    kept_hash = coord.status()["expert_shards"]["shard1"]["checkpoints"][-1]["state_hash"]
+    kept_hash = coord.status()["expert_shards"][f"shard{lost}"]["checkpoints"][-1]["state_hash"]
     swarm.node("h2", [maddr], *NODE)
 
     def started() -> dict | None:
         entries = [e for e in stats(swarm, "h2", "expert").get("history", []) if e.get("start")]
         return entries[-1] if entries else None
 
-    start = wait_for(started, 120, "the new host to take shard 1")
-    assert stats(swarm, "h2", "expert")["expert_shard"] == 1
+    start = wait_for(started, 120, "the new host to take the shard")
+    assert stats(swarm, "h2", "expert")["expert_shard"] == lost
     assert (start["state_from"], start["state_hash"]) == (status["peer_id"], kept_hash), start
     wait_for(lambda: stats(swarm, "h2", "expert").get("calls", {}).get("forward", 0) > 0, 60, "the new host serving the trainer")
+
+    # the trainer killed too: a new one starts from the dense parts the coordinator keeps, not the initial ones
+    trainer.kill()
+    dense = coord.status()["dense"]["checkpoints"][-1]
+    first = stats(swarm, "t0", "trainer")["first_loss"]
+    swarm.node("t1", [maddr], *NODE, "--wanted-role", "trainer")
+    wait_for(lambda: micro_batches(swarm, "t1") >= 8, 120, "8 micro-batches of the new trainer")
+    st = stats(swarm, "t1", "trainer")
+    assert st["dense_from"] == {"step": dense["step"], "state_hash": dense["state_hash"]}, (st["dense_from"], dense)
+    assert st["first_loss"] < first - 0.5, (st["first_loss"], first)
     assert "Traceback" not in trainer.log() and "role failed" not in trainer.log(), trainer.log()[-3000:]
     for n in ("h0",):
         assert "Traceback" not in hosts[n].log(), hosts[n].log()[-3000:]

@@ -9,7 +9,7 @@ waits (never a crash). The trainers average their dense parts among themselves e
 that joins late takes the others' at its first sync). Every `checkpoint_every` such rounds the
 round's dense parts (the average, or a lone trainer's own) are a state the coordinator keeps
 (`DenseCheckpoints`): each trainer reports its hash as its heartbeat's (step, state hash), and
-one of them uploads it.
+one of them uploads it. A trainer starts from the newest of those the coordinator keeps.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .expert_model import ExpertModel, expert_model, preset_model
 from .role import Role, RoleContext, RoleError
 from .slot_server import model_hash
 from .slot_state import SlotState
-from .slot_sync import every_period, sync_averager
+from .slot_sync import OFFER_S, every_period, sync_averager
 from .stats import LossLog
 from .trainer_loop import micro_batch_loop, trainer_batches
 from .view import Members, SwarmView
@@ -70,6 +70,7 @@ class ExpertTrainer(Role):
         self._compute = ComputeThread(c.torch_threads(), "trainer")
         self.averager = sync_averager(ctx, run, "dense")
         self.kept: DenseCheckpoints | None = None
+        self.dense_from: dict | None = None  # the coordinator's checkpoint the dense parts started from (None: the initial ones)
 
     def _build(self) -> None:
         self.model = self.spec.make_dense()  # its experts live on the expert hosts
@@ -82,6 +83,12 @@ class ExpertTrainer(Role):
         self.codec = activation_codec(self.run_config, self.spec.layout.width)
         await self._compute(self._build)
         self.kept = DenseCheckpoints(self.ctx, self.spec.meta, self._compute)
+        taken = await self.kept.newest(self.run_config.expert_shards)
+        if taken is not None:  # (the trainers' last kept dense parts, not the initial ones: every trainer may have restarted)
+            step, h, params = taken
+            await self._compute(self.model.load_state_dict, params)
+            self.dense_from = {"step": step, "state_hash": h}
+            log.info("trainer: dense parts of round %d (hash %s) from the coordinator", step, h)
         width = self.spec.layout.width
         self.client = ExpertClient(self.ctx.transport, asyncio.get_running_loop(), self.run_config, self.codec, MAX_CALL_TOKENS * width, self.spec.layout)
         try:
@@ -126,7 +133,7 @@ class ExpertTrainer(Role):
         return {
             "skipped_calls": self.client.skipped, "calls": self.client.calls, "skipped_experts": self.skipped_experts, "syncs": self.syncs,
             "layer_latency_p50_s": lat[len(lat) // 2] if lat else None, "layer_latency_p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
-            "bytes_sent": self.client.caller.bytes_sent, "bytes_received": self.client.caller.bytes_received,
+            "bytes_sent": self.client.caller.bytes_sent, "bytes_received": self.client.caller.bytes_received, "dense_from": self.dense_from,
         }  # fmt: skip
 
     async def _one(self, name: str, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -217,6 +224,19 @@ class DenseCheckpoints:
         p.step, p.state_hash = n, h
         if upload:
             self.state.upload(self.ctx.membership.coordinator, n, h)
+
+    async def newest(self, shards: int) -> tuple[int, str, dict[str, torch.Tensor]] | None:
+        """(round, hash, parameters) of the newest dense parts the coordinator keeps (asked for by
+        index `shards`, after the shards'), downloaded and hash-checked; None when it keeps none or
+        cannot be reached."""
+        coordinator = self.ctx.membership.coordinator
+        if coordinator is None:
+            return None
+        for offer in (await self.state.ask([coordinator], OFFER_S, slot=shards)).values():
+            state = await self.state.fetch(offer)
+            if state is not None:
+                return offer.step, offer.hash, state["model"]
+        return None
 
     async def close(self) -> None:
         await self.state.close()
