@@ -98,7 +98,7 @@ def check_model(c: CoordinatorConfig) -> None:
     if not run.is_hf or HF_PIN.fullmatch(run.model):
         return
     if c.mode not in ("replica", "experts"):
-        raise RunConfigError(f"a Hugging Face model trains in replica or experts mode for now, not {c.mode} mode (pipeline takes the built-in presets)", "model")
+        raise RunConfigError(f"a Hugging Face model trains in replica mode or experts mode for now, not {c.mode} mode (pipeline takes the built-in presets)", "model")
     from node.models.hf import ModelDirError, check_role, open_model_dir
 
     try:
