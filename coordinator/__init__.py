@@ -8,6 +8,7 @@ Files:
                     AsyncRegistry runs it on one thread of its own, off the event loop, in order
     checkpoints.py  the checkpoint store: keep-K, a verdict cache, uploads; the directory format
                     itself is node/state/checkpoint_dir.py, shared with nodes
+    expert_stores.py  experts mode: each shard's and the trainers' dense parts' stores, their hash reports
     service.py      the RPC handlers, eviction loop, DHT record; glue between the above
     http.py         GET /status (JSON) and GET /metrics (Prometheus)
     cli.py          swarmtrain-coordinator

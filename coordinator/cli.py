@@ -33,7 +33,7 @@ def build_parser():
     p.add_argument("--record-interval-s", type=float, help=f"seconds between refreshes of the coordinator's DHT record and revocation list (default {c.record_interval_s})")
     p.add_argument("--log-level", choices=LOG_LEVELS)
     run = p.add_argument_group("the training run (handed to every member)")
-    run.add_argument("--model", metavar="PRESET|DIR", help=f"model preset: tiny | small; experts mode: tiny-moe | small-moe; or a local Hugging Face model directory (replica or pipeline mode; its config and tokenizer files travel to the nodes) (default {d.model})")
+    run.add_argument("--model", metavar="PRESET|DIR", help=f"model preset: tiny | small; experts mode: tiny-moe | small-moe; or a local Hugging Face model directory (any causal LM on replicas; GPT-2, Llama, Qwen2, Mistral in pipeline mode; Mixtral in experts mode; its config and tokenizer files travel to the nodes) (default {d.model})")
     run.add_argument("--inner-steps", type=int, help=f"H: inner steps per outer step (default {d.inner_steps})")
     run.add_argument("--batch-size", type=int, help=f"sequences per inner step per replica (default {d.batch_size})")
     run.add_argument("--inner-lr", type=float, help=f"peak AdamW learning rate (default {d.inner_lr})")

@@ -70,31 +70,46 @@ def expert_slots(config: CoordinatorConfig) -> tuple[str, ...]:
         raise RunConfigError(f"stage_clip {run.stage_clip!r} is for pipeline mode: in experts mode the trainer clips the whole model's gradient by one norm, the hosts' experts' with its own", "stage_clip")
     if run.expert_shards < 1:
         raise RunConfigError("experts mode needs --expert-shards (how many shards the experts are split into; a host serves one)", "expert_shards")
-    run.check_experts()
+    if not run.is_hf:
+        run.check_experts()
+    elif (experts := _hf_experts(config)) is not None:  # (a model without experts: check_model names its type)
+        run.check_experts(experts)
     return tuple(f"shard{i}" for i in range(run.expert_shards))
 
 
-MODE_ROLE = {"replica": "replica", "pipeline": "pipeline"}  # the node.models.hf.FAMILIES role a mode's model must fit
+def _hf_experts(c: CoordinatorConfig) -> int | None:
+    """Experts per layer of the run's Hugging Face model (its directory, or the files of its pin
+    under the data dir); None when it has none or cannot be read (check_model says why)."""
+    from node.models.hf import ModelDirError, open_model_dir
+
+    model = c.run.model
+    path = Path(c.data_dir) / "model" / model[3:] if HF_PIN.fullmatch(model) else Path(model).expanduser()
+    try:
+        experts = getattr(open_model_dir(path).hf_config(), "num_local_experts", None)
+    except ModelDirError:
+        return None
+    return experts if isinstance(experts, int) and not isinstance(experts, bool) else None
 
 
 def check_model(c: CoordinatorConfig) -> None:
     """A Hugging Face model directory (`--model PATH`): it must open, and its architecture train
-    in the run's mode (replica and pipeline modes; in pipeline mode its cut must fit its decoder
-    layers). ConfigError naming the problem."""
+    in the run's mode (replica, pipeline and experts modes; in pipeline mode its cut must fit its
+    decoder layers). ConfigError naming the problem."""
     run = c.run
     if not run.is_hf or HF_PIN.fullmatch(run.model):
         return
-    if c.mode not in MODE_ROLE:
-        raise RunConfigError(f"a Hugging Face model trains in {' or '.join(MODE_ROLE)} mode, not {c.mode} mode (experts mode takes the built-in presets)", "model")
     from node.models.hf import ModelDirError, check_role, open_model_dir
     from node.models.tokens import load_tokenizer
 
     try:
         model_dir = open_model_dir(Path(run.model).expanduser())
-        check_role(model_dir, MODE_ROLE[c.mode])
+        check_role(model_dir, c.mode)  # (the modes are the roles' families: replica, pipeline, experts)
         load_tokenizer(model_dir)  # (its ids must fit the model's embedding)
     except ModelDirError as e:
         raise RunConfigError(f"model: {e}", "model") from None
+    if c.mode == "experts" and model_dir.weights is not None:
+        raise RunConfigError(f"model: experts mode trains a Hugging Face model from its config for now; {model_dir.path} holds weights "
+                             f"({model_dir.weights.name}) it would not read: give a directory without them", "model")  # fmt: skip
     if c.mode == "pipeline":
         run.stage_plan(cut_dims(c))
 

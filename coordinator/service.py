@@ -42,6 +42,7 @@ from node.net.transport import CallContext, RPCError, Transport, TransportConfig
 
 from .checkpoints import CheckpointError, CheckpointStore, weights_as_first_checkpoint, weights_as_first_stage_checkpoints
 from .config import CoordinatorConfig, check_coordinator, cut_dims, expert_slots, resolve_model
+from .expert_stores import EXPERT_CHECKPOINTS, ExpertStores
 from .tools import read_revoked, revocation_file
 from .planner import Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
 from .registry import AsyncRegistry, Member, ProgressPoint, Registry, RegistryError
@@ -141,6 +142,7 @@ class Coordinator:
         self.hash_reports: dict[int, dict[str, str]] = {}  # step -> peer -> state hash it reported
         self.stage_hash_reports: dict[tuple[int, int], dict[str, str]] = {}  # (stage, sync round) -> peer -> hash
         self.stage_stores: dict[int, CheckpointStore] = {}  # pipeline mode: each stage's checkpoints
+        self.expert_stores: ExpertStores | None = None  # experts mode: each shard's and the dense parts' checkpoints
         self.run = config.run  # as members get it: a model directory becomes its pin (validate)
         self.run_config = json.dumps(config.run_config(), sort_keys=True).encode()
         self.model_files: ModelFilesSource | None = None
@@ -191,6 +193,8 @@ class Coordinator:
                 self.stage_stores = {
                     i: CheckpointStore(data / "stage-checkpoints" / f"stage-{i}", keep=c.keep_checkpoints, signing_key=key) for i in range(c.run.num_stages)
                 }
+            if c.mode == "experts":
+                self.expert_stores = ExpertStores(data / EXPERT_CHECKPOINTS, c.run.expert_shards, c.keep_checkpoints, key)
         except (CheckpointError, OSError) as e:
             raise ConfigError(f"checkpoint store: {e}") from None
         if self.run.model != c.run.model:  # a model directory given: its weights, if any, start a new run
@@ -223,6 +227,8 @@ class Coordinator:
         ]:
             self.transport.on(msg_type, handler)
         stage_sources = {i: StoreSource(store) for i, store in self.stage_stores.items()}
+        if self.expert_stores is not None:  # (asked for by index, as a stage's are: expert_stores.py)
+            stage_sources = {i: StoreSource(store) for i, store in self.expert_stores.by_index().items()}
         CheckpointServer(self.transport, StoreSource(self.store), stage_source=stage_sources.get, model_source=self.model_files).start()
         await self.transport.start()
         if c.http:
@@ -374,7 +380,9 @@ class Coordinator:
         member = await self.registry.run(_heartbeat, req, time.time())
         if member is None:
             raise RPCError("not_found", "unknown peer: register first")
-        if req.state_hash:
+        if req.state_hash and self.expert_stores is not None:  # a shard's host or a trainer, after a round of its slot
+            self.expert_stores.report(req.peer_id, member.role, member.expert, req.step, req.state_hash)
+        elif req.state_hash:
             # a stage server reports the sync round and the hash of its stage's state after it
             stage_key = member.stage if member.role == "stage" else None
             reports, key = (self.stage_hash_reports, (stage_key, req.step)) if stage_key is not None else (self.hash_reports, req.step)
@@ -410,14 +418,17 @@ class Coordinator:
             raise RemoteProtocolError(f"manifest is not JSON: {e}", "manifest") from None
         state_hash = manifest.get("state_hash") if isinstance(manifest, dict) else None
         stage = (manifest.get("model_config") or {}).get("stage") if isinstance(manifest, dict) and isinstance(manifest.get("model_config"), dict) else None
-        store = self.store
-        if self.stage_stores:  # pipeline mode: a stage server's state, kept per stage
+        store, expert_slot = self.store, None
+        if self.expert_stores is not None:  # experts mode: a shard's experts, or the trainers' dense parts
+            expert_slot, store = self.expert_stores.store_for(manifest)
+            stage = None
+        elif self.stage_stores:  # pipeline mode: a stage server's state, kept per stage
             if stage not in self.stage_stores or isinstance(stage, bool):
                 raise RemoteProtocolError(f"a checkpoint of this pipeline must name its stage (0..{len(self.stage_stores) - 1}) in model_config, got {stage!r}", "manifest")
             store = self.stage_stores[stage]
         else:
             stage = None
-        await self._await_quorum(offer.step, state_hash if isinstance(state_hash, str) else None, stage)
+        await self._await_quorum(offer.step, state_hash if isinstance(state_hash, str) else None, stage, expert_slot)
         try:
             upload = store.begin_upload(offer.step, manifest)
         except CheckpointError as e:
@@ -439,15 +450,17 @@ class Coordinator:
         except BaseException:
             upload.abort()
             raise
-        log.info("stored checkpoint %d%s uploaded by %s", info.step, "" if stage is None else f" of stage {stage}", ctx.peer_id)
+        log.info("stored checkpoint %d%s uploaded by %s", info.step, f" of stage {stage}" if stage is not None else f" of {expert_slot}" if expert_slot else "", ctx.peer_id)
         return Ack(info={"step": info.step})
 
-    async def _await_quorum(self, step: int, state_hash: str | None, stage: int | None = None, wait_s: float = 15.0) -> None:
-        """Hold an upload until enough replicas (of the stage) reported its hash (their
-        heartbeats may trail it)."""
+    async def _await_quorum(self, step: int, state_hash: str | None, stage: int | None = None, expert_slot: str | None = None, wait_s: float = 15.0) -> None:
+        """Hold an upload until enough replicas (of the stage, or members of the experts run's
+        slot) reported its hash (their heartbeats may trail it)."""
         deadline = time.monotonic() + wait_s
         while True:
-            if stage is None:
+            if expert_slot is not None:
+                replicas, reports = self.expert_stores.reported(expert_slot, step, await self.registry.members())
+            elif stage is None:
                 replicas, reports = sum(1 for m in await self.registry.members() if m.role == "replica"), self.hash_reports.get(step, {})
             else:
                 replicas = sum(1 for m in await self.registry.members() if m.role == "stage" and m.stage == stage)
@@ -483,19 +496,24 @@ class Coordinator:
                     "checkpoints": [{"step": c.step, "state_hash": c.manifest.get("state_hash")} for c in self.stage_stores[i].list()] if i in self.stage_stores else [],
                     "samples_per_second": sum(m.samples_per_second or 0.0 for m in peers),
                 }
-        shards = {}
+        shards, dense = {}, {}
+        kept = self.expert_stores.listed() if self.expert_stores is not None else {}
         for slot in self.planner.experts:  # experts mode: per shard, its hosts, their hashes (one after a sync), throughput
             peers = [m for m in registered if m.role == "expert" and m.expert == slot]
             shards[slot] = {
                 "peers": sorted(m.peer_id for m in peers),
                 "state_hashes": sorted({m.state_hash for m in peers if m.state_hash}),
+                "checkpoints": kept.get(slot, []),
                 "samples_per_second": sum(m.samples_per_second or 0.0 for m in peers),
             }
+        if self.expert_stores is not None:  # and the trainers' dense parts
+            dense = {"peers": sorted(m.peer_id for m in registered if m.role == "trainer"), "checkpoints": kept.get("dense", [])}
         return {
             "swarm_id": self.config.swarm_id,
             "run": self.run.to_dict(),  # as members get it (a Hugging Face model by its pin)
             "stages": stages,
             "expert_shards": shards,
+            "dense": dense,
             "peer_id": self.host.peer_id if self.host else None,
             "maddrs": await self.host.visible_maddrs() if self.host else [],
             "now": time.time(),

@@ -99,6 +99,10 @@ def _hf():
 
 def export(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    from .experts_export import export_experts, holds_experts
+
+    if holds_experts(Path(args.checkpoint)):  # an experts run's coordinator: its shards and dense parts together
+        return export_experts(Path(args.checkpoint), out)
     source = find_source(Path(args.checkpoint))
     check_out_dir(out)
     model = assemble(_hf(), source)

@@ -167,6 +167,8 @@ def _replica(ex, source: Source) -> Assembled:
     what = f"step {manifest['step']} (state hash {manifest.get('state_hash')}) of {path}"
     config = manifest.get("model_config")
     pin = config.get("model") if isinstance(config, dict) else None
+    if isinstance(pin, str) and {"expert_shard", "dense"} & set(config):
+        raise UsageError(f"{path}: one part of an experts run (a shard's experts or the dense parts): export the run from its coordinator's data dir")
     if isinstance(pin, str) and pin.startswith("hf:") and "stage" not in config:
         files = model_files(source, pin, path)
         state = model_tensors(path, manifest)

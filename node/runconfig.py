@@ -137,27 +137,32 @@ class RunConfig:
         from .models.moe import MOE_PRESETS
 
         if not self.is_moe:
-            raise RunConfigError(f"model {self.model!r} has no experts (experts mode takes a -moe model: tiny-moe | small-moe)", "model")
+            raise RunConfigError(f"model {self.model!r} has no experts (experts mode takes a -moe model: tiny-moe | small-moe, or a Hugging Face Mixtral)", "model")
         return MOE_PRESETS[self.model]
 
-    def check_experts(self) -> None:
-        """RunConfigError unless the model has experts and expert_shards fits them (no torch)."""
-        if not self.is_moe:
-            raise RunConfigError(f"model {self.model!r} has no experts (experts mode takes a -moe model: tiny-moe | small-moe)", "model")
-        experts = MOE_EXPERTS[self.model]
+    def check_experts(self, experts: int | None = None) -> None:
+        """RunConfigError unless the model has experts and expert_shards fits them (no torch).
+        `experts`: experts per layer of a Hugging Face model (its config's num_local_experts)."""
+        if experts is None:
+            if not self.is_moe:
+                raise RunConfigError(f"model {self.model!r} has no experts (experts mode takes a -moe model: tiny-moe | small-moe, or a Hugging Face Mixtral)", "model")
+            experts = MOE_EXPERTS[self.model]
         if not 1 <= self.expert_shards <= experts:
             raise RunConfigError(f"expert_shards must be in 1..{experts} (the experts per layer of {self.model}), got {self.expert_shards}", "expert_shards")
 
-    def expert_shard(self, shard: int) -> tuple[str, ...]:
+    def expert_shard(self, shard: int, layers: int | None = None, experts: int | None = None) -> tuple[str, ...]:
         """The experts shard `shard` holds: expert e of every layer with e mod expert_shards == shard;
-        RunConfigError when the shards do not fit the model."""
+        RunConfigError when the shards do not fit the model. A preset's layers and experts are
+        known; a Hugging Face model's come from its config (num_hidden_layers, num_local_experts)."""
         from .models.moe import expert_name
 
-        self.check_experts()
-        gpt, moe = self.moe_preset()
+        if layers is None or experts is None:
+            gpt, moe = self.moe_preset()
+            layers, experts = gpt.n_layer, moe.num_experts
+        self.check_experts(experts)
         if not 0 <= shard < self.expert_shards:
             raise RunConfigError(f"expert shard {shard} is not a shard of this run (0..{self.expert_shards - 1})", "expert_shards")
-        return tuple(expert_name(layer, e) for layer in range(gpt.n_layer) for e in range(shard, moe.num_experts, self.expert_shards))
+        return tuple(expert_name(layer, e) for layer in range(layers) for e in range(shard, experts, self.expert_shards))
 
     def stage_plan(self, dims=None) -> tuple[tuple[int, int], ...]:
         """[start, end) blocks of each stage (node/models/stages.py plan_stages) of a model sized by

@@ -37,9 +37,10 @@ def expert(slot: str) -> RoleAssignment:
 
 
 @contextlib.asynccontextmanager
-async def expert_hosts(tmp_path, run: RunConfig, shards: list[int], config: TransportConfig = TransportConfig(), data_dirs: dict | None = None):
+async def expert_hosts(tmp_path, run: RunConfig, shards: list[int], config: TransportConfig = TransportConfig(), data_dirs: dict | None = None,
+                       membership=_Membership):  # fmt: skip
     """One started ExpertHost per entry of `shards` (its shard), each on its own real host, and
-    a client transport."""
+    a client transport. `membership()` makes each host's membership."""
     hosts = await start_hosts(len(shards) + 1)
     transports = [Transport(h, config) for h in hosts]
     servers, tasks = [], []
@@ -49,7 +50,7 @@ async def expert_hosts(tmp_path, run: RunConfig, shards: list[int], config: Tran
         for i, shard in enumerate(shards):
             d = (data_dirs or {}).get(i) or tmp_path / f"h{i}"
             d.mkdir(exist_ok=True)
-            s = ExpertHost(RoleContext(hosts[i], transports[i], _Membership(), NodeConfig(data_dir=str(d), threads=1)), run, expert(f"shard{shard}"))
+            s = ExpertHost(RoleContext(hosts[i], transports[i], membership(), NodeConfig(data_dir=str(d), threads=1)), run, expert(f"shard{shard}"))
             await s.start()
             servers.append(s)
             tasks.append(asyncio.create_task(s.run()))
@@ -67,7 +68,7 @@ async def expert_hosts(tmp_path, run: RunConfig, shards: list[int], config: Tran
 
 
 def client_for(transport, servers, run=RUN) -> ExpertClient:
-    client = ExpertClient(transport, asyncio.get_running_loop(), run, NONE, 1 << 24)
+    client = ExpertClient(transport, asyncio.get_running_loop(), run, NONE, 1 << 24, servers[0].layout)
     shards: dict[int, list[str]] = {}
     for s in servers:
         shards.setdefault(s.index, []).append(s.ctx.transport.peer_id)

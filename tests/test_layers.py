@@ -27,9 +27,10 @@ RULES = [
     ("node.models", "hivemind", "models hold no network code"),
 ]
 # what the coordinator may take from the node: its net layer, state format, config loading, and
-# the reading of a Hugging Face model directory (to refuse a bad one at start) and its cut into
-# stages (a pipeline run's first checkpoints, of the model's weights)
-COORDINATOR_MAY_IMPORT = ("node.net", "node.state", "node.config", "node.runconfig", "node.preflight", "node.cli", "node.osutil", "node.models.hf", "node.models.hf_stages")
+# the reading of a Hugging Face model directory and its tokenizer (to refuse a bad one at start) and
+# its cut into stages (a pipeline run's first checkpoints, of the model's weights)
+COORDINATOR_MAY_IMPORT = ("node.net", "node.state", "node.config", "node.runconfig", "node.preflight", "node.cli", "node.osutil",
+                          "node.models.hf", "node.models.tokens", "node.models.hf_stages")  # fmt: skip
 HIVEMIND_ADAPTER = "node.net.host"
 
 

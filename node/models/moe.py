@@ -17,7 +17,8 @@ routing and the combination stay with the caller:
     MoEConfig       E, k, capacity factor, auxiliary loss weight
     MoEGPT          forward(idx, targets=None) -> (logits, loss, aux_loss)
     init_moe_model  MoEGPT with bitwise-identical parameters for the same (config, seed)
-    expert_name     "layer1.expert3": how the swarm names an expert
+    expert_name     "layer1.expert3": how the swarm names an expert (parse_expert_name: back)
+    ExpertLayout    what the roles need to know of any MoE model's experts (a preset's, a Mixtral's)
     ExpertShard     the experts of one shard (what an expert host holds), by swarm name
 """
 
@@ -63,6 +64,48 @@ class MoEConfig:
 
 def expert_name(layer: int, expert: int) -> str:
     return f"layer{layer}.expert{expert}"
+
+
+def parse_expert_name(name: str, layers: int, experts: int) -> tuple[int, int]:
+    """(layer, expert) of a swarm name ("layer1.expert3"); KeyError for a name not of a model of
+    `layers` layers x `experts` experts."""
+    layer, _, expert = name.partition(".")
+    try:
+        if not (layer.startswith("layer") and expert.startswith("expert")):
+            raise ValueError
+        li, ei = int(layer.removeprefix("layer")), int(expert.removeprefix("expert"))
+        if not (0 <= li < layers and 0 <= ei < experts) or name != expert_name(li, ei):
+            raise ValueError
+        return li, ei
+    except ValueError:
+        raise KeyError(f"no expert {name!r} in a model of {layers} layers x {experts} experts") from None
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """A MoE model's experts as the roles see them: `layers` MoE layers of `experts` experts each,
+    every token sent to `top_k` of them, tokens of width `width`."""
+
+    layers: int
+    experts: int
+    top_k: int
+    width: int
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "experts", "top_k", "width"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ExpertLayout.{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def of_preset(cls, config: GPTConfig, moe: MoEConfig) -> ExpertLayout:
+        return cls(config.n_layer, moe.num_experts, moe.top_k, config.n_embd)
+
+    def names(self) -> frozenset[str]:
+        return frozenset(expert_name(li, e) for li in range(self.layers) for e in range(self.experts))
+
+    def shard(self, shard: int, shards: int) -> tuple[str, ...]:
+        """Expert e of every layer with e mod `shards` == `shard`."""
+        return tuple(expert_name(li, e) for li in range(self.layers) for e in range(shard, self.experts, shards))
 
 
 @dataclass
@@ -184,14 +227,8 @@ class MoEGPT(nn.Module):
 
     def expert(self, name: str) -> MLP:
         """The expert a swarm name ("layer1.expert3") stands for; KeyError for a name it lacks."""
-        layer, _, expert = name.partition(".")
-        try:
-            li, ei = int(layer.removeprefix("layer")), int(expert.removeprefix("expert"))
-            if not (layer.startswith("layer") and expert.startswith("expert")) or li < 0 or ei < 0:
-                raise ValueError
-            return self.blocks[li].moe.experts[ei]
-        except (ValueError, IndexError):
-            raise KeyError(f"no expert {name!r} in a model of {self.config.n_layer} layers x {self.moe_config.num_experts} experts") from None
+        li, ei = parse_expert_name(name, self.config.n_layer, self.moe_config.num_experts)
+        return self.blocks[li].moe.experts[ei]
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """idx: (B, T) token ids. Returns logits, the cross-entropy when `targets` are given

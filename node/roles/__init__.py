@@ -46,7 +46,10 @@ Files:
     pipeline_trainer.py  `PipelineTrainer`: through and relay routing, retries, the global clip's norms
     expert_client.py     `ExpertClient`, `remote_moe`, `forward_loss`, `clip_and_commit`: a trainer's
                          side of remote experts
-    expert_trainer.py    `ExpertTrainer`: the dense parts here, the experts remote; dense syncs
+    expert_trainer.py    `ExpertTrainer`: the dense parts here, the experts remote; dense syncs;
+                         `DenseCheckpoints`: the dense parts as states the coordinator keeps
+    expert_model.py      `ExpertModel`: an experts run's model as its roles make it (a MoE preset, or a
+                         Hugging Face Mixtral fetched by pin): layout, shards, dense parts, forward
     replica.py           `Replica`: the DiLoCo round, state taken from peers or the coordinator
     run_model.py         `RunModel`: the run's model as a role makes it (a preset, or a Hugging Face
                          model whose files are fetched from the coordinator by pin) and its data

@@ -6,6 +6,7 @@
                      (sample, expert) pair), deadlines and backoff per host (caller.py)
     remote_moe       a MoE layer with remote experts: route here, the experts there, combine here
     forward_loss     MoEGPT.forward with its experts remote
+    mixtral_forward_loss  a Hugging Face Mixtral's forward (its dense parts here) with its experts remote
     clip_and_commit  the micro-batch's gradients clipped by one global norm, here and on the hosts
 
 A trainer never waits on the DHT or past a deadline: a host that fails, times out or answers
@@ -29,7 +30,8 @@ from torch import nn
 from protocol import RemoteProtocolError, pack_tensors, unpack_tensors
 from protocol.messages import ExpertCall, ExpertResult
 
-from ..models.moe import MoEGPT, Routing, expert_name
+from ..models import mixtral
+from ..models.moe import ExpertLayout, MoEGPT, Routing, expert_name
 from ..runconfig import RunConfig
 from .activations import decode_checked, encode_floats
 from .caller import CallFailed, PeerCaller, SlotPeers
@@ -41,9 +43,10 @@ class ExpertClient:
     """A trainer's calls to expert hosts, from its compute thread (blocking on the event loop),
     with deadlines and backoff per host (SlotPeers, keyed by shard)."""
 
-    def __init__(self, transport, loop: asyncio.AbstractEventLoop, run: RunConfig, codec, max_numel: int):
+    def __init__(self, transport, loop: asyncio.AbstractEventLoop, run: RunConfig, codec, max_numel: int, layout: ExpertLayout | None = None):
+        """`layout`: the model's experts (default: the run's MoE preset's)."""
         self.loop, self.run, self.codec, self.max_numel = loop, run, codec, max_numel
-        self.gpt_config, self.moe_config = run.moe_preset()
+        self.layout = layout or ExpertLayout.of_preset(*run.moe_preset())
         self.shards = run.expert_shards
         self.caller = PeerCaller(transport)
         self.skipped = 0  # expert calls given up (failed, timed out, refused, garbage)
@@ -63,7 +66,7 @@ class ExpertClient:
     def alive(self, now: float) -> list[bool]:
         """Per expert of a layer: whether a host of its shard can be called now."""
         ok = [self.peers.callable(s, now) for s in range(self.shards)]
-        return [ok[self.shard(e)] for e in range(self.moe_config.num_experts)]
+        return [ok[self.shard(e)] for e in range(self.layout.experts)]
 
     def _all(self, calls, layer: bool = True) -> list:
         """The calls' results, run together on the event loop (from the compute thread); the
@@ -114,7 +117,7 @@ class ExpertClient:
         now = time.monotonic()
         calls = []
         for s in range(self.shards):
-            experts = [e for e in range(s, self.moe_config.num_experts, self.shards) if routing.tokens[e].numel()]
+            experts = [e for e in range(s, self.layout.experts, self.shards) if routing.tokens[e].numel()]
             if not experts or not self.peers.callable(s, now):
                 continue  # (routing already avoided it, unless it was banned just now)
             peer = self.peers.choose(s, now)
@@ -264,3 +267,19 @@ def forward_loss(model: MoEGPT, client: ExpertClient, mb: str, x: torch.Tensor, 
     logits = model.lm_head(model.ln_f(h))
     ce = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
     return ce, ce + model.moe_config.aux_loss_weight * aux, skipped
+
+
+def mixtral_forward_loss(model: nn.Module, client: ExpertClient, mb: str, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A Hugging Face Mixtral's forward (node/models/mixtral.py: its MoE blocks' experts dropped)
+    with its experts remote, routed as Mixtral routes: (cross-entropy, the training loss with
+    Mixtral's router loss where its config asks for it, experts skipped)."""
+    skipped = 0
+
+    def call(flat: torch.Tensor, route, layer: int) -> torch.Tensor:
+        nonlocal skipped
+        out, _, s = remote_moe(flat, route, client, mb, layer)
+        skipped += s
+        return out
+
+    _, ce, loss = mixtral.forward_loss(model, call, x, y)
+    return ce, loss, skipped

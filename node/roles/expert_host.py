@@ -2,8 +2,10 @@
 expert_shards == its shard), served to the trainers that run the rest of the model.
 
 An expert host is a `SlotServer` as a stage server is (slot_server.py: its shard's hosts average
-in namespace "experts-<shard>" and hold bitwise-identical experts afterwards), serving one call at
-a time (its graphs are kept per expert), with `ExpertCompute` for the arithmetic.
+in namespace "experts-<shard>" and hold bitwise-identical experts afterwards; the coordinator keeps
+the shard's checkpoints), serving one call at a time (its graphs are kept per expert), with
+`ExpertCompute` for the arithmetic. The model is the run's (expert_model.py): a MoE preset's
+experts, or slices of a Hugging Face Mixtral's fused expert tensors.
 
 One ExpertCall carries all tokens of all this shard's experts a trainer's micro-batch routed here,
 for one layer. The host keeps the forward's graph, so the backward sends only the gradient; a
@@ -27,11 +29,11 @@ from protocol.messages import ExpertCall, ExpertResult
 from protocol.records import role_label, slot_index
 
 from ..models.diloco import TrainConfig, adamw, lr_at
-from ..models.moe import ExpertShard, expert_name, init_moe_model
 from ..models.stages import StageInputError
 from ..net.transport import RPCError
-from ..runconfig import RunConfig, RunConfigError
+from ..runconfig import RunConfig
 from .activations import activation_codec, decode_checked, encode_floats
+from .expert_model import ExpertModel, expert_model, preset_model
 from .role import Role, RoleContext, RoleError
 from .serving import Pending
 from .slot_server import SlotName, SlotServer
@@ -55,7 +57,7 @@ def check_expert_call(req: ExpertCall, host: ExpertHost) -> tuple[dict[str, torc
     any compute: names of experts this host serves, float32 (n, C), finite."""
     if req.op == "commit":
         return {}, {}
-    names, n_embd, gpt, moe = host.names, host.gpt_config.n_embd, host.gpt_config, host.moe_config
+    names, n_embd, layout = host.names, host.layout.width, host.layout
     max_numel = MAX_CALL_TOKENS * n_embd
     x, grad = {}, {}
     for key, enc in unpack_tensors(req, max_numel).items():
@@ -63,7 +65,7 @@ def check_expert_call(req: ExpertCall, host: ExpertHost) -> tuple[dict[str, torc
         if kind not in ("x", "grad") or (kind == "grad" and req.op == "forward"):
             raise StageInputError(f"a {req.op} carries x:<expert>{' and grad:<expert>' if req.op == 'backward' else ''} tensors, got {key!r}")
         if name not in host.all_experts:
-            raise StageInputError(f"no expert {name!r} in this model ({gpt.n_layer} layers x {moe.num_experts} experts)")
+            raise StageInputError(f"no expert {name!r} in this model ({layout.layers} layers x {layout.experts} experts)")
         if name not in names:  # a real expert of another shard: a stale view, not garbage
             raise RPCError("not_found", f"{host.what} does not serve expert {name} (it serves {', '.join(names)})")
         t = decode_checked(enc, max_numel, key)
@@ -179,33 +181,42 @@ class ExpertCompute:
 
 
 class ExpertHost(Role):
-    """The expert role: serves ExpertCall for the experts of shard `assignment.expert` ("shard<i>")."""
+    """The expert role: serves ExpertCall for the experts of shard `assignment.expert` ("shard<i>").
+    A Hugging Face model's files are fetched at start, before its shard is known and built."""
 
     name = "expert"
 
     def __init__(self, ctx: RoleContext, run: RunConfig, assignment: RoleAssignment, timing: ServeTiming = ServeTiming()):
         slot = assignment.expert
         index = shard_of_label(role_label("expert", slot)) if slot else None
-        try:
-            if index is None:
-                raise RunConfigError(f"expert slot {slot!r} is not a shard name (shard<i>)")
-            self.names = run.expert_shard(index)
-            self.gpt_config, self.moe_config = run.moe_preset()
-        except RunConfigError as e:
-            raise RoleError(str(e)) from None
-        self.ctx, self.run_config, self.index, self.what = ctx, run, index, f"expert shard {index}"
-        self.codec = activation_codec(run, self.gpt_config.n_embd)
-        self.all_experts = {expert_name(li, e) for li in range(self.gpt_config.n_layer) for e in range(self.moe_config.num_experts)}
-        # the trainer's global clip comes with each micro-batch's commit: a step clips by the shard's own norm only
-        self.schedule = StepSchedule(run.stage_step_samples, 1, 0, False, timing.pending_s, timing.report_s)
+        if index is None:
+            raise RoleError(f"expert slot {slot!r} is not a shard name (shard<i>)")
+        if not 0 <= index < run.expert_shards:
+            raise RoleError(f"expert shard {index} is not a shard of this run (0..{run.expert_shards - 1})")
+        self.ctx, self.run_config, self.index, self.slot_label, self.timing, self.what = ctx, run, index, slot, timing, f"expert shard {index}"
         self.calls = {"forward": 0, "backward": 0, "refused": 0, "tokens": 0, "commit": 0, "uncommitted": 0}
-        meta = {**self.gpt_config.to_dict(), "moe": self.moe_config.to_dict(), "expert_shard": index, "experts": list(self.names)}
-        name = SlotName("expert", self.what, "expert", slot, f"experts-{index}", coordinator_slot=None)  # a shard's state lives on its hosts
-        self.slot = SlotServer(ctx, run, name, meta, self.schedule, self._compute, self._stats)
+        self.slot: SlotServer | None = None
+        self._stopping = False
+        if not run.is_hf:  # a preset's shard is known now (a run that does not fit it is refused here)
+            self._hold(preset_model(run))
+
+    def _hold(self, model: ExpertModel) -> None:
+        """The shard of `model` this host serves, and the parts that serve it."""
+        run, index = self.run_config, self.index
+        self.model, self.layout = model, model.layout
+        self.names = model.shard(run, index)
+        self.codec = activation_codec(run, self.layout.width)
+        self.all_experts = self.layout.names()
+        # the trainer's global clip comes with each micro-batch's commit: a step clips by the shard's own norm only
+        self.schedule = StepSchedule(run.stage_step_samples, 1, 0, False, self.timing.pending_s, self.timing.report_s)
+        meta = {**model.meta, "expert_shard": index, "experts": list(self.names)}
+        # the coordinator keeps each shard's checkpoints (coordinator_slot: the shard), once its hosts reported their hash
+        name = SlotName("expert", self.what, "expert", self.slot_label, f"experts-{index}", coordinator_slot=index)
+        self.slot = SlotServer(self.ctx, run, name, meta, self.schedule, self._compute, self._stats)
         self.compute, self.queue = self.slot.compute, self.slot.queue
 
     @property
-    def shard(self) -> ExpertShard:
+    def shard(self):
         return self.slot.weights.module
 
     @property
@@ -217,7 +228,7 @@ class ExpertHost(Role):
         return self.slot.state
 
     def _build(self):
-        shard = ExpertShard(init_moe_model(self.gpt_config, self.moe_config, self.run_config.seed), self.names)
+        shard = self.model.make_shard(self.names)
         return shard, adamw(shard.parameters(), self.run_config.train_config())
 
     def _compute(self, weights: SlotWeights) -> ExpertCompute:
@@ -225,19 +236,23 @@ class ExpertHost(Role):
         return ExpertCompute(weights, self.schedule, self.run_config.train_config(), self.run_config.batch_size, self.calls, self.what, kept)
 
     def _describe(self) -> str:
-        return f"experts {', '.join(self.names)}, {self.shard.num_params()} params, activations {self.codec.name}"
+        return f"{self.model.source}: experts {', '.join(self.names)}, {self.shard.num_params()} params, activations {self.codec.name}"
 
     def _stats(self) -> dict:
         return {"expert_shard": self.index, "experts": list(self.names), "calls": self.calls, "bytes_sent": 0, "bytes_received": 0}
 
     async def start(self) -> None:
+        if self.slot is None:
+            self._hold(await expert_model(self.run_config, self.ctx, lambda: self._stopping))
         await self.slot.start(self._build, {ExpertCall: self._on_call}, self._describe)
 
     async def run(self) -> None:
         await self.slot.serve(lambda q: [q.popleft()])  # a call is its own batch: its graphs are kept per expert
 
     async def stop(self, planned: bool = True) -> None:
-        await self.slot.stop(planned)
+        self._stopping = True
+        if self.slot is not None:
+            await self.slot.stop(planned)
 
     async def _on_call(self, ctx) -> ExpertResult:
         req: ExpertCall = ctx.request

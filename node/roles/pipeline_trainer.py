@@ -83,7 +83,7 @@ class PipelineTrainer(Role):
         self.view.close()
 
     async def run(self) -> None:
-        batches, shard, nshards = await trainer_batches(self.ctx, self.run_config, self.dims.context, self.model)
+        batches, shard, nshards = await trainer_batches(self.ctx, self.run_config, self.dims.context, self.model.tokenizer)
         follow = asyncio.create_task(self.view.follow(self._peers, self._known), name="stage-peers")
         run = self.run_config
         try:

@@ -27,7 +27,9 @@ def _pipeline(run: RunConfig) -> bool:
 
 
 def _moe(run: RunConfig) -> bool:
-    return run.is_moe
+    # a Hugging Face model's experts: the coordinator splits them into shards in experts mode only
+    # (whether its type has experts the role checks once its files are here)
+    return run.is_moe or (run.is_hf and run.expert_shards > 0)
 
 
 @dataclass(frozen=True)

@@ -61,18 +61,23 @@ async def run_model(run: RunConfig, transport, coordinator: Callable[[], str | N
     answers). RoleError when the files cannot make the model, or not for this role."""
     if not run.is_hf:
         return builtin_model(run)
+    path = await model_files(run, transport, coordinator, root, stopping)
+    return await asyncio.to_thread(_hf_model, path, role)
+
+
+async def model_files(run: RunConfig, transport, coordinator: Callable[[], str | None], root: Path, stopping: Callable[[], bool]) -> Path:
+    """The directory of a Hugging Face model's files, fetched from the coordinator by the run's
+    pin and checked against it (again every FETCH_RETRY_S until it answers)."""
     while True:
         coord = coordinator()
         if coord is not None:
             try:
-                path = await fetch_model_files(transport, coord, run.model, root)
-                break
+                return await fetch_model_files(transport, coord, run.model, root)
             except NETWORK_ERRORS as e:
                 log.warning("cannot fetch the model's files from the coordinator yet: %s", e)
         if stopping():
             raise asyncio.CancelledError
         await asyncio.sleep(FETCH_RETRY_S)
-    return await asyncio.to_thread(_hf_model, path, role)
 
 
 def _hf_model(path: Path, role: str) -> RunModel:

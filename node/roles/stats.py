@@ -63,10 +63,12 @@ class LossLog:
     """A trainer's training loss, reported every REPORT_EVERY micro-batches (see the module)."""
 
     def __init__(self, data_dir: str | Path, membership, batch_size: int, stats: Callable[[], dict[str, Any]], line: Callable[[], str],
-                 entry: Callable[[], dict[str, Any]] = dict):  # fmt: skip
+                 entry: Callable[[], dict[str, Any]] = dict, reports_step: bool = True):  # fmt: skip
         """`stats()`: the role's own counters for its stats file; `line()`: the end of its log
-        line; `entry()`: what its history entries carry besides the loss."""
+        line; `entry()`: what its history entries carry besides the loss. `reports_step`: the
+        heartbeats' step is the micro-batches trained (False: the role reports a step of its own)."""
         self.stats = StatsFile(data_dir, "trainer", keep=500)
+        self.reports_step = reports_step
         self.membership, self.batch_size, self.extra, self.line, self.entry = membership, batch_size, stats, line, entry
         self.micro_batches = 0
         self.lost = 0  # micro-batches given up (only for input peers refuse as ours to fix)
@@ -94,7 +96,9 @@ class LossLog:
             self.first_loss = mean  # (the history keeps only its latest entries)
         log.info("trainer | %d micro-batches | loss %.4f | %.1f samples/s | %s", self.micro_batches, mean, rate or 0, self.line())
         p = self.membership.progress
-        p.step, p.loss, p.samples_per_second = self.micro_batches, mean, rate
+        p.loss, p.samples_per_second = mean, rate
+        if self.reports_step:
+            p.step = self.micro_batches
         stats = {"micro_batches": self.micro_batches, "samples": self.micro_batches * self.batch_size, "lost": self.lost, "loss": mean,
                  "first_loss": self.first_loss, "samples_per_second": rate, **self.extra()}  # fmt: skip
         self.stats.write(stats)

@@ -23,13 +23,13 @@ log = logging.getLogger(__name__)
 Send = Callable[[str, torch.Tensor, torch.Tensor], Awaitable["float | None"]]
 
 
-async def trainer_batches(ctx: RoleContext, run: RunConfig, context: int, model=None) -> tuple[Batches, int, int]:
-    """A trainer's micro-batches: its shard of the corpus (--shard-index, else from its peer id),
-    tokenized by the run's `model` (a run_model.RunModel; None: bytes), and (shard, number of
-    shards). DataError when the corpus cannot be read."""
+async def trainer_batches(ctx: RoleContext, run: RunConfig, context: int, tokenizer=None) -> tuple[Batches, int, int]:
+    """A trainer's micro-batches: its shard of the corpus (--shard-index, else from its peer id;
+    read with the model's `tokenizer`, None: bytes), and (shard, number of shards). DataError when
+    the corpus cannot be read."""
     c = ctx.node_config
     try:
-        corpus = await asyncio.to_thread(load_corpus, c.data or None, None, c.text_field) if model is None else await asyncio.to_thread(model.corpus, c.data, c.text_field)
+        corpus = await asyncio.to_thread(load_corpus, c.data or None, tokenizer, c.text_field)
     except DataError as e:
         log.error("cannot train: %s", e)
         raise
