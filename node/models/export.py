@@ -36,7 +36,7 @@ from .hf import context_of
 
 # Conv1D layers of GPT-2 (weight stored as (in, out)): ours are nn.Linear, (out, in)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-SUPPORTED = f"replica and pipeline checkpoints (the built-in GPT {' or '.join(PRESETS)}, or a Hugging Face model)"
+SUPPORTED = f"replica and pipeline checkpoints (the built-in GPT {' or '.join(PRESETS)}, or a Hugging Face model), and an experts run of a Hugging Face Mixtral from its coordinator's data dir"
 STAGES_HOWTO = "export the coordinator's data dir or its stage-checkpoints/, whose stages are put together into one model"
 
 
