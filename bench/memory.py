@@ -1,0 +1,146 @@
+"""What a process tree holds in memory, summed over its processes, sampled while a bench runs.
+
+    tree_pids(root)       the root, every process in its session and every descendant
+    tree_memory(root)     {rss_mib, pss_mib, processes}: the tree's summed RSS and PSS
+    MemoryWatch           samples named trees every `interval_s` in a thread; each tree's peak
+
+RSS counts every resident page of every process: pages two processes share (a forked DHT
+child's copy-on-write pages, the same shared libraries) are counted once per process. PSS
+(/proc/PID/smaps_rollup) splits each shared page among the processes that map it: summed over a
+tree it is what the tree costs, counting pages it shares with processes outside the tree at
+their share. Linux only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+MIB = 1 << 20
+
+
+def _scan() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, session id, command name) of every live process."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                head, _, rest = f.read().rpartition(b")")
+        except OSError:
+            continue
+        fields = rest.split()
+        if len(fields) < 4 or fields[0] == b"Z":
+            continue
+        out[int(entry)] = (int(fields[1]), int(fields[3]), head.partition(b"(")[2].decode(errors="replace"))
+    return out
+
+
+def tree_pids(root: int, procs: dict[int, tuple[int, int, str]] | None = None) -> list[int]:
+    """`root`, the processes of its session (it was started with start_new_session: its DHT child,
+    p2pd) and every descendant (one that moved to a session of its own, torch_shm_manager)."""
+    procs = _scan() if procs is None else procs
+    found = {p for p, (_, sid, _) in procs.items() if sid == root} | ({root} if root in procs else set())
+    grew = True
+    while grew:
+        more = {p for p, (ppid, _, _) in procs.items() if ppid in found} - found
+        found |= more
+        grew = bool(more)
+    return sorted(found)
+
+
+def _rollup(pid: int) -> tuple[int, int] | None:
+    """(Rss, Pss) of one process in bytes; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            text = f.read()
+    except OSError:
+        return None
+    got = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("Rss", "Pss"):
+            got[key] = int(value.split()[0]) * 1024
+    return (got["Rss"], got["Pss"]) if len(got) == 2 else None
+
+
+def tree_memory(root: int, procs: dict[int, tuple[int, int, str]] | None = None) -> dict | None:
+    """The tree's summed RSS and PSS (MiB) and its processes' names; None when none is alive."""
+    procs = _scan() if procs is None else procs
+    rss = pss = 0
+    names = []
+    for pid in tree_pids(root, procs):
+        got = _rollup(pid)
+        if got is None:
+            continue
+        rss, pss = rss + got[0], pss + got[1]
+        names.append(procs[pid][2])
+    if not names:
+        return None
+    return {"rss_mib": round(rss / MIB, 1), "pss_mib": round(pss / MIB, 1), "processes": sorted(names)}
+
+
+class MemoryWatch:
+    """Samples the trees it watches every `interval_s` (one scan of /proc per sample) in a daemon
+    thread. `watch(name, pid)` starts a tree, `peak(name)` reads its peaks so far:
+    {rss_mib, pss_mib, pss_mib_last, processes, samples}; RSS and PSS peaks may come from
+    different samples. Use as a context manager: the thread stops on exit."""
+
+    def __init__(self, interval_s: float = 1.0):
+        self.interval_s = interval_s
+        self._roots: dict[str, int] = {}
+        self._peaks: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-watch", daemon=True)
+
+    def __enter__(self) -> MemoryWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def watch(self, name: str, pid: int) -> None:
+        with self._lock:
+            self._roots[name] = pid
+        self.sample()
+
+    def forget(self, name: str) -> dict | None:
+        """Stop sampling `name`'s tree (one last sample first); its peaks."""
+        self.sample([name])
+        with self._lock:
+            self._roots.pop(name, None)
+            return self._peaks.get(name)
+
+    def peak(self, name: str) -> dict | None:
+        with self._lock:
+            got = self._peaks.get(name)
+            return dict(got) if got else None
+
+    def sample(self, names: list[str] | None = None) -> None:
+        procs = _scan()
+        with self._lock:
+            roots = {n: p for n, p in self._roots.items() if names is None or n in names}
+        for name, pid in roots.items():
+            now = tree_memory(pid, procs)
+            if now is None:
+                continue
+            with self._lock:
+                old = self._peaks.get(name)
+                if old is None:
+                    self._peaks[name] = {**now, "pss_mib_last": now["pss_mib"], "samples": 1}
+                    continue
+                old["samples"] += 1
+                old["pss_mib_last"] = now["pss_mib"]
+                if now["rss_mib"] > old["rss_mib"]:
+                    old["rss_mib"] = now["rss_mib"]
+                if now["pss_mib"] > old["pss_mib"]:
+                    old["pss_mib"], old["processes"] = now["pss_mib"], now["processes"]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
