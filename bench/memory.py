@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 MIB = 1 << 20
 
@@ -136,8 +135,7 @@ class MemoryWatch:
                     continue
                 old["samples"] += 1
                 old["pss_mib_last"] = now["pss_mib"]
-                if now["rss_mib"] > old["rss_mib"]:
-                    old["rss_mib"] = now["rss_mib"]
+                old["rss_mib"] = max(old["rss_mib"], now["rss_mib"])
                 if now["pss_mib"] > old["pss_mib"]:
                     old["pss_mib"], old["processes"] = now["pss_mib"], now["processes"]
 

@@ -100,6 +100,8 @@ def run_family(family: str, s: Settings, arms: list[str], work: Path, watch, row
             got = _row(rows, f"{family}/{arm}", fn)
             if got is not None:
                 out[arm.replace("-", "_")] = got
+    for st in out.get("pipeline", {}).get("stage_servers", []):
+        st.update(params=facts["stage_params"][st["stage"]], layers=facts["stage_layers"][st["stage"]])
     out["ratios"] = _ratios(out)
     return out
 

@@ -128,7 +128,7 @@ def run_pipeline_swarm(s: Settings, model_dir: Path, work: Path, watch) -> dict:
     h = {e["micro_batches"]: e["time"] for e in stats["history"]}
     tokens = (want - REPORT) * s.batch_size * s.seq_len
     servers_out = sorted(({"stage": stages[n], "memory": memory[n]} for n in names), key=lambda r: r["stage"])
-    return {"tokens_per_s": tokens / (h[want] - h[REPORT]), "final_loss": stats["loss"], "lost_micro_batches": stats["lost"],
+    return {"tokens_per_s": tokens / (h[want] - h[REPORT]), "final_loss": stats["loss"], "lost_micro_batches": stats["lost"], "retried_calls": stats.get("retries"),
             "stage_servers": servers_out, "trainer": {"memory": memory["trainer"]}}  # fmt: skip
 
 
@@ -161,11 +161,13 @@ class DownloadClock:
         elif self.bytes and got < self.bytes:  # removed: loaded (or failed) — the first download is over
             self.done = True
 
-    def result(self) -> dict:
+    def result(self, t0: float) -> dict:
+        """What it saw; the download's start in seconds after `t0` (time.time())."""
         if not self.bytes or self.last == self.first:
-            return {"state_bytes": self.bytes, "download_s": None, "download_mb_per_s": None}
+            return {"state_bytes": self.bytes, "seconds_to_download_start": None, "download_s": None, "download_mb_per_s": None}
         seconds = self.last - self.first
-        return {"state_bytes": self.bytes, "download_s": round(seconds, 3), "download_mb_per_s": round(self.bytes / 1e6 / seconds, 1)}
+        return {"state_bytes": self.bytes, "seconds_to_download_start": round(self.first - t0, 2), "download_s": round(seconds, 3),
+                "download_mb_per_s": round(self.bytes / 1e6 / seconds, 1)}  # fmt: skip
 
 
 def run_joiner(s: Settings, model_dir: Path, work: Path, watch) -> dict:
@@ -200,7 +202,7 @@ def run_joiner(s: Settings, model_dir: Path, work: Path, watch) -> dict:
         "seconds_to_first_outer_step": round(entry["time"] - t0, 2), "seconds_to_state_taken": round(start["time"] - t0, 2) if start else None,
         "first_outer_step": entry["outer_step"], "replicas_in_that_step": entry["members"],
         "state_from": None if not took else ("the coordinator" if coord_id and coord_id.endswith(took.group(2)) else "a replica peer"),
-        **clock.result(), "memory": memory,
+        **clock.result(t0), "memory": memory,
     }  # fmt: skip
 
 
@@ -211,7 +213,7 @@ def run_checkpoint(s: Settings, coordinator_dir: Path, work: Path) -> dict:
     from node.state.checkpoint_dir import load_checkpoint_dir, read_manifest
 
     work = _fresh(work)
-    latest = sorted((coordinator_dir / "checkpoints").glob("step-*"))[-1]
+    latest = max((coordinator_dir / "checkpoints").glob("step-*"))
     manifest = read_manifest(latest)
     state = load_checkpoint_dir(latest)
     store = CheckpointStore(work / "store", keep=1)
