@@ -2,6 +2,7 @@
 
     tree_pids(root)       the root, every process in its session and every descendant
     tree_memory(root)     {rss_mib, pss_mib, processes}: the tree's summed RSS and PSS
+    available_mib()       what the machine can still give (MemAvailable)
     MemoryWatch           samples named trees every `interval_s` in a thread; each tree's peak
 
 RSS counts every resident page of every process: pages two processes share (a forked DHT
@@ -35,6 +36,12 @@ def _scan() -> dict[int, tuple[int, int, str]]:
             continue
         out[int(entry)] = (int(fields[1]), int(fields[3]), head.partition(b"(")[2].decode(errors="replace"))
     return out
+
+
+def available_mib() -> int:
+    """The memory this machine can still give without swapping (MemAvailable), MiB."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("MemAvailable:"))
 
 
 def tree_pids(root: int, procs: dict[int, tuple[int, int, str]] | None = None) -> list[int]:

@@ -16,13 +16,15 @@ tied embeddings). For each, in one run:
                   the same cut (HFStage.cut), on the trainer's micro-batches;
 
 and once: daemon (a node with no coordinator to join: it never gets a role), joiner (GPT-2, or
-the first model: two replicas train, a third joins; its start to its first outer step and its
-state download), checkpoint (that swarm's kept checkpoint written again by CheckpointStore.save,
-and `swarmtrain-model export` of the coordinator's data dir).
+the first model: --joiner-replicas replicas train, one more joins; its start to its first outer
+step and its state download), checkpoint (that swarm's kept checkpoint written again by
+CheckpointStore.save, and `swarmtrain-model export` of the coordinator's data dir).
 
 Memory is each process tree's (the process, its DHT child, its p2pd, anything else it started)
 peak over the arm, as summed RSS and summed PSS (bench/memory.py); the targets use PSS. Every
-process trains with --threads torch threads (default 1). Arms run one after another; prints one
+process trains with --threads torch threads (default 1). The joiner is skipped where the replica
+arm's peak says its replicas cannot fit in memory, and an arm is stopped when the machine has
+less than 1 GiB left (a shared machine must not swap or kill). Arms run one after another; prints one
 JSON object; exits 1 if an arm failed, 2 on settings it refuses (--device cuda among them: the
 roles keep their models on the CPU).
 """
@@ -40,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.memory import available_mib
 from bench.models_settings import Settings, child_env, make_model_dir
 
 ARMS = ("daemon", "reference", "replica", "pipeline", "torch-pipeline", "joiner", "checkpoint")
@@ -65,12 +68,18 @@ def device_problem(device: str) -> str | None:
     return f"--device {device}: only cpu (and cuda, once the roles can take it) are measured"
 
 
+class Skipped(Exception):
+    """An arm not run, for the reason its message gives."""
+
+
 def _row(rows: list, key: str, fn) -> dict | None:
     """Run one arm; its row (status, wall time, error) in `rows`; its result, None if it failed."""
     t0 = time.monotonic()
     try:
         got = fn()
         row = {"arm": key, "status": "ok"}
+    except Skipped as e:
+        got, row = None, {"arm": key, "status": "skipped", "reason": str(e)}
     except Exception as e:  # one arm failing must not hide the others' results
         got, row = None, {"arm": key, "status": "failed", "error": f"{type(e).__name__}: {str(e)[:2000]}"}
     row["wall_s"] = round(time.monotonic() - t0, 1)
@@ -162,7 +171,11 @@ def run(s: Settings, arms: list[str], work: Path) -> dict:
         big = "gpt2" if "gpt2" in s.families else s.families[0]  # the joiner's and the checkpoint's model
         model_dir = Path(result["models"][big]["model_dir"])
         if "joiner" in arms:
-            result["joiner"] = _row(rows, "joiner", lambda: {"model": big, **swarm.run_joiner(s, model_dir, work / "joiner", watch)})
+            def joiner() -> dict:
+                _check_room(s, result["models"][big].get("replica"))
+                return {"model": big, "replicas_before_join": s.joiner_replicas, **swarm.run_joiner(s, model_dir, work / "joiner", watch)}
+
+            result["joiner"] = _row(rows, "joiner", joiner)
         if "checkpoint" in arms:
             # the joiner's coordinator, else the replica arm's: each keeps its run's checkpoint 0 (the seeded init)
             coord = next((p for p in (work / "joiner" / "coordinator", work / f"{big}-replica" / "coordinator") if (p / "checkpoints").is_dir()), None)
@@ -170,6 +183,20 @@ def run(s: Settings, arms: list[str], work: Path) -> dict:
     result["targets"] = targets(result)
     result["arms"] = rows
     return result
+
+
+def _check_room(s: Settings, replica: dict | None) -> None:
+    """Skipped when the joiner's replicas would not fit in this machine's memory, going by the
+    replica arm's peak RSS (a shared machine swaps or kills when they do not): the arm's own
+    replicas hold averaging buffers on top, so this is the least they need."""
+    if not replica or not replica.get("memory"):
+        return
+    each = replica["memory"]["rss_mib"]
+    need = (s.joiner_replicas + 1) * each
+    available = available_mib()
+    if need > available:
+        raise Skipped(f"{s.joiner_replicas + 1} replicas of {each:.0f} MiB RSS each (the replica arm's peak) need {need:.0f} MiB, this machine has {available} MiB available; "
+                      f"--joiner-replicas {max(1, available // int(each) - 1)} fits")  # fmt: skip
 
 
 def _need(coord: Path | None) -> Path:
@@ -215,7 +242,7 @@ def main(argv=None) -> int:
     for m in result["models"].values():
         m.pop("model_dir", None)
     print(json.dumps(result, indent=1))
-    return 0 if all(r["status"] == "ok" for r in result["arms"]) else 1
+    return 0 if all(r["status"] in ("ok", "skipped") for r in result["arms"]) else 1
 
 
 if __name__ == "__main__":

@@ -161,8 +161,13 @@ def _start(s: Settings, args: list[str], log: Path) -> subprocess.Popen:
 
 
 def _wait(procs: list[subprocess.Popen], logs: list[Path], timeout: float, what: str) -> None:
+    from bench.memory import available_mib
+    from bench.models_swarm import LOW_MEMORY_MIB
+
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
+        if (left := available_mib()) < LOW_MEMORY_MIB:
+            raise RuntimeError(f"{what}: stopped: the machine has {left} MiB of memory left")
         failed = [log for p, log in zip(procs, logs) if p.poll() not in (None, 0)]
         if failed or time.monotonic() > deadline:
             tail = _tail(failed[0]) if failed else ""

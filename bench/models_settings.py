@@ -31,6 +31,7 @@ class Settings:
     stage_clip: str = "global"  # the pipeline's clipping: global (one norm over all stages) | stage (each its own)
     threads: int = 1  # torch threads of every process that trains
     join_timeout_s: float = 30.0  # how long a replicas' averaging round waits for late replicas
+    joiner_replicas: int = 2  # replicas training before one more joins (each holds the whole model and its optimizers)
     daemon_window_s: float = 5.0  # how long the model-less daemon is sampled once it is up
     seed: int = 0
     tiny: bool = False  # tiny configs of both families (the smoke test), the same code paths
@@ -55,7 +56,7 @@ class Settings:
         unknown = [m for m in self.families if m not in FAMILIES]
         if unknown or not self.families:
             return f"--models takes a comma-separated list of {', '.join(FAMILIES)}, got {self.models!r}"
-        for name in ("stages", "seq_len", "batch_size", "steps", "inner_steps", "step_micro_batches", "threads"):
+        for name in ("stages", "seq_len", "batch_size", "steps", "inner_steps", "step_micro_batches", "threads", "joiner_replicas"):
             if getattr(self, name) < 1:
                 return f"--{name.replace('_', '-')} must be at least 1"
         if self.steps % self.inner_steps:

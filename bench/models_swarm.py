@@ -4,7 +4,8 @@ starts them, each in its own session; `Swarm.close` kills what is left of every 
     run_daemon          a node with no coordinator to join: it never gets a role
     run_replica         a coordinator and one replica (min_replicas 1): its inner steps' tokens/s
     run_pipeline_swarm  a coordinator, one stage server per stage, one trainer, synchronous steps
-    run_joiner          two replicas train; a third joins: its start to its first outer step
+    run_joiner          two replicas train (--joiner-replicas); one more joins: its start to its
+                        first outer step, its state download
     run_checkpoint      the coordinator's kept checkpoint written again by CheckpointStore.save,
                         and `swarmtrain-model export` of the coordinator's data dir
 
@@ -21,10 +22,12 @@ import sys
 import time
 from pathlib import Path
 
+from bench.memory import available_mib
 from bench.models_settings import REPORT, ROOT, Settings
 from tests.swarm import ProcessExited, Swarm, wait_for
 
 POLL_S = 0.05  # how often the joiner's downloads are looked at
+LOW_MEMORY_MIB = 1024  # an arm is stopped when the machine has less left
 
 
 def _node(s: Settings, level: str = "INFO") -> list[str]:
@@ -46,6 +49,10 @@ def _json(path: Path) -> dict:
 
 
 def _alive(*procs) -> bool:
+    """True while every process runs and the machine has memory left; ProcessExited otherwise (an
+    arm whose processes take the machine's last memory is stopped before it swaps or kills)."""
+    if (left := available_mib()) < LOW_MEMORY_MIB:
+        raise ProcessExited(f"stopped: the machine has {left} MiB of memory left")
     for p in procs:
         if not p.alive():
             raise ProcessExited(f"{p.name} exited: {' | '.join(p.log().strip().splitlines()[-6:])[-1500:]}")
@@ -113,7 +120,7 @@ def run_pipeline_swarm(s: Settings, model_dir: Path, work: Path, watch) -> dict:
         coord, maddr = _coordinator(sw, watch, *run)
         servers = [sw.node(n, [maddr], *_node(s, "WARNING")) for n in names]
         # (the trainer waits for a peer of every stage; it is timed from its first loss report on)
-        t = sw.node("trainer", [maddr], *_node(s, "WARNING"), "--wanted-role", "trainer", "--shard-index", "0", "--num-shards", "1")
+        t = sw.node("trainer", [maddr], *_node(s), "--wanted-role", "trainer", "--shard-index", "0", "--num-shards", "1")
         for n, p in [*zip(names, servers), ("trainer", t)]:
             watch.watch(n, p.popen.pid)
         want = s.pipeline_micro_batches
@@ -171,19 +178,22 @@ class DownloadClock:
 
 
 def run_joiner(s: Settings, model_dir: Path, work: Path, watch) -> dict:
-    """Two replicas train; once both finished an outer step together, a third starts: the time
-    from its process start to its first outer step averaged with the others (the first history
-    entry of a round it took part in: node/roles/replica.py)."""
+    """`joiner_replicas` replicas train; once they finished an outer step together, one more
+    starts: the time from its process start to its first outer step averaged with the others (the
+    first history entry of a round it took part in: node/roles/replica.py)."""
     sw = Swarm(_fresh(work))
-    shards = ["--num-shards", "3"]
+    n = s.joiner_replicas
+    shards = ["--num-shards", str(n + 1)]
+    alone = ["--min-group-size", "1"] if n == 1 else []  # one replica's rounds before the joiner comes: rounds of one
     try:
-        coord, maddr = _coordinator(sw, watch, "--model", str(model_dir), *_replicas(s, 2, 0))
-        first = [sw.node(f"r{i}", [maddr], *_node(s), "--shard-index", str(i), *shards) for i in range(2)]
-        wait_for(lambda: _alive(coord.proc, *first) and all(any(e.get("members", 0) >= 2 for e in _history(sw.tmp, f"r{i}")) for i in range(2)),
-                 s.timeout_s, "an outer step of the first two replicas together")  # fmt: skip
+        coord, maddr = _coordinator(sw, watch, "--model", str(model_dir), *_replicas(s, n, 0))
+        first = [sw.node(f"r{i}", [maddr], *_node(s), "--shard-index", str(i), *shards, *alone) for i in range(n)]
+        watch.watch("r0", first[0].popen.pid)
+        together = lambda i: any(e.get("members", 0) >= n and e.get("tokens_per_s") for e in _history(sw.tmp, f"r{i}"))  # noqa: E731
+        wait_for(lambda: _alive(coord.proc, *first) and all(together(i) for i in range(n)), s.timeout_s, "an outer step of the first replicas together")
         clock = DownloadClock(sw.tmp / "joiner" / "downloads")
         t0 = time.time()
-        joiner = sw.node("joiner", [maddr], *_node(s), "--shard-index", "2", *shards)
+        joiner = sw.node("joiner", [maddr], *_node(s), "--shard-index", str(n), *shards, *alone)
         watch.watch("joiner", joiner.popen.pid)
 
         def contributed() -> dict | None:
@@ -195,14 +205,14 @@ def run_joiner(s: Settings, model_dir: Path, work: Path, watch) -> dict:
         start = next((e for e in _history(sw.tmp, "joiner") if e.get("start")), {})
         took = re.search(r"replica: took outer step (\d+) .* from (\w+)", joiner.log())
         coord_id = coord.status().get("peer_id") or ""
-        memory = watch.forget("joiner")
+        memory, r0 = watch.forget("joiner"), watch.forget("r0")
     finally:
         sw.close()
     return {
         "seconds_to_first_outer_step": round(entry["time"] - t0, 2), "seconds_to_state_taken": round(start["time"] - t0, 2) if start else None,
         "first_outer_step": entry["outer_step"], "replicas_in_that_step": entry["members"],
         "state_from": None if not took else ("the coordinator" if coord_id and coord_id.endswith(took.group(2)) else "a replica peer"),
-        **clock.result(t0), "memory": memory,
+        **clock.result(t0), "memory": memory, "first_replica_memory": r0,
     }  # fmt: skip
 
 

@@ -88,11 +88,19 @@ def test_ratios_and_targets_read_the_arms_as_they_report():
     assert got == {"x_stage_server_memory": (0.4, False), "x_pipeline_tokens_per_s": (1.25, True), "daemon_memory": (349.0, True), "joiner_time": (61.0, False)}
 
 
+def test_the_joiner_is_skipped_where_its_replicas_cannot_fit_in_memory():
+    from bench.models import Settings, Skipped, _check_room
+
+    _check_room(Settings(), None)  # no replica arm: nothing to go by
+    with pytest.raises(Skipped, match=r"3 replicas of 1000000000 MiB RSS each .* need 3000000000 MiB, this machine has \d+ MiB available"):
+        _check_room(Settings(), {"memory": {"rss_mib": 1e9}})
+
+
 @pytest.mark.timeout(90)
 def test_a_joiner_and_the_kept_checkpoint(tmp_path):
     result = run_bench(tmp_path, "--models", "gpt2", "--arms", "joiner,checkpoint")
     joiner, ckpt = result["joiner"], result["checkpoint"]
-    assert joiner["model"] == ckpt["model"] == "gpt2" and joiner["replicas_in_that_step"] >= 2 and joiner["state_from"] in ("a replica peer", "the coordinator")
+    assert joiner["model"] == ckpt["model"] == "gpt2" and joiner["replicas_before_join"] == 2 and joiner["replicas_in_that_step"] >= 2 and joiner["state_from"] in ("a replica peer", "the coordinator")
     assert 0 < joiner["seconds_to_state_taken"] <= joiner["seconds_to_first_outer_step"]
     check_memory(joiner["memory"])
     assert ckpt["checkpoint_bytes"] > ckpt["exported_bytes"] > 0 and ckpt["save_s"] > 0 and ckpt["export_s"] > 0  # the state holds the outer momentum too
