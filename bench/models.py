@@ -130,8 +130,13 @@ def _ratios(m: dict) -> dict:
     if pipe and torch_:
         r["pipeline_over_torch_pipelining_tokens_per_s"] = round(pipe["tokens_per_s"] / torch_["tokens_per_s"], 3)
         r["stage_server_over_torch_rank_pss"] = [round(_pss(a) / _pss(b), 3) for a, b in zip(pipe["stage_servers"], torch_["ranks"]) if _pss(a) and _pss(b)]
+    if pipe and torch_ and "cpu_in_window" in pipe and "cpu_in_window" in torch_:
+        r["pipeline_over_torch_pipelining_cpu_s_per_token"] = round(pipe["cpu_in_window"]["cpu_s_per_1k_tokens"] / torch_["cpu_in_window"]["cpu_s_per_1k_tokens"], 3)
     if pipe and _pss(rep):
         r["stage_server_over_replica_pss"] = [round(_pss(st) / _pss(rep), 3) if _pss(st) else None for st in pipe["stage_servers"]]
+        last = lambda part: (part.get("memory") or {}).get("pss_mib_last")  # noqa: E731  (while training, at the arm's end)
+        if last(rep) and all(last(st) for st in pipe["stage_servers"]):
+            r["stage_server_over_replica_pss_at_end"] = [round(last(st) / last(rep), 3) for st in pipe["stage_servers"]]
         r["stage_params_over_model_params"] = [round(p / m["params"], 3) for p in m["stage_params"]]
     return r
 

@@ -114,7 +114,7 @@ def rank_main(s: Settings, path: Path, rank: int, port: int, out: Path) -> int:
     tc = RunConfig(batch_size=s.batch_size, seed=s.seed).train_config()
     opt = adamw(module.parameters(), tc)
     batches = Batches(load_corpus().train, 0, 1, s.batch_size, s.seq_len, s.seed)  # the swarm trainer's (shard 0 of 1), in order
-    ends, losses = [], []
+    ends, cpus, losses = [], [], []
     for step in range(s.pipeline_micro_batches // m):
         pairs = [batches.next() for _ in range(m)]
         x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
@@ -130,7 +130,8 @@ def rank_main(s: Settings, path: Path, rank: int, port: int, out: Path) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
         ends.append(time.time())
-    out.write_text(json.dumps({"step_ends": ends, "params": stage.num_params(), "loss": float(losses[-1]) if losses else None}))
+        cpus.append(time.process_time())
+    out.write_text(json.dumps({"step_ends": ends, "step_cpu_s": cpus, "params": stage.num_params(), "loss": float(losses[-1]) if losses else None}))
     dist.destroy_process_group()
     return 0
 
@@ -228,7 +229,10 @@ def run_torch_pipelining(s: Settings, model_dir: Path, work: Path, watch) -> dic
     ends = ranks[-1]["step_ends"]
     first = REPORT // s.step_micro_batches - 1  # the step that ends the first REPORT micro-batches
     tokens = (len(ends) - 1 - first) * s.step_micro_batches * s.batch_size * s.seq_len
-    return {"tokens_per_s": tokens / (ends[-1] - ends[first]), "final_loss": ranks[-1]["loss"],
+    cpu = sum(r["step_cpu_s"][-1] - r["step_cpu_s"][first] for r in ranks)  # each rank's own CPU clock, between its own step ends
+    window = ends[-1] - ends[first]
+    return {"tokens_per_s": tokens / window, "final_loss": ranks[-1]["loss"],
+            "cpu_in_window": {"window_s": round(window, 2), "cpu_s": round(cpu, 2), "cores_busy": round(cpu / window, 3), "cpu_s_per_1k_tokens": round(cpu / tokens * 1000, 3)},
             "ranks": [{"rank": r, "params": ranks[r]["params"], "memory": memory[r]} for r in range(s.stages)]}  # fmt: skip
 
 

@@ -127,16 +127,27 @@ def run_pipeline_swarm(s: Settings, model_dir: Path, work: Path, watch) -> dict:
         trainer = lambda: _json(sw.tmp / "trainer" / "trainer-stats.json")  # noqa: E731
         wait_for(lambda: _alive(t, coord.proc, *servers) and trainer().get("micro_batches", 0) >= want, s.timeout_s, f"{want} micro-batches through the pipeline")
         stage_of = lambda n: _json(sw.tmp / n / "stage-stats.json").get("stage")  # noqa: E731
-        memory = {n: watch.forget(n) for n in [*names, "trainer"]}
         stats = trainer()
+        h = {e["micro_batches"]: e["time"] for e in stats["history"]}
+        watch.sample()  # (one sample after the window's end)
+        tokens = (want - REPORT) * s.batch_size * s.seq_len
+        cpu = _cpu_in_window(watch, [*names, "trainer", "coordinator"], h[REPORT], h[want], tokens)
+        memory = {n: watch.forget(n) for n in [*names, "trainer"]}
         stages = {n: stage_of(n) for n in names}
     finally:
         sw.close()
-    h = {e["micro_batches"]: e["time"] for e in stats["history"]}
-    tokens = (want - REPORT) * s.batch_size * s.seq_len
     servers_out = sorted(({"stage": stages[n], "memory": memory[n]} for n in names), key=lambda r: r["stage"])
     return {"tokens_per_s": tokens / (h[want] - h[REPORT]), "final_loss": stats["loss"], "lost_micro_batches": stats["lost"], "retried_calls": stats.get("retries"),
-            "stage_servers": servers_out, "trainer": {"memory": memory["trainer"]}}  # fmt: skip
+            "cpu_in_window": cpu, "stage_servers": servers_out, "trainer": {"memory": memory["trainer"]}}  # fmt: skip
+
+
+def _cpu_in_window(watch, names: list[str], t0: float, t1: float, tokens: int) -> dict:
+    """CPU seconds every process of the swarm used over the timed window (its trees sampled by the
+    watch: the span measured is the samples' around the window, up to a sample interval wider)."""
+    got = watch.cpu_between(names, t0, t1)
+    span = got["to"] - got["from"]
+    return {"window_s": round(t1 - t0, 2), "cpu_s": got["cpu_s"], "sampled_span_s": round(span, 2), "cores_busy": round(got["cpu_s"] / span, 3),
+            "cpu_s_per_1k_tokens": round(got["cpu_s"] / (tokens * span / (t1 - t0)) * 1000, 3)}  # fmt: skip
 
 
 def _download_bytes(path: Path) -> int:

@@ -16,7 +16,7 @@ from tests.test_bench_allreduce_smoke import leftovers
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--inner-steps", "1", "--stages", "2", "--daemon-window-s", "1",
         "--join-timeout-s", "5", "--timeout", "60"]  # fmt: skip
-MEMORY = {"rss_mib", "pss_mib", "pss_mib_last", "processes", "samples"}
+MEMORY = {"rss_mib", "pss_mib", "pss_mib_last", "peak_pss_at_s", "processes", "samples"}
 
 
 def run_bench(tmp_path, *args: str, timeout: float = 80) -> dict:
@@ -70,6 +70,10 @@ def test_a_pipeline_swarm_against_torch_pipelining_on_the_same_cut(tmp_path):
     for rank in m["torch_pipeline"]["ranks"]:
         check_memory(rank["memory"], daemon=False)
     assert [st["stage"] for st in m["pipeline"]["stage_servers"]] == [0, 1] and m["pipeline"]["lost_micro_batches"] == 0
+    for part in (m["pipeline"], m["torch_pipeline"]):  # the CPU both spent over their timed windows
+        cpu = part["cpu_in_window"]
+        assert cpu["cpu_s"] > 0 and cpu["window_s"] > 0 and cpu["cores_busy"] > 0 and cpu["cpu_s_per_1k_tokens"] > 0, cpu
+    assert m["ratios"]["pipeline_over_torch_pipelining_cpu_s_per_token"] > 0
     ratio = m["ratios"]["pipeline_over_torch_pipelining_tokens_per_s"]
     assert ratio == round(m["pipeline"]["tokens_per_s"] / m["torch_pipeline"]["tokens_per_s"], 3)
     assert {t["target"]: t["measured"] for t in result["targets"]}["llama_pipeline_tokens_per_s"] == ratio
