@@ -80,8 +80,8 @@ def _rollup(pid: int) -> tuple[int, int] | None:
 
 
 def tree_memory(root: int, procs: Procs | None = None) -> dict | None:
-    """The tree's summed RSS and PSS (MiB), the CPU seconds its live processes used so far, and
-    their names; None when none is alive."""
+    """The tree's summed RSS and PSS (MiB), the CPU seconds its live processes used so far (all,
+    and the root's alone), and their names; None when none is alive."""
     procs = _scan() if procs is None else procs
     rss = pss = ticks = 0
     names = []
@@ -93,7 +93,8 @@ def tree_memory(root: int, procs: Procs | None = None) -> dict | None:
         names.append(procs[pid][2])
     if not names:
         return None
-    return {"rss_mib": round(rss / MIB, 1), "pss_mib": round(pss / MIB, 1), "cpu_s": ticks / TICKS, "processes": sorted(names)}
+    root_s = procs[root][3] / TICKS if root in procs else 0.0
+    return {"rss_mib": round(rss / MIB, 1), "pss_mib": round(pss / MIB, 1), "cpu_s": ticks / TICKS, "root_cpu_s": root_s, "processes": sorted(names)}
 
 
 class MemoryWatch:
@@ -109,7 +110,7 @@ class MemoryWatch:
         self._roots: dict[str, int] = {}
         self._since: dict[str, float] = {}
         self._peaks: dict[str, dict] = {}
-        self._cpu: dict[str, list[tuple[float, float]]] = {}  # name -> (time.time(), CPU seconds so far) per sample
+        self._cpu: dict[str, list[tuple[float, float, float]]] = {}  # name -> (time.time(), CPU seconds so far: the tree's, its root's) per sample
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memory-watch", daemon=True)
@@ -138,9 +139,10 @@ class MemoryWatch:
 
     def cpu_between(self, names: list[str], t0: float, t1: float) -> dict:
         """CPU seconds the trees of `names` used from their last sample at or before `t0` to
-        their first at or after `t1` ({cpu_s, from, to}: the samples' times); sampled every
-        interval_s, so the span is up to that much wider than asked. ValueError without samples."""
-        total, first, last = 0.0, t0, t1
+        their first at or after `t1`: {cpu_s, by_tree: {name: {cpu_s, root_cpu_s}}, from, to
+        (the samples' times)}; sampled every interval_s, so the span is up to that much wider
+        than asked. ValueError without samples."""
+        by, first, last = {}, t0, t1
         with self._lock:
             for name in names:
                 series = self._cpu.get(name) or []
@@ -148,9 +150,9 @@ class MemoryWatch:
                 after = [s for s in series if s[0] >= t1]
                 if not before or not after:
                     raise ValueError(f"{name}: no CPU samples around {t0:.1f}..{t1:.1f}")
-                total += after[0][1] - before[-1][1]
+                by[name] = {"cpu_s": round(after[0][1] - before[-1][1], 2), "root_cpu_s": round(after[0][2] - before[-1][2], 2)}
                 first, last = min(first, before[-1][0]), max(last, after[0][0])
-        return {"cpu_s": round(total, 2), "from": first, "to": last}
+        return {"cpu_s": round(sum(b["cpu_s"] for b in by.values()), 2), "by_tree": by, "from": first, "to": last}
 
     def sample(self, names: list[str] | None = None) -> None:
         procs, now_t = _scan(), time.time()
@@ -163,11 +165,11 @@ class MemoryWatch:
             with self._lock:
                 if name not in self._roots:
                     continue
-                self._cpu[name].append((now_t, now["cpu_s"]))
+                self._cpu[name].append((now_t, now["cpu_s"], now["root_cpu_s"]))
                 old = self._peaks.get(name)
                 at = round(now_t - self._since[name], 1)
                 if old is None:
-                    self._peaks[name] = {**{k: v for k, v in now.items() if k != "cpu_s"}, "pss_mib_last": now["pss_mib"], "peak_pss_at_s": at, "samples": 1}
+                    self._peaks[name] = {**{k: v for k, v in now.items() if not k.endswith("cpu_s")}, "pss_mib_last": now["pss_mib"], "peak_pss_at_s": at, "samples": 1}
                     continue
                 old["samples"] += 1
                 old["pss_mib_last"] = now["pss_mib"]

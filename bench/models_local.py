@@ -232,7 +232,8 @@ def run_torch_pipelining(s: Settings, model_dir: Path, work: Path, watch) -> dic
     cpu = sum(r["step_cpu_s"][-1] - r["step_cpu_s"][first] for r in ranks)  # each rank's own CPU clock, between its own step ends
     window = ends[-1] - ends[first]
     return {"tokens_per_s": tokens / window, "final_loss": ranks[-1]["loss"],
-            "cpu_in_window": {"window_s": round(window, 2), "cpu_s": round(cpu, 2), "cores_busy": round(cpu / window, 3), "cpu_s_per_1k_tokens": round(cpu / tokens * 1000, 3)},
+            "cpu_in_window": {"window_s": round(window, 2), "cpu_s": round(cpu, 2), "cores_busy": round(cpu / window, 3), "cpu_s_per_1k_tokens": round(cpu / tokens * 1000, 3),
+                              "by_rank": [round(r["step_cpu_s"][-1] - r["step_cpu_s"][first], 2) for r in ranks]},
             "ranks": [{"rank": r, "params": ranks[r]["params"], "memory": memory[r]} for r in range(s.stages)]}  # fmt: skip
 
 

@@ -147,7 +147,8 @@ def _cpu_in_window(watch, names: list[str], t0: float, t1: float, tokens: int) -
     got = watch.cpu_between(names, t0, t1)
     span = got["to"] - got["from"]
     return {"window_s": round(t1 - t0, 2), "cpu_s": got["cpu_s"], "sampled_span_s": round(span, 2), "cores_busy": round(got["cpu_s"] / span, 3),
-            "cpu_s_per_1k_tokens": round(got["cpu_s"] / (tokens * span / (t1 - t0)) * 1000, 3)}  # fmt: skip
+            "cpu_s_per_1k_tokens": round(got["cpu_s"] / (tokens * span / (t1 - t0)) * 1000, 3),
+            "by_tree": got["by_tree"], "by_tree_note": "root_cpu_s: the daemon's own process; the rest of a tree's: its DHT child and p2pd"}  # fmt: skip
 
 
 def _download_bytes(path: Path) -> int:

@@ -19,7 +19,7 @@ TINY = ["--tiny", "--seq-len", "32", "--batch-size", "2", "--steps", "2", "--inn
 MEMORY = {"rss_mib", "pss_mib", "pss_mib_last", "peak_pss_at_s", "processes", "samples"}
 
 
-def run_bench(tmp_path, *args: str, timeout: float = 80) -> dict:
+def run_bench(tmp_path, *args: str, timeout: float = 110) -> dict:
     marker = uuid.uuid4().hex
     argv = [sys.executable, "-m", "bench.models", "--json", *TINY, "--work-dir", str(tmp_path), *args]
     with subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "STB_TEST_MARKER": marker}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
@@ -40,7 +40,7 @@ def check_memory(memory: dict, daemon: bool = True) -> None:
         assert memory["processes"].count("p2pd") == 1 and len(memory["processes"]) >= 3, memory
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(130)
 def test_a_model_less_daemon_one_process_and_a_replica(tmp_path):
     result = run_bench(tmp_path, "--models", "llama", "--arms", "daemon,reference,replica")
     assert [r["arm"] for r in result["arms"]] == ["daemon", "llama/reference", "llama/replica"]
@@ -59,7 +59,7 @@ def test_a_model_less_daemon_one_process_and_a_replica(tmp_path):
     assert by["joiner_time"]["measured"] is None and by["joiner_time"]["met"] is False  # an arm not run meets nothing
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(130)
 def test_a_pipeline_swarm_against_torch_pipelining_on_the_same_cut(tmp_path):
     result = run_bench(tmp_path, "--models", "llama", "--arms", "pipeline,torch-pipeline")
     m = result["models"]["llama"]
@@ -100,11 +100,11 @@ def test_the_joiner_is_skipped_where_its_replicas_cannot_fit_in_memory():
         _check_room(Settings(), {"memory": {"rss_mib": 1e9}})
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(130)
 def test_a_joiner_and_the_kept_checkpoint(tmp_path):
-    result = run_bench(tmp_path, "--models", "gpt2", "--arms", "joiner,checkpoint")
+    result = run_bench(tmp_path, "--models", "gpt2", "--arms", "joiner,checkpoint", "--joiner-replicas", "1")
     joiner, ckpt = result["joiner"], result["checkpoint"]
-    assert joiner["model"] == ckpt["model"] == "gpt2" and joiner["replicas_before_join"] == 2 and joiner["replicas_in_that_step"] >= 2 and joiner["state_from"] in ("a replica peer", "the coordinator")
+    assert joiner["model"] == ckpt["model"] == "gpt2" and joiner["replicas_before_join"] == 1 and joiner["replicas_in_that_step"] >= 2 and joiner["state_from"] in ("a replica peer", "the coordinator")
     assert 0 < joiner["seconds_to_state_taken"] <= joiner["seconds_to_first_outer_step"]
     check_memory(joiner["memory"])
     assert ckpt["checkpoint_bytes"] > ckpt["exported_bytes"] > 0 and ckpt["save_s"] > 0 and ckpt["export_s"] > 0  # the state holds the outer momentum too
