@@ -157,7 +157,8 @@ def targets(result: dict) -> list[dict]:
     daemon = result.get("daemon")
     add("daemon_memory", "a node with no model (node, DHT child, p2pd): PSS MiB", TARGETS["daemon_pss_mib"], _pss(daemon), True)
     joiner = result.get("joiner")
-    add("joiner_time", "a replica joining a 2-replica swarm: seconds from its process start to its first outer step", TARGETS["joiner_s"],
+    n = result.get("settings", {}).get("joiner_replicas", 2)
+    add("joiner_time", f"a replica joining {n} training: seconds from its process start to its first outer step", TARGETS["joiner_s"],
         joiner["seconds_to_first_outer_step"] if joiner else None, True)  # fmt: skip
     return out
 
