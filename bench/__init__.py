@@ -5,4 +5,8 @@
                     (allreduce_peer.py: one peer process; netns.py: emulated links; workers.py)
     convergence.py  DiLoCo over the swarm vs sync data parallelism vs the one-process simulation
                     (convergence_sync.py, convergence_swarm.py, convergence_settings.py)
+    models.py       GPT-2 small and a Llama-style model in each role vs one process and
+                    torch.distributed.pipelining: memory, tokens/s, a joiner, checkpoint, export
+                    (models_settings.py, models_local.py, models_swarm.py; memory.py: a process
+                    tree's RSS, PSS and CPU time)
 """
