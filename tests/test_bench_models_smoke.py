@@ -41,28 +41,21 @@ def check_memory(memory: dict, daemon: bool = True) -> None:
 
 
 @pytest.mark.timeout(130)
-def test_a_model_less_daemon_one_process_and_a_replica(tmp_path):
-    result = run_bench(tmp_path, "--models", "llama", "--arms", "daemon,reference,replica")
-    assert [r["arm"] for r in result["arms"]] == ["daemon", "llama/reference", "llama/replica"]
+def test_a_model_less_daemon_one_process_and_a_pipeline_swarm_against_torch_pipelining(tmp_path):
+    # (one bench run: each run starts its processes anew, and the suite's minutes are few; the
+    # joiner's test runs the replicas)
+    result = run_bench(tmp_path, "--models", "llama", "--arms", "daemon,reference,pipeline,torch-pipeline")
+    assert [r["arm"] for r in result["arms"]] == ["daemon", "llama/reference", "llama/pipeline", "llama/torch-pipeline"]
     m = result["models"]["llama"]
     assert m["params"] == m["reference"]["params"] and m["config"]["max_position_embeddings"] == m["context_tokens"] == 32
-    assert m["stage_layers"] == [[0, 2], [2, 4]] and len(m["stage_params"]) == 2
-    assert m["reference"]["tokens_per_s"] > 0 and m["replica"]["tokens_per_s"] > 0 and m["replica"]["timed_outer_steps"] == 2
+    assert m["stage_layers"] == [[0, 2], [2, 4]] and len(m["stage_params"]) == 2 and m["reference"]["tokens_per_s"] > 0
     check_memory(m["reference"]["memory"], daemon=False)
-    check_memory(m["replica"]["memory"])
     check_memory(result["daemon"]["memory"])
     assert result["daemon"]["roles_taken"] == []
-    assert m["ratios"]["replica_over_reference_tokens_per_s"] == round(m["replica"]["tokens_per_s"] / m["reference"]["tokens_per_s"], 3)
     by = {t["target"]: t for t in result["targets"]}
     assert set(by) == {"llama_stage_server_memory", "llama_pipeline_tokens_per_s", "daemon_memory", "joiner_time"}
     assert by["daemon_memory"]["measured"] == result["daemon"]["memory"]["pss_mib"] and by["daemon_memory"]["met"] == (by["daemon_memory"]["measured"] <= 350)
     assert by["joiner_time"]["measured"] is None and by["joiner_time"]["met"] is False  # an arm not run meets nothing
-
-
-@pytest.mark.timeout(130)
-def test_a_pipeline_swarm_against_torch_pipelining_on_the_same_cut(tmp_path):
-    result = run_bench(tmp_path, "--models", "llama", "--arms", "pipeline,torch-pipeline")
-    m = result["models"]["llama"]
     assert [r["params"] for r in m["torch_pipeline"]["ranks"]] == m["stage_params"]
     assert m["pipeline"]["tokens_per_s"] > 0 and m["torch_pipeline"]["tokens_per_s"] > 0
     for part in (*m["pipeline"]["stage_servers"], m["pipeline"]["trainer"]):
