@@ -47,3 +47,14 @@ def swarm(tmp_path):
     yield s
     orphans = s.close()
     assert not orphans, orphans
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models in this process: a second torch thread only waits on a busy 2-core machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

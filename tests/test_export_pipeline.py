@@ -32,19 +32,12 @@ from node.state.model_files import pack_model_files
 from protocol.signatures import SigningKey
 
 transformers = pytest.importorskip("transformers")
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_torch_thread")]
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = PRESETS["tiny"]
 VOCAB = 320
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: a second thread only waits on a busy 2-core machine
-    yield
-    torch.set_num_threads(before)
 
 
 def perturbed(module: torch.nn.Module, seed: int) -> torch.nn.Module:

@@ -21,6 +21,8 @@ from node.models.diloco import InnerTrainer, TrainConfig, state_hash
 from node.models.hf import FAMILIES, CausalLM, ModelDirError, build_causal_lm, check_role, open_model_dir
 from node.models.tokens import ByteTokenizer, HFTokenizer, load_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VOCAB = 320
 TEXT = "the quick brown fox jumps over the lazy dog. a swarm of peers trains one model together.\n" * 20
 CONFIGS = {
@@ -35,13 +37,6 @@ CONFIGS = {
     ),  # fmt: skip
 }
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: a second thread only waits on a busy 2-core machine
-    yield
-    torch.set_num_threads(before)
 
 
 def train_tokenizer(vocab_size: int = 300):

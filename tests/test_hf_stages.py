@@ -15,6 +15,8 @@ from node.models.hf import ModelDirError, build_causal_lm, open_model_dir
 from node.models.hf_stages import HFStage, dims_of, init_hf_stage
 from node.models.stages import StageInputError, plan_stages
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VOCAB = 96
 CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, n_positions=32, vocab_size=VOCAB, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -33,13 +35,6 @@ CONFIGS = {
     ),  # fmt: skip
 }
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def model_dir(tmp_path, family: str):

@@ -13,7 +13,7 @@ from node.models.hf import build_causal_lm
 from node.models.mixtral import MixtralExpertShard, forward_loss, fuse_experts, local_experts, mixtral_layout, mixtral_routing, split_experts
 from node.models.moe import ExpertLayout, expert_name
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 SEED = 5
 
@@ -27,13 +27,6 @@ def tiny_config(**over) -> dict:
     cfg = transformers.MixtralConfig(**{**settings, **over})
     return cfg.to_dict()
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def swarm_parts(config: dict, shards: int):
