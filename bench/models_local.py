@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from bench.models_settings import REPORT, ROOT, Settings, child_env
+from bench.pipeline import pipelining_module
 
 
 def _plan(model_dir, s: Settings):
@@ -93,21 +94,8 @@ def rank_main(s: Settings, path: Path, rank: int, port: int, out: Path) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=s.stages, timeout=datetime.timedelta(seconds=s.timeout_s))
     d = open_model_dir(path)
     stage = init_hf_stage(d, rank, _plan(d, s), s.seed, weights=False)  # what a stage server builds
-    # the schedule infers shapes on uninitialised tensors (torch.empty), which may hold NaN: the
-    # stage's check of a peer's activations would refuse them
-    stage.check_input = lambda x, finite=True: None
     last = rank == s.stages - 1
-
-    class Logits(torch.nn.Module):  # a pipelining stage hands on one tensor: the last one its logits
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            got = self.inner(x)
-            return got[0] if last else got
-
-    module = Logits(stage)
+    module = pipelining_module(stage, last)
     m = s.step_micro_batches
     schedule = Schedule1F1B(PipelineStage(module, rank, s.stages, torch.device("cpu")), m,
                             loss_fn=lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1)))  # fmt: skip

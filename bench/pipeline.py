@@ -194,6 +194,27 @@ def run_torch_pipeline(s: Settings, work: Path, timeout: float) -> dict:
     return {**last, "samples_per_s": (s.samples - first["first_samples"]) / first["seconds"]}
 
 
+
+def pipelining_module(stage, last: bool):
+    """`stage` (ours or a Hugging Face model's) as torch.distributed.pipelining takes it: a module
+    that hands on one tensor, the last stage its logits. The schedule infers shapes by running each
+    stage on uninitialised tensors (torch.empty), which may hold NaN: the stage's own input check
+    (for peers' activations) would refuse them, so it is switched off."""
+    import torch
+
+    stage.check_input = lambda x, finite=True: None
+
+    class Logits(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            out = self.inner(x)
+            return out[0] if last else out
+
+    return Logits(stage)
+
 def rank_main(rank: int, port: int, s: Settings, out: Path) -> int:
     import torch
     import torch.distributed as dist
@@ -210,21 +231,8 @@ def rank_main(rank: int, port: int, s: Settings, out: Path) -> int:
     cfg = PRESETS[s.model]
     plan = plan_stages(cfg, s.stages)
     stage = init_stage(cfg, rank, plan, s.seed)
-    # the schedule infers shapes by running each stage on uninitialised tensors (torch.empty), which
-    # may hold NaN: the stage's own input check (for peers' activations) would refuse them
-    stage.check_input = lambda x: None
     last = rank == s.stages - 1
-
-    class Logits(torch.nn.Module):  # the pipelining stage must hand on a tensor: the last one its logits
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            out = self.inner(x)
-            return out[0] if last else out
-
-    module = Logits(stage)
+    module = pipelining_module(stage, last)
     n_micro = s.step_samples // s.batch_size
     pstage = PipelineStage(module, rank, s.stages, torch.device("cpu"))
     losses: list = []
