@@ -67,7 +67,7 @@ async def expert_model(run: RunConfig, ctx: RoleContext, stopping: Callable[[], 
     """The run's model: a preset's at once, a Hugging Face model's once its files are here."""
     if not run.is_hf:
         return preset_model(run)
-    path = await model_files(run, ctx.transport, lambda: ctx.membership.coordinator, Path(ctx.node_config.data_dir) / "model", stopping)
+    path = await model_files(ctx, run, stopping)
     return await asyncio.to_thread(_mixtral, run, path)
 
 

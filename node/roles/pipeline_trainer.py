@@ -74,9 +74,7 @@ class PipelineTrainer(Role):
 
     async def start(self) -> None:
         if self.model is None:
-            c = self.ctx.node_config
-            self._cut(await run_model(self.run_config, self.ctx.transport, lambda: self.ctx.membership.coordinator, Path(c.data_dir) / "model",
-                                      lambda: self._stopping, role="pipeline"))  # fmt: skip
+            self._cut(await run_model(self.ctx, self.run_config, lambda: self._stopping, role="pipeline"))
 
     async def stop(self, planned: bool = True) -> None:
         self._stopping = True

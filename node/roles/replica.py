@@ -137,7 +137,7 @@ class Replica(Role):
     async def _train(self) -> None:
         c = self.ctx.node_config
         try:
-            self.spec = await run_model(self.run_config, self.ctx.transport, lambda: self.ctx.membership.coordinator, Path(c.data_dir) / "model", lambda: self._stop)
+            self.spec = await run_model(self.ctx, self.run_config, lambda: self._stop)
             self.corpus = await asyncio.to_thread(self.spec.corpus, c.data, c.text_field)
         except DataError as e:  # the daemon checked it at start: it changed since
             log.error("cannot train: %s", e)

@@ -19,7 +19,7 @@ from ..models.data import Corpus, load_corpus
 from ..net.transport import NETWORK_ERRORS
 from ..runconfig import RunConfig
 from ..state.model_files import fetch_model_files
-from .role import RoleError
+from .role import RoleContext, RoleError
 
 log = logging.getLogger(__name__)
 
@@ -54,25 +54,26 @@ def builtin_model(run: RunConfig) -> RunModel:
                     config, lambda index, plan, seed: init_stage(config, index, plan, seed))  # fmt: skip
 
 
-async def run_model(run: RunConfig, transport, coordinator: Callable[[], str | None], root: Path, stopping: Callable[[], bool],
-                    role: str = "replica") -> RunModel:  # fmt: skip
+async def run_model(ctx: RoleContext, run: RunConfig, stopping: Callable[[], bool], role: str = "replica") -> RunModel:
     """The run's model for `role` (a node.models.hf.FAMILIES role: replica, pipeline); a Hugging
     Face model's files are fetched from the coordinator first (again every FETCH_RETRY_S until it
     answers). RoleError when the files cannot make the model, or not for this role."""
     if not run.is_hf:
         return builtin_model(run)
-    path = await model_files(run, transport, coordinator, root, stopping)
+    path = await model_files(ctx, run, stopping)
     return await asyncio.to_thread(_hf_model, path, role)
 
 
-async def model_files(run: RunConfig, transport, coordinator: Callable[[], str | None], root: Path, stopping: Callable[[], bool]) -> Path:
-    """The directory of a Hugging Face model's files, fetched from the coordinator by the run's
-    pin and checked against it (again every FETCH_RETRY_S until it answers)."""
+async def model_files(ctx: RoleContext, run: RunConfig, stopping: Callable[[], bool]) -> Path:
+    """The directory of a Hugging Face model's files (under DATA_DIR/model), fetched from the
+    coordinator by the run's pin and checked against it (again every FETCH_RETRY_S until it
+    answers; `stopping()` ends the wait)."""
+    root = Path(ctx.node_config.data_dir) / "model"
     while True:
-        coord = coordinator()
+        coord = ctx.membership.coordinator
         if coord is not None:
             try:
-                return await fetch_model_files(transport, coord, run.model, root)
+                return await fetch_model_files(ctx.transport, coord, run.model, root)
             except NETWORK_ERRORS as e:
                 log.warning("cannot fetch the model's files from the coordinator yet: %s", e)
         if stopping():

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
 from protocol import RemoteProtocolError, RoleAssignment, StageCall, StageResult, pack_tensors
@@ -117,9 +116,7 @@ class StageServer(Role):
 
     async def start(self) -> None:
         if self.slot is None:
-            c = self.ctx.node_config
-            self._cut(await run_model(self.run_config, self.ctx.transport, lambda: self.ctx.membership.coordinator, Path(c.data_dir) / "model",
-                                      lambda: self._stopping, role="pipeline"))  # fmt: skip
+            self._cut(await run_model(self.ctx, self.run_config, lambda: self._stopping, role="pipeline"))
         await self.slot.start(self._build, {StageCall: self._on_call}, self._describe)
 
     async def run(self) -> None:
