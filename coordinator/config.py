@@ -82,8 +82,9 @@ def _hf_experts(c: CoordinatorConfig) -> int | None:
     under the data dir); None when it has none or cannot be read (check_model says why)."""
     from node.models.hf import ModelDirError, open_model_dir
 
-    model = c.run.model
-    path = Path(c.data_dir) / "model" / model[3:] if HF_PIN.fullmatch(model) else Path(model).expanduser()
+    path = _model_path(c)
+    if path is None:
+        return None
     try:
         experts = getattr(open_model_dir(path).hf_config(), "num_local_experts", None)
     except ModelDirError:
@@ -114,6 +115,15 @@ def check_model(c: CoordinatorConfig) -> None:
         run.stage_plan(cut_dims(c))
 
 
+def _model_path(c: CoordinatorConfig) -> Path | None:
+    """The run's Hugging Face model directory: the one given, or for a pin the files kept under
+    DATA_DIR/model (None when they are not there)."""
+    from node.state.model_files import local_model_dir
+
+    model = c.run.model
+    return local_model_dir(Path(c.data_dir).expanduser() / "model", model) if HF_PIN.fullmatch(model) else Path(model).expanduser()
+
+
 def cut_dims(c: CoordinatorConfig):
     """What the run's pipeline cut is sized by: None for a preset (its config), a Hugging Face
     model's hf_stages.CutDims (read from its directory, or from the files kept under
@@ -123,9 +133,8 @@ def cut_dims(c: CoordinatorConfig):
         return None
     from node.models.hf import ModelDirError, open_model_dir
     from node.models.hf_stages import dims_of
-    from node.state.model_files import local_model_dir
 
-    path = local_model_dir(Path(c.data_dir).expanduser() / "model", run.model) if HF_PIN.fullmatch(run.model) else Path(run.model).expanduser()
+    path = _model_path(c)
     if path is None:
         raise RunConfigError(f"model {run.model}: its files are not in {Path(c.data_dir) / 'model'}; give the model's directory", "model")
     try:
