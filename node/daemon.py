@@ -83,8 +83,11 @@ class Node:
         if warning:
             log.warning(warning)
         caps = await asyncio.get_running_loop().run_in_executor(None, capabilities.measure, c.device)
+        caps["software"] = SOFTWARE  # for the operator's member list
         if c.client_mode:
             caps["client_mode"] = 1  # the coordinator gives it a role that only calls out
+        if c.relays:
+            caps["relayed"] = 1  # reached through a relay (for the operator's member list)
         log.info("capabilities: %s", ", ".join(f"{k}={v}" for k, v in caps.items()))
         self.membership = Membership(self.host, self.transport, c, caps, token)
         self.membership.on_assignment = self.roles.want

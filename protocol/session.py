@@ -90,6 +90,10 @@ class Register(Message):
         _require(len(self.maddrs) <= 64, "maddrs", "at most 64 addresses")
 
 
+MAX_NOTES = 16  # per heartbeat: a node keeps the newest
+MAX_NOTE_LEN = 512
+
+
 @message(11)
 class Heartbeat(Message):
     """Periodic liveness report; the reply is a RoleAssignment (the current one, or a new one)."""
@@ -102,10 +106,23 @@ class Heartbeat(Message):
     # the work samples_per_second was measured at ("stage:2"); "": the current assignment's.
     # A rate reported for other work than the coordinator now assigns is not stored
     measured_as: str = ""
+    # bytes this node sent and received since it started, every plane together (libp2p, direct,
+    # relayed): the coordinator's bytes/s over time are the differences
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    # "": the role runs; else why it failed (the node takes no other role until restarted)
+    failure: str = ""
+    # what happened since the last heartbeat that the operator should see (a failed round and
+    # its reason, say), oldest first
+    notes: tuple[str, ...] = ()
 
     def validate(self) -> None:
         _require(0 < len(self.peer_id) <= MAX_ID_LEN, "peer_id", "must be 1..256 characters")
         _require(len(self.measured_as) <= MAX_ID_LEN, "measured_as", "at most 256 characters")
+        _require(self.bytes_sent >= 0 and self.bytes_received >= 0, "bytes_sent", "byte counts must be >= 0")
+        _require(len(self.failure) <= MAX_NOTE_LEN, "failure", f"at most {MAX_NOTE_LEN} characters")
+        _require(len(self.notes) <= MAX_NOTES, "notes", f"at most {MAX_NOTES} per heartbeat")
+        _require(all(0 < len(n) <= MAX_NOTE_LEN for n in self.notes), "notes", f"each 1..{MAX_NOTE_LEN} characters")
         _require(self.step >= 0, "step", "must be >= 0")
         _require(_finite(self.loss), "loss", "must be finite")
         _require(_finite(self.samples_per_second), "samples_per_second", "must be finite")

@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol import Deregister, Heartbeat, Probe, Register, RemoteProtocolError, RoleAssignment
+from protocol.session import MAX_NOTE_LEN, MAX_NOTES
 from protocol.records import CoordinatorRecord, MemberRecord, RevocationRecord, coordinator_key, members_key, revoked_key, role_label
 
 from ..config import NodeConfig
@@ -37,7 +39,13 @@ class Progress:
     samples_per_second: float | None = None
     state_hash: str | None = None
     measured_as: str = ""  # the work samples_per_second was measured at (a member record's role label); "": any
+    failure: str = ""  # why the role failed ("": it did not); the node takes no other role until restarted
+    notes: deque = field(default_factory=lambda: deque(maxlen=MAX_NOTES))  # for the operator, sent with the next heartbeat
     extra: dict = field(default_factory=dict)
+
+    def note(self, text: str) -> None:
+        """Tell the coordinator's operator this (a failed round and why, say) with the next heartbeat."""
+        self.notes.append(text[:MAX_NOTE_LEN] or "-")
 
 
 class Membership:
@@ -128,14 +136,20 @@ class Membership:
     async def heartbeat(self) -> RoleAssignment:
         assert self.coordinator is not None
         p = self.progress
-        reply = await self.transport.call(
-            self.coordinator,
-            Heartbeat(
-                peer_id=self.host.peer_id, step=p.step, loss=p.loss, samples_per_second=p.samples_per_second, state_hash=p.state_hash,
-                measured_as=p.measured_as,
-            ),  # fmt: skip
-            timeout=self.config.rpc_timeout_s,
-        )
+        notes, sent_total, received_total = tuple(p.notes), *self.transport.traffic.totals()
+        p.notes.clear()
+        try:
+            reply = await self.transport.call(
+                self.coordinator,
+                Heartbeat(
+                    peer_id=self.host.peer_id, step=p.step, loss=p.loss, samples_per_second=p.samples_per_second, state_hash=p.state_hash,
+                    measured_as=p.measured_as, bytes_sent=sent_total, bytes_received=received_total, failure=p.failure, notes=notes,
+                ),  # fmt: skip
+                timeout=self.config.rpc_timeout_s,
+            )
+        except BaseException:
+            p.notes.extendleft(reversed(notes))  # not delivered: with the next one (the newest kept if too many)
+            raise
         return self._accept(reply)
 
     def _accept(self, reply) -> RoleAssignment:

@@ -55,6 +55,7 @@ from .rpc import (
 )
 from .serving import Server, answer_ping, answer_probe
 from .streams import FrameReader, close, write
+from .traffic import Traffic
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class Transport:
         self.scores = PeerScores(config)
         self.handlers: dict[type[Message], Handler] = {Ping: answer_ping, Probe: answer_probe}
         self.stats: dict[str, int] = defaultdict(int)
+        self.traffic = Traffic()  # bytes by plane and peer (traffic.py)
         self.heard: dict[str, float] = {}  # peer -> when bytes of its calls or replies last came in (monotonic)
         self.gate = None  # an owned swarm's MemberGate (node/net/gate.py): who we serve, and the certificate we present
         self.server = Server(self)
