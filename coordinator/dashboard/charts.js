@@ -96,7 +96,8 @@
     for (const v of xt) {
       if (!opt.time && !Number.isInteger(v) && x1 - x0 >= 2) continue;  // steps are whole
       node("line", { x1: sx(v), x2: sx(v), y1: PAD.top + ih, y2: PAD.top + ih + 4, class: "axis" }, svg);
-      text(svg, sx(v), H - 5, opt.time ? clock(v) : si(v));
+      const label = opt.time ? clock(v) : si(v), room = label.length * 3.3;  // (half its width at 10 px)
+      text(svg, Math.min(sx(v), W - 1), H - 5, label, "tick", sx(v) + room > W ? "end" : sx(v) - room < 0 ? "start" : "middle");
     }
     node("line", { x1: PAD.left, x2: W - PAD.right, y1: PAD.top + ih, y2: PAD.top + ih, class: "axis" }, svg);
     for (const s of series) {

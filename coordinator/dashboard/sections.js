@@ -44,7 +44,9 @@
   }
 
   function bytes(v) {
-    return v === null ? "–" : `${si(v)}B`;
+    if (v === null) return "–";
+    const t = si(v);  // "2.46M": "2.46 MB"
+    return /[kMGT]$/.test(t) ? `${t.slice(0, -1)} ${t.slice(-1)}B` : `${t} B`;
   }
 
   function noneYet(colspan, what) {
@@ -52,7 +54,7 @@
   }
 
   function where(m) {
-    if (m.stage !== null && m.stage !== undefined) return `stage ${str(m.stage)}`;
+    if (m.stage !== null && m.stage !== undefined) return `#${str(m.stage)}`;
     if (m.expert !== null && m.expert !== undefined) return str(m.expert);
     return "";
   }
@@ -71,7 +73,7 @@
         caps.device_name ? el("span", { class: "sub" }, str(caps.device_name)) : null),
       el("td", { class: "num" }, sps === null ? "–" : si(sps)),
       el("td", { class: "num" }, up === null && down === null ? "–" : `${up === null ? "?" : si(up)} / ${down === null ? "?" : si(down)}`),
-      el("td", {}, link),
+      el("td", { class: "link" }, link),
       el("td", { class: "num" }, m.step === null || m.step === undefined ? "–" : str(m.step)),
       el("td", { class: "num" }, num(m.loss) === null ? "–" : m.loss.toFixed(3)),
       el("td", { class: "num" }, ago(st.now - m.last_seen)),
