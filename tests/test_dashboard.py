@@ -21,7 +21,7 @@ from coordinator.service import Coordinator
 from protocol.signatures import SigningKey, peer_id_from_public_key
 from tests.swarm import ProcessExited, node_peer_id, wait_for
 
-RUN = ["--model", "tiny", "--inner-steps", "2", "--warmup-steps", "2", "--eval-batches", "1", "--checkpoint-every", "1",
+RUN = ["--model", "tiny", "--inner-steps", "5", "--warmup-steps", "5", "--eval-batches", "1", "--checkpoint-every", "1",
        "--join-timeout-s", "5", "--min-replicas", "2"]  # fmt: skip
 HEARTBEAT_TIMEOUT_S = 4
 NODE = ["--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "0.5", "--num-shards", "2"]
@@ -158,7 +158,7 @@ def test_the_page_shows_the_swarm_live_and_members_strings_as_text(swarm, tmp_pa
         first = wait_for(lambda: alive(_points(browser)), 120, "a first point of the loss curve")
         wait_for(lambda: alive(_points(browser) > first), 120, f"the loss curve to grow past {first} points")
         if os.environ.get("SWARMTRAIN_SCREENSHOT"):  # the README's picture: a swarm that has trained a bit
-            wait_for(lambda: alive(any(c["step"] >= 10 for c in coord.status()["checkpoints"])), 120, "a checkpoint of step 10")
+            wait_for(lambda: alive(any(c["step"] >= 30 for c in coord.status()["checkpoints"])), 180, "a checkpoint of step 30")
             renders = _renders(browser)
             wait_for(lambda: _renders(browser) >= renders + 2, 30, "the page to show it")
         shot = Path(os.environ.get("SWARMTRAIN_SCREENSHOT") or tmp_path / "dashboard.png")
