@@ -89,7 +89,7 @@ def _guard(coordinator):
     @web.middleware
     async def guard(request: web.Request, handler):
         if request.path != "/metrics" and loopback_only(coordinator) and not is_loopback(request.remote):
-            return web.Response(status=403, text="403: this swarm is owned: its dashboard and /status answer loopback only (the coordinator's --http-public serves them to every address)\n")
+            return web.Response(status=403, text="this swarm is owned: its dashboard and /status answer loopback only (the coordinator's --http-public serves them to every address)\n")
         return await handler(request)
 
     return guard

@@ -24,7 +24,7 @@
     const run = st.run || {};
     document.getElementById("swarm-id").textContent = S.str(st.swarm_id);
     document.getElementById("run").textContent = [mode(st) + " mode", run.model ? `model ${S.str(run.model)}` : null,
-      run.inner_steps ? `H=${S.str(run.inner_steps)}` : null, `plan epoch ${S.str(st.epoch || 0)}`, `up ${duration(st.now - st.started_at)}`].filter(Boolean).join(" · ");
+      run.inner_steps && mode(st) === "replica" ? `H=${S.str(run.inner_steps)}` : null, `plan epoch ${S.str(st.epoch || 0)}`, `up ${duration(st.now - st.started_at)}`].filter(Boolean).join(" · ");
     document.title = `swarmtrain · ${S.str(st.swarm_id)}`;
   }
 
