@@ -28,7 +28,8 @@ class CoordinatorConfig:
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # libp2p listen addresses; fix the port so nodes find it after a restart
     announce_maddrs: tuple[str, ...] = ()  # addresses nodes should dial
     initial_peers: tuple[str, ...] = ()  # DHT peers to join (a bootstrap peer); empty: start a new DHT
-    http: str = "127.0.0.1:8080"  # HOST:PORT of /status and /metrics; port 0 picks a free one; "" disables
+    http: str = "127.0.0.1:8080"  # HOST:PORT of the dashboard (/), /status and /metrics; port 0 picks a free one; "" disables
+    http_public: bool = False  # an owned swarm: serve the dashboard and /status to every address, not loopback only
     mode: str = "replica"  # role planning: replica | pipeline | experts
     heartbeat_timeout_s: float = 15.0  # seconds; members silent for longer are evicted
     rebalance_margin: float = 0.2  # pipeline: a peer moves to the slowest stage only if that raises its throughput by this fraction
@@ -180,6 +181,9 @@ def check_coordinator(c: CoordinatorConfig) -> tuple[Path, SigningKey]:
     data = check_data_dir(c.data_dir)
     key = load_identity(c.resolved_identity())
     owner = owner_of(c.swarm_id)
+    if c.http_public and (owner is None or not c.http):
+        raise ConfigError("--http-public is for an owned swarm's dashboard and /status (they answer loopback only otherwise); "
+                          + (f"swarm {c.swarm_id!r} is not owned: they answer every address already" if c.http else "--http is off"))
     if c.private and owner is None:
         raise ConfigError(f"--private needs an owned swarm id (name@<owner peer id>), not {c.swarm_id!r}: `swarmtrain-coordinator init` prints one")
     if owner is not None and peer_id_from_public_key(key.public_key) != owner:

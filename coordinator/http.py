@@ -1,9 +1,15 @@
-"""HTTP status for people and monitoring: GET /status (JSON), GET /metrics (Prometheus)."""
+"""HTTP status for people and monitoring: GET / (the dashboard, coordinator/dashboard/: a page
+that polls /status), GET /status (JSON), GET /metrics (Prometheus).
+
+An owned swarm's dashboard and status (its members, their addresses) answer loopback only, unless
+the operator passes --http-public: an operator reaches them through an SSH tunnel, say."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections import Counter
+from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
@@ -25,6 +31,32 @@ def parse_http(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"--http must be HOST:PORT, got {text!r}")
     return host, int(port)
+
+
+DASHBOARD = Path(__file__).resolve().parent / "dashboard"
+ASSETS = {"app.js": "text/javascript", "charts.js": "text/javascript", "sections.js": "text/javascript", "style.css": "text/css"}  # served under /dashboard/
+# the page runs our own files only: no inline script, nothing from elsewhere (a member's strings
+# are text; should one ever reach the DOM as markup, its handlers would not run)
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
+
+
+def is_loopback(remote: str | None) -> bool:
+    """Whether a request's peer address is this machine's loopback (an IPv4 one mapped into IPv6 too)."""
+    try:
+        ip = ipaddress.ip_address((remote or "").split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def loopback_only(coordinator) -> bool:
+    """Whether / and /status answer loopback only: an owned swarm, unless the operator said --http-public."""
+    return coordinator.owned and not coordinator.config.http_public
 
 
 def _metrics(coordinator, status: dict) -> bytes:
@@ -50,20 +82,45 @@ def _metrics(coordinator, status: dict) -> bytes:
     return generate_latest(reg)
 
 
+def _guard(coordinator):
+    """Middleware: in an owned swarm (see loopback_only) everything but /metrics answers loopback
+    only; a request from elsewhere gets 403 and one line saying why."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        if request.path != "/metrics" and loopback_only(coordinator) and not is_loopback(request.remote):
+            return web.Response(status=403, text="this swarm is owned: its dashboard and /status answer loopback only (the coordinator's --http-public serves them to every address)\n")
+        return await handler(request)
+
+    return guard
+
+
+async def _asset(request: web.Request) -> web.StreamResponse:
+    name = request.match_info["name"]
+    if name not in ASSETS:
+        raise web.HTTPNotFound()
+    return web.FileResponse(DASHBOARD / name, headers={**PAGE_HEADERS, "Content-Type": ASSETS[name]})
+
+
+async def _page(request: web.Request) -> web.StreamResponse:
+    return web.FileResponse(DASHBOARD / "index.html", headers={**PAGE_HEADERS, "Content-Type": "text/html; charset=utf-8"})
+
+
 async def start_http(coordinator, address: str) -> HttpServer:
     host, port = parse_http(address)
 
     async def status(request: web.Request) -> web.Response:
-        return web.json_response(await coordinator.status())
+        return web.json_response(await coordinator.status(), headers={"Cache-Control": "no-store"})
 
     async def metrics(request: web.Request) -> web.Response:
         body = _metrics(coordinator, await coordinator.status())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application()
+    app = web.Application(middlewares=[_guard(coordinator)])
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/", status)
+    app.router.add_get("/", _page)
+    app.router.add_get("/dashboard/{name}", _asset)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -74,6 +74,9 @@ def coordinator(argv: list[str]) -> list[str]:
         "--host-maddrs", f"/ip4/0.0.0.0/tcp/{port}",
         "--announce-maddrs", f"/dns4/{host}/tcp/{port}", f"/ip4/{ip}/tcp/{port}",
         "--http", f"0.0.0.0:{env('HTTP_PORT', '8080')}",
+        # an owned swarm's /status answers loopback only, but here every request comes from
+        # outside the container: the nodes read it for the coordinator's address
+        *(["--http-public"] if "@" in env("SWARMTRAIN_COORDINATOR_SWARM_ID", "") else []),
         *extra_args("COORDINATOR_ARGS"),
         *argv,
     ]  # fmt: skip

@@ -97,7 +97,7 @@ def start_coordinator(procs: Procs, run_dir: Path, http: int, p2p: int, t0: floa
             raise SystemExit(f"the coordinator did not start; see {run_dir}/coordinator.log")
         time.sleep(0.5)
         status = get_status(http)
-    print(f"coordinator up: status at http://127.0.0.1:{http}/status")
+    print(f"coordinator up: dashboard at http://127.0.0.1:{http}/ (JSON at /status)")
     return status["maddrs"][0]
 
 
