@@ -428,9 +428,9 @@ class Coordinator:
             store = self.stage_stores[stage]
         else:
             stage = None
-        await self._await_quorum(offer.step, state_hash if isinstance(state_hash, str) else None, stage, expert_slot)
+        verified_by = await self._await_quorum(offer.step, state_hash if isinstance(state_hash, str) else None, stage, expert_slot)
         try:
-            upload = store.begin_upload(offer.step, manifest)
+            upload = store.begin_upload(offer.step, manifest, verified_by)
         except CheckpointError as e:
             raise RemoteProtocolError(f"manifest refused: {e}", "manifest") from None
         try:
@@ -450,12 +450,14 @@ class Coordinator:
         except BaseException:
             upload.abort()
             raise
-        log.info("stored checkpoint %d%s uploaded by %s", info.step, f" of stage {stage}" if stage is not None else f" of {expert_slot}" if expert_slot else "", ctx.peer_id)
+        log.info("stored checkpoint %d%s uploaded by %s%s", info.step, f" of stage {stage}" if stage is not None else f" of {expert_slot}" if expert_slot else "", ctx.peer_id,
+                 " (verified by one replica)" if verified_by == 1 else "")  # fmt: skip
         return Ack(info={"step": info.step})
 
-    async def _await_quorum(self, step: int, state_hash: str | None, stage: int | None = None, expert_slot: str | None = None, wait_s: float = 15.0) -> None:
+    async def _await_quorum(self, step: int, state_hash: str | None, stage: int | None = None, expert_slot: str | None = None, wait_s: float = 15.0) -> int | None:
         """Hold an upload until enough replicas (of the stage, or members of the experts run's
-        slot) reported its hash (their heartbeats may trail it)."""
+        slot) reported its hash (their heartbeats may trail it); how many did (None: step 0,
+        the initial state, which needs nobody's)."""
         deadline = time.monotonic() + wait_s
         while True:
             if expert_slot is not None:
@@ -468,7 +470,7 @@ class Coordinator:
             ok, reason = checkpoint_quorum(step, state_hash, reports, replicas)
             if ok:
                 log.debug("checkpoint %d: %s", step, reason)
-                return
+                return sum(h == state_hash for h in reports.values()) if step else None
             if time.monotonic() > deadline:
                 raise RPCError("timeout", f"checkpoint {step} refused: {reason}")
             await asyncio.sleep(0.2)
@@ -483,7 +485,8 @@ class Coordinator:
             d["maddrs"] = list(m.maddrs)
             members.append(d)
         checkpoints = [
-            {"step": i.step, "created_at": i.manifest.get("created_at"), "state_hash": i.manifest.get("state_hash"), "files": i.manifest.get("files")}
+            {"step": i.step, "created_at": i.manifest.get("created_at"), "state_hash": i.manifest.get("state_hash"), "files": i.manifest.get("files"),
+             "verified_by": i.manifest.get("verified_by")}  # replicas that reported its hash (1: verified by one replica; null: the initial state)
             for i in self.store.list()
         ]
         stages = {}
