@@ -70,24 +70,38 @@ async def serve(node_factory, stop_signals=(signal.SIGINT, signal.SIGTERM)) -> i
     daemon = node_factory()
     try:
         await daemon.start()
-        await stop.wait()
-        logging.getLogger("swarmtrain").info("stopping")
+        # until a stop signal, or an error that ends the daemon (`fatal`: the coordinator refused a node)
+        stopped = asyncio.ensure_future(stop.wait())
+        fatal = getattr(daemon, "fatal", None) or asyncio.get_running_loop().create_future()
+        await asyncio.wait([stopped, fatal], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not fatal.done():
+            logging.getLogger("swarmtrain").info("stopping")
     finally:
         await daemon.stop()
+    if fatal.done():
+        raise fatal.exception()
     return 0
 
 
 def run_daemon(node_factory, fatal_errors=()) -> int:
-    """Run until stopped; a bad setting or an unreachable swarm is one line on stderr, exit 2."""
+    """Run until stopped; a bad setting or an unreachable swarm is one line on stderr, exit 2; a
+    node the coordinator refuses stops, one line on stderr, exit 3."""
     import uvloop
 
     from .net.host import HostError
+    from .net.membership import Refused
 
     try:
         code = uvloop.run(serve(node_factory))
     except (ConfigError, HostError, *fatal_errors) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Refused as e:  # (after a clean stop: deregistered, p2pd down)
+        logging.shutdown()
+        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(3)
     except KeyboardInterrupt:
         code = 0
     # Everything that matters is shut down (deregistered, p2pd stopped, files renamed into

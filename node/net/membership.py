@@ -1,7 +1,8 @@
 """The node's side of membership: find the coordinator, register, heartbeat, and publish a
 signed membership record in the DHT. The swarm does not depend on the coordinator being up:
 when it is unreachable the node keeps its role and retries with backoff, and its DHT record
-keeps announcing it; when the coordinator comes back the node registers again."""
+keeps announcing it; when the coordinator comes back the node registers again. A coordinator
+that answers with a refusal (`Refused`) ends the node instead."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ PROBE_BYTES = 2 << 20
 
 class CoordinatorNotFound(Exception):
     pass
+
+
+class Refused(Exception):
+    """The coordinator refused this node ("unauthorized": no join token, an expired one, another
+    peer's or swarm's, revoked by the owner). Final: asking again gets the same answer, so the
+    node stops (a coordinator that is down or restarting is no refusal: that is retried)."""
 
 
 @dataclass
@@ -175,7 +182,8 @@ class Membership:
         return reply
 
     async def run(self) -> None:
-        """Register, then heartbeat forever; on trouble keep the role and retry with backoff."""
+        """Register, then heartbeat forever; on trouble keep the role and retry with backoff.
+        `Refused` when the coordinator refuses us: the node stops."""
         backoff = 0.5
         while True:
             if self.leaving:
@@ -196,7 +204,7 @@ class Membership:
                 await woken(self._wake, self.config.heartbeat_interval_s)
             except (*NETWORK_ERRORS, CoordinatorNotFound, DHTError) as e:
                 if isinstance(e, RemoteError) and e.code == "unauthorized":
-                    log.error("the coordinator refused us: %s", e.message)
+                    raise Refused(f"the coordinator refused this node: {e.message}") from None
                 if not self._trouble_logged:
                     log.warning("coordinator unreachable (%s); keeping role %s, retrying", e, self.assignment.role if self.assignment else None)
                     self._trouble_logged = True
