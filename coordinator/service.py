@@ -44,7 +44,7 @@ from .checkpoints import CheckpointError, CheckpointStore, weights_as_first_chec
 from .config import CoordinatorConfig, check_coordinator, cut_dims, expert_slots, resolve_model
 from .expert_stores import EXPERT_CHECKPOINTS, ExpertStores
 from .tools import read_revoked, revocation_file
-from .planner import Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
+from .planner import TOKEN_ROLES, Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
 from .registry import AsyncRegistry, Member, ProgressPoint, Registry, RegistryError
 
 log = logging.getLogger(__name__)
@@ -354,6 +354,7 @@ class Coordinator:
         if req.peer_id in self.revoked:
             raise RPCError("unauthorized", f"{req.peer_id} is revoked by the owner of swarm {self.config.swarm_id}")
         self.certified.pop(req.peer_id, None)  # (registering again: a certificate with the answer)
+        capabilities = {k: v for k, v in req.capabilities.items() if k != TOKEN_ROLES}  # (ours to say, not the node's)
         if self.owner_key is not None:
             if req.token is None:
                 raise RPCError("unauthorized", "this swarm is private: a join token is required")
@@ -364,8 +365,10 @@ class Coordinator:
             check = verify_token(token, self.owner_key, self.config.swarm_id, req.peer_id, time.time(), role=req.wanted_role)
             if not check:
                 raise RPCError("unauthorized", f"join token refused: {check.reason}")
+            if token.roles:  # the planner gives it no other role (planner.allowed_roles)
+                capabilities[TOKEN_ROLES] = ",".join(sorted(token.roles))
         try:
-            await self.registry.register(req.peer_id, req.maddrs, req.capabilities, time.time(), wanted_role=req.wanted_role)
+            await self.registry.register(req.peer_id, req.maddrs, capabilities, time.time(), wanted_role=req.wanted_role)
         except ValueError as e:
             raise RemoteProtocolError(str(e), "capabilities") from None
         log.info("registered %s (%s)", req.peer_id, ", ".join(f"{k}={v}" for k, v in sorted(req.capabilities.items())))

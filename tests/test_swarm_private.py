@@ -99,8 +99,15 @@ def test_a_private_swarm_from_the_cli_serves_members_only_and_revokes(swarm):
     join = ["--swarm-id", swarm_id, *NODE]
     nodes = {n: swarm.node(n, [maddr], *join, "--shard-index", str(i), "--token", token.stdout.strip()) for i, n in enumerate(["a", "b", "c"])}
     outsider = swarm.node("x", [maddr], *join, "--shard-index", "3")  # no token
+    trainer_only = tool("token", "--data-dir", str(data), "--swarm-id", swarm_id, "--roles", "trainer").stdout.strip()
+    trainer = swarm.node("t", [maddr], *join, "--token", trainer_only)  # asks for no role: replica mode has none its token allows
     ids = {n: node_peer_id(p) for n, p in nodes.items()}
     wait_for(lambda: min(outer_step(swarm, n) for n in nodes) >= 1, 240, "the members to train an outer step")
+    t = coord.members().get(node_peer_id(trainer)) or wait_for(lambda: coord.members().get(node_peer_id(trainer)), 60, "t to register")
+    assert t["role"] == "idle", t
+    assert "role: idle (its join token allows only trainer: replica mode has no place for that)" in trainer.log()
+    trainer.terminate()
+    assert trainer.wait(30) == 0
     # refused: it says so in one line and exits (no retrying for ever), never a member
     assert outsider.wait(60) == 3 and node_peer_id(outsider) not in coord.members()
     assert refusals(outsider) == ["error: the coordinator refused this node: this swarm is private: a join token is required"], outsider.log()
