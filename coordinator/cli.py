@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from node.cli import _Parser, run_daemon, setup_logging
@@ -9,12 +10,13 @@ from node.config import LOG_LEVELS, ConfigError, load_config
 from node.runconfig import ACTIVATION_CODECS, CODECS, STAGE_CLIPS, STAGE_ROUTINGS
 
 from .config import SERVED_MODES, CoordinatorConfig
+from .tools import TOOLS, tools_help
 
 
 def build_parser():
     c = CoordinatorConfig()
     d = c.run
-    p = _Parser(prog="swarmtrain-coordinator", description="Track a swarm's members, plan roles, keep checkpoints.")
+    p = _Parser(prog="swarmtrain-coordinator", description="Track a swarm's members, plan roles, keep checkpoints.", epilog=tools_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below (flag > env > file)")
     p.add_argument("--swarm-id", help=f"swarm to serve (default {c.swarm_id})")
     p.add_argument("--data-dir", metavar="DIR", help=f"registry, checkpoints, identity (default ./{c.data_dir})")
@@ -67,7 +69,7 @@ def build_parser():
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("init", "token", "revoke"):  # the owner's tools (coordinator/tools.py)
+    if argv and argv[0] in TOOLS:  # the owner's tools (coordinator/tools.py)
         from .tools import run_tool
 
         return run_tool(argv[0], argv[1:])

@@ -144,7 +144,7 @@ class Coordinator:
         self.stage_stores: dict[int, CheckpointStore] = {}  # pipeline mode: each stage's checkpoints
         self.expert_stores: ExpertStores | None = None  # experts mode: each shard's and the dense parts' checkpoints
         self.run = config.run  # as members get it: a model directory becomes its pin (validate)
-        self.run_config = json.dumps(config.run_config(), sort_keys=True).encode()
+        self.run_config = self._assignment_config(config.run)
         self.model_files: ModelFilesSource | None = None
         self.started_at = time.time()
         self._tasks: list[asyncio.Task] = []
@@ -167,7 +167,7 @@ class Coordinator:
         c = self.config
         data, key = check_coordinator(c)  # --http, data dir, identity, multiaddrs (the CLI ran them first)
         self.run = resolve_model(c, data)
-        self.run_config = json.dumps(self.run.to_dict(), sort_keys=True).encode()
+        self.run_config = self._assignment_config(self.run)
         self.model_files = ModelFilesSource(data / "model")
         if c.owner_public_key:
             try:
@@ -206,6 +206,11 @@ class Coordinator:
             except (CheckpointError, OSError) as e:
                 raise ConfigError(f"model: {e}") from None
         return key
+
+    def _assignment_config(self, run) -> bytes:
+        """What every assignment carries: the run, and our heartbeat timeout (a node whose
+        heartbeat interval is longer than a third of it heartbeats more often)."""
+        return json.dumps({**run.to_dict(), "heartbeat_timeout_s": self.config.heartbeat_timeout_s}, sort_keys=True).encode()
 
     async def start(self) -> None:
         key = self.validate()

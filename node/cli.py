@@ -24,8 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = NodeConfig()
     p = _Parser(prog="swarmtrain-node", description="Join a swarmtrain swarm and train.")
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below, and [averager] / [transport] tables (flag > env > file)")
-    p.add_argument("--swarm-id", help=f"swarm to join (default {d.swarm_id})")
-    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of running peers")
+    p.add_argument("--swarm-id", help=f"swarm to join (default: the --token's swarm, else {d.swarm_id})")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of running peers, e.g. the coordinator's (needed unless --coordinator is given)")
     p.add_argument("--identity", metavar="FILE", help="Ed25519 key file; created if missing (default DATA_DIR/identity.pem)")
     p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help=f"listen addresses (default {' '.join(d.host_maddrs)})")
     p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial")
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", metavar="NAME", help=f"the field of a JSON line, or the column of a table, that holds the text (default {d.text_field})")
     p.add_argument("--shard-index", type=int, help="data shard this replica reads (default: from the peer id)")
     p.add_argument("--num-shards", type=int, help=f"number of data shards (default {d.num_shards})")
-    p.add_argument("--threads", type=int, help="torch threads (default: cores - 1)")
+    p.add_argument("--threads", type=int, help="torch threads, at most the cores (default: cores - 1)")
     p.add_argument("--fault-delay-parts-s", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
     p.add_argument("--fault-slowdown", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
     p.add_argument("--log-level", choices=LOG_LEVELS)

@@ -86,6 +86,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, _CHECKS, RunConfigError)
+        if self.warmup_steps > self.total_steps:
+            raise RunConfigError(f"warmup_steps ({self.warmup_steps}) must not exceed total_steps ({self.total_steps}): the learning rate would still be warming up when its decay ends", "warmup_steps")
         if self.synchronous_steps and self.stage_step_samples % self.batch_size:
             raise RunConfigError(f"synchronous_steps needs stage_step_samples ({self.stage_step_samples}) to be a multiple of batch_size ({self.batch_size})", "stage_step_samples")
 
