@@ -61,7 +61,7 @@ class RunConfig:
     eval_batches: int = 8  # validation batches after each outer step
     seed: int = 0  # seed of the model's initialisation and of data sampling
     join_timeout_s: float = 15.0  # seconds an averaging round waits for late replicas
-    min_replicas: int = 1  # training starts once this many replicas are registered
+    min_replicas: int = 1  # training starts once this many replicas are registered; fewer never take an outer step (1: a lone replica trains on its own)
     # pipeline mode (the coordinator's --mode pipeline): the model cut into stages
     num_stages: int = 0  # stages the model is cut into (each holds at least one block)
     stage_blocks: str = ""  # blocks per stage, in order, e.g. "2,1,1" (they add up to the model's); empty: even
