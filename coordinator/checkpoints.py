@@ -264,15 +264,19 @@ class CheckpointStore:
                 remove_tree(trash)
         fsync_path(self.root)
 
-    def begin_upload(self, step: int, manifest: Any) -> Upload:
+    def begin_upload(self, step: int, manifest: Any, verified_by: int | None = None) -> Upload:
         """Start receiving checkpoint `step` from a peer. `manifest` (remote input) is validated:
         names, sizes (<= max_file_size), hashes, signature if present. Refused at once if a
-        different checkpoint already holds this step."""
+        different checkpoint already holds this step. `verified_by`: how many replicas reported
+        its hash, noted in the kept manifest (whatever the uploader's said)."""
         check_step(step)
         try:
             clean = check_manifest(manifest, self.max_file_size)
         except ManifestError as e:
             raise CheckpointError(str(e)) from None
+        clean.pop("verified_by", None)
+        if verified_by is not None:
+            clean["verified_by"] = verified_by
         if clean["step"] != step:
             raise CheckpointError(f"manifest step: says {clean['step']}, upload is for step {step}")
         ok, why = check_signature(clean)

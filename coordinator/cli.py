@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from node.cli import _Parser, run_daemon, setup_logging
@@ -9,12 +10,13 @@ from node.config import LOG_LEVELS, ConfigError, load_config
 from node.runconfig import ACTIVATION_CODECS, CODECS, STAGE_CLIPS, STAGE_ROUTINGS
 
 from .config import SERVED_MODES, CoordinatorConfig
+from .tools import TOOLS, tools_help
 
 
 def build_parser():
     c = CoordinatorConfig()
     d = c.run
-    p = _Parser(prog="swarmtrain-coordinator", description="Track a swarm's members, plan roles, keep checkpoints.")
+    p = _Parser(prog="swarmtrain-coordinator", description="Track a swarm's members, plan roles, keep checkpoints.", epilog=tools_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below (flag > env > file)")
     p.add_argument("--swarm-id", help=f"swarm to serve (default {c.swarm_id})")
     p.add_argument("--data-dir", metavar="DIR", help=f"registry, checkpoints, identity (default ./{c.data_dir})")
@@ -49,7 +51,7 @@ def build_parser():
     run.add_argument("--eval-batches", type=int, help=f"validation batches per outer step (default {d.eval_batches})")
     run.add_argument("--seed", type=int, help=f"init and data seed (default {d.seed})")
     run.add_argument("--join-timeout-s", type=float, help=f"how long a round waits for late replicas (default {d.join_timeout_s})")
-    run.add_argument("--min-replicas", type=int, help=f"replicas to wait for before training starts (default {d.min_replicas})")
+    run.add_argument("--min-replicas", type=int, help=f"replicas to wait for before training starts, and the fewest that take an outer step (1: a lone replica trains on its own; default {d.min_replicas})")
     pipe = p.add_argument_group("the pipeline (--mode pipeline)")
     pipe.add_argument("--num-stages", type=int, help="stages the model is cut into; each holds at least one block")
     pipe.add_argument("--stage-blocks", metavar="N,N,...", help="blocks per stage, e.g. 2,1,1 (default: spread evenly)")
@@ -68,7 +70,7 @@ def build_parser():
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("init", "token", "revoke"):  # the owner's tools (coordinator/tools.py)
+    if argv and argv[0] in TOOLS:  # the owner's tools (coordinator/tools.py)
         from .tools import run_tool
 
         return run_tool(argv[0], argv[1:])

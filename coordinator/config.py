@@ -16,6 +16,8 @@ from node.runconfig import HF_PIN, RunConfig, RunConfigError
 from protocol.records import owner_of
 from protocol.signatures import SigningKey, peer_id_from_public_key
 
+MIN_HEARTBEAT_TIMEOUT_S = 2.0  # nodes heartbeat every 2 s by default (and every third of a shorter timeout: node/net/membership.py)
+
 # the planning modes nodes serve
 SERVED_MODES = ("replica", "pipeline", "experts")
 
@@ -43,6 +45,10 @@ class CoordinatorConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, _CHECKS)
+        for name, mode in (("num_stages", "pipeline"), ("stage_blocks", "pipeline"), ("expert_shards", "experts")):
+            if getattr(self.run, name) and self.mode != mode:
+                flag = f"--{name.replace('_', '-')}"
+                raise ConfigError(f"{flag} ({name}) is for {mode} mode (--mode {mode}); this coordinator plans {self.mode} mode, which would ignore it")
 
     def run_config(self) -> dict:
         return self.run.to_dict()
@@ -53,7 +59,7 @@ class CoordinatorConfig:
 
 _CHECKS: dict[str, Check] = {
     "swarm_id": swarm_id, "data_dir": non_empty, "host_maddrs": non_empty, "mode": one_of(*SERVED_MODES),
-    "heartbeat_timeout_s": positive, "rebalance_margin": positive, "keep_checkpoints": at_least(1),
+    "heartbeat_timeout_s": lambda v: positive(v) or (None if v >= MIN_HEARTBEAT_TIMEOUT_S else f"must be at least {MIN_HEARTBEAT_TIMEOUT_S:g} s (nodes heartbeat every 2 s by default; a node whose interval is longer heartbeats every third of the timeout)"), "rebalance_margin": positive, "keep_checkpoints": at_least(1),
     "owner_public_key": lambda v: None if re.fullmatch(r"([0-9a-fA-F]{64})?", v) else "must be 64 hex digits (an Ed25519 public key)",
     "record_interval_s": lambda v: record_ttl(v, 3), "log_level": one_of(*LOG_LEVELS),
 }  # fmt: skip

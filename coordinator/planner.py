@@ -4,8 +4,12 @@ Every function here is a pure function of (now, members, config): no clock, no I
 state. Each returns its decision *and* a human-readable reason, so the service can log and
 show why a peer was evicted or moved, and tests can move time by hand instead of sleeping.
 
+A member whose join token names roles (`allowed_roles`) never gets another one: where the mode
+has no place for any role it allows, it is idle, and its reason says why.
+
 Planning rules, in order (pipeline and experts modes; replica mode makes everyone a replica):
-  1. A member that asked for the trainer role gets it.
+  1. A member that asked for the trainer role gets it (so does a client-mode member, and one
+     whose token allows the trainer role but not the mode's stage or expert role).
   2. Every other member keeps its current assignment while that is still valid (stability under
      churn: a peer joining or leaving must not reshuffle the swarm).
   3. Newcomers and members whose assignment became invalid (stage out of range after a config
@@ -197,12 +201,34 @@ def _key(a: Assignment) -> tuple[str, int | None, str | None]:
     return (a.role, a.stage, a.expert)
 
 
+TOKEN_ROLES = "token_roles"  # the capability the coordinator stores a member's token's roles under (comma-separated); absent: any role
+
+
+def allowed_roles(m: MemberView) -> frozenset[str] | None:
+    """The roles the member's join token allows; None: any (no token, or one naming no role)."""
+    roles = m.capabilities.get(TOKEN_ROLES)
+    if not isinstance(roles, str):
+        return None
+    return frozenset(r for r in roles.split(",") if r) or None
+
+
+def _allows(m: MemberView, role: str) -> bool:
+    allowed = allowed_roles(m)
+    return allowed is None or role in allowed
+
+
+def _not_allowed(m: MemberView, mode: str) -> Assignment:
+    return Assignment("idle", reason=f"its join token allows only {', '.join(sorted(allowed_roles(m) or ()))}: {mode} mode has no place for that")
+
+
 def client_mode(m: MemberView) -> bool:
     """A node that accepts no inbound connections (`--client-mode`): it can only take a role that calls out."""
     return m.capabilities.get("client_mode") in (1, True)
 
 
 def _replica(m: MemberView) -> Assignment:
+    if not _allows(m, "replica"):
+        return _not_allowed(m, "replica")
     if client_mode(m):
         return Assignment("idle", reason="client mode: a replica's averaging needs inbound connections; client-mode nodes train as pipeline or expert trainers")
     if (m.role, m.stage, m.expert) == ("replica", None, None):
@@ -294,10 +320,14 @@ class _SlotPlanner:
     def plan(self) -> tuple[dict[str, Assignment], tuple[int | str, ...]]:
         unplaced: list[tuple[MemberView, str]] = []
         for m in self.members:
-            if m.wanted_role == "trainer" or client_mode(m):
+            if m.wanted_role == "trainer" or client_mode(m) or not _allows(m, self.role):
                 kept = (m.role, m.stage, m.expert) == ("trainer", None, None)
-                why = "wanted the trainer role" if m.wanted_role == "trainer" else "client mode: no inbound connections, and a trainer only calls out"
-                self.out[m.peer_id] = Assignment("trainer", reason="kept" if kept else why)
+                why = (
+                    "wanted the trainer role" if m.wanted_role == "trainer"
+                    else "client mode: no inbound connections, and a trainer only calls out" if client_mode(m)
+                    else f"its join token allows the trainer role, not the {self.role} role"
+                )  # fmt: skip
+                self.out[m.peer_id] = Assignment("trainer", reason="kept" if kept else why) if _allows(m, "trainer") else _not_allowed(m, self.config.mode)
                 continue
             s, why = self.current_slot(m)
             if s is None:

@@ -44,7 +44,7 @@ from .checkpoints import CheckpointError, CheckpointStore, weights_as_first_chec
 from .config import CoordinatorConfig, check_coordinator, cut_dims, expert_slots, resolve_model
 from .expert_stores import EXPERT_CHECKPOINTS, ExpertStores
 from .tools import read_revoked, revocation_file
-from .planner import Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
+from .planner import TOKEN_ROLES, Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
 from .registry import AsyncRegistry, Member, ProgressPoint, Registry, RegistryError
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class Coordinator:
         self.stage_stores: dict[int, CheckpointStore] = {}  # pipeline mode: each stage's checkpoints
         self.expert_stores: ExpertStores | None = None  # experts mode: each shard's and the dense parts' checkpoints
         self.run = config.run  # as members get it: a model directory becomes its pin (validate)
-        self.run_config = json.dumps(config.run_config(), sort_keys=True).encode()
+        self.run_config = self._assignment_config(config.run)
         self.model_files: ModelFilesSource | None = None
         self.started_at = time.time()
         self._tasks: list[asyncio.Task] = []
@@ -167,7 +167,7 @@ class Coordinator:
         c = self.config
         data, key = check_coordinator(c)  # --http, data dir, identity, multiaddrs (the CLI ran them first)
         self.run = resolve_model(c, data)
-        self.run_config = json.dumps(self.run.to_dict(), sort_keys=True).encode()
+        self.run_config = self._assignment_config(self.run)
         self.model_files = ModelFilesSource(data / "model")
         if c.owner_public_key:
             try:
@@ -206,6 +206,11 @@ class Coordinator:
             except (CheckpointError, OSError) as e:
                 raise ConfigError(f"model: {e}") from None
         return key
+
+    def _assignment_config(self, run) -> bytes:
+        """What every assignment carries: the run, and our heartbeat timeout (a node whose
+        heartbeat interval is longer than a third of it heartbeats more often)."""
+        return json.dumps({**run.to_dict(), "heartbeat_timeout_s": self.config.heartbeat_timeout_s}, sort_keys=True).encode()
 
     async def start(self) -> None:
         key = self.validate()
@@ -354,6 +359,7 @@ class Coordinator:
         if req.peer_id in self.revoked:
             raise RPCError("unauthorized", f"{req.peer_id} is revoked by the owner of swarm {self.config.swarm_id}")
         self.certified.pop(req.peer_id, None)  # (registering again: a certificate with the answer)
+        capabilities = {k: v for k, v in req.capabilities.items() if k != TOKEN_ROLES}  # (ours to say, not the node's)
         if self.owner_key is not None:
             if req.token is None:
                 raise RPCError("unauthorized", "this swarm is private: a join token is required")
@@ -364,8 +370,10 @@ class Coordinator:
             check = verify_token(token, self.owner_key, self.config.swarm_id, req.peer_id, time.time(), role=req.wanted_role)
             if not check:
                 raise RPCError("unauthorized", f"join token refused: {check.reason}")
+            if token.roles:  # the planner gives it no other role (planner.allowed_roles)
+                capabilities[TOKEN_ROLES] = ",".join(sorted(token.roles))
         try:
-            await self.registry.register(req.peer_id, req.maddrs, req.capabilities, time.time(), wanted_role=req.wanted_role)
+            await self.registry.register(req.peer_id, req.maddrs, capabilities, time.time(), wanted_role=req.wanted_role)
         except ValueError as e:
             raise RemoteProtocolError(str(e), "capabilities") from None
         log.info("registered %s (%s)", req.peer_id, ", ".join(f"{k}={v}" for k, v in sorted(req.capabilities.items())))
@@ -428,9 +436,9 @@ class Coordinator:
             store = self.stage_stores[stage]
         else:
             stage = None
-        await self._await_quorum(offer.step, state_hash if isinstance(state_hash, str) else None, stage, expert_slot)
+        verified_by = await self._await_quorum(offer.step, state_hash if isinstance(state_hash, str) else None, stage, expert_slot)
         try:
-            upload = store.begin_upload(offer.step, manifest)
+            upload = store.begin_upload(offer.step, manifest, verified_by)
         except CheckpointError as e:
             raise RemoteProtocolError(f"manifest refused: {e}", "manifest") from None
         try:
@@ -450,12 +458,14 @@ class Coordinator:
         except BaseException:
             upload.abort()
             raise
-        log.info("stored checkpoint %d%s uploaded by %s", info.step, f" of stage {stage}" if stage is not None else f" of {expert_slot}" if expert_slot else "", ctx.peer_id)
+        log.info("stored checkpoint %d%s uploaded by %s%s", info.step, f" of stage {stage}" if stage is not None else f" of {expert_slot}" if expert_slot else "", ctx.peer_id,
+                 " (verified by one replica)" if verified_by == 1 else "")  # fmt: skip
         return Ack(info={"step": info.step})
 
-    async def _await_quorum(self, step: int, state_hash: str | None, stage: int | None = None, expert_slot: str | None = None, wait_s: float = 15.0) -> None:
+    async def _await_quorum(self, step: int, state_hash: str | None, stage: int | None = None, expert_slot: str | None = None, wait_s: float = 15.0) -> int | None:
         """Hold an upload until enough replicas (of the stage, or members of the experts run's
-        slot) reported its hash (their heartbeats may trail it)."""
+        slot) reported its hash (their heartbeats may trail it); how many did (None: step 0,
+        the initial state, which needs nobody's)."""
         deadline = time.monotonic() + wait_s
         while True:
             if expert_slot is not None:
@@ -468,7 +478,7 @@ class Coordinator:
             ok, reason = checkpoint_quorum(step, state_hash, reports, replicas)
             if ok:
                 log.debug("checkpoint %d: %s", step, reason)
-                return
+                return sum(h == state_hash for h in reports.values()) if step else None
             if time.monotonic() > deadline:
                 raise RPCError("timeout", f"checkpoint {step} refused: {reason}")
             await asyncio.sleep(0.2)
@@ -483,7 +493,8 @@ class Coordinator:
             d["maddrs"] = list(m.maddrs)
             members.append(d)
         checkpoints = [
-            {"step": i.step, "created_at": i.manifest.get("created_at"), "state_hash": i.manifest.get("state_hash"), "files": i.manifest.get("files")}
+            {"step": i.step, "created_at": i.manifest.get("created_at"), "state_hash": i.manifest.get("state_hash"), "files": i.manifest.get("files"),
+             "verified_by": i.manifest.get("verified_by")}  # replicas that reported its hash (1: verified by one replica; null: the initial state)
             for i in self.store.list()
         ]
         stages = {}

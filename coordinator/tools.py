@@ -23,7 +23,11 @@ from protocol.messages import ROLES as PROTOCOL_ROLES
 from protocol.records import owner_of, swarm_id_problem
 from protocol.signatures import KeyFileError, SigningKey, peer_id_from_public_key, public_key_from_peer_id
 
-TOOLS = ("init", "token", "revoke")
+TOOLS = {  # each with its own --help
+    "init": "create the owner key (the coordinator's identity) and print the swarm id nodes join with",
+    "token": "print a join token for a private swarm (for one peer or any, roles, expiry)",
+    "revoke": "add peers to the swarm's revocation list (--list prints it)",
+}
 ROLES = tuple(r for r in PROTOCOL_ROLES if r != "idle")  # what a token may allow
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -72,8 +76,14 @@ def read_revoked(path: Path) -> list[str]:
     return out
 
 
+def tools_help() -> str:
+    """What `swarmtrain-coordinator --help` says of the owner's tools."""
+    lines = [f"  swarmtrain-coordinator {name:<7} {what}" for name, what in TOOLS.items()]
+    return "the swarm owner's tools (each with its own --help):\n" + "\n".join(lines)
+
+
 def _parser(tool: str) -> _Parser:
-    p = _Parser(prog=f"swarmtrain-coordinator {tool}")
+    p = _Parser(prog=f"swarmtrain-coordinator {tool}", description=TOOLS[tool][0].upper() + TOOLS[tool][1:] + ".")
     p.add_argument("--data-dir", default="swarmtrain-coordinator", help="the coordinator's data dir (default ./swarmtrain-coordinator)")
     p.add_argument("--identity", help="the owner key file (default DATA_DIR/identity.pem)")
     if tool == "init":
@@ -137,6 +147,8 @@ def _token(args) -> int:
     if args.peer is not None and public_key_from_peer_id(args.peer) is None:
         raise ConfigError(f"--peer {args.peer!r} is not a peer id (12D3KooW..., as a node logs it on start)")
     roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
+    if args.roles.strip() and not roles:  # (a token naming no role allows every role)
+        raise ConfigError(f"--roles {args.roles!r} names no role: name some ({', '.join(ROLES)}), or leave --roles out for a token that allows any role")
     unknown = [r for r in roles if r not in ROLES]
     if unknown:
         raise ConfigError(f"--roles: unknown role(s) {', '.join(unknown)}; known: {', '.join(ROLES)}")
@@ -154,6 +166,10 @@ def _revoke(args) -> int:
     for peer in args.peers:
         if public_key_from_peer_id(peer) is None:
             raise ConfigError(f"{peer!r} is not a peer id (12D3KooW..., as a node logs it on start)")
+    if _identity(args).exists():  # the owner's key: its peer id is the coordinator's, which serves the swarm
+        owner = peer_id_from_public_key(_owner_key(args).public_key)
+        if owner in args.peers:
+            raise ConfigError(f"{owner} is this coordinator's own peer id (its key {_identity(args)}, the swarm owner's): it cannot revoke itself")
     new = [p for p in dict.fromkeys(args.peers) if p not in revoked]
     if not Path(args.data_dir).is_dir():
         raise ConfigError(f"no coordinator data dir {args.data_dir}: give --data-dir")

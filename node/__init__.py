@@ -16,6 +16,7 @@ and the process itself:
     model_source.py  what its --checkpoint PATH names (a replica's checkpoint, or a pipeline's stages), as one model
     experts_export.py  its export of an experts run: every shard's and the dense parts' checkpoints
     config.py        NodeConfig, its [averager] / [transport] tables, the flag > env > file merge
+    config_checks.py the checks across settings (and of SWARMTRAIN_* variables that name none)
     runconfig.py     RunConfig: the training run's settings, coordinator -> members
     preflight.py     the checks of a node's settings that need neither torch nor hivemind
     capabilities.py  device, memory, FLOP/s probe

@@ -24,8 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = NodeConfig()
     p = _Parser(prog="swarmtrain-node", description="Join a swarmtrain swarm and train.")
     p.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below, and [averager] / [transport] tables (flag > env > file)")
-    p.add_argument("--swarm-id", help=f"swarm to join (default {d.swarm_id})")
-    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of running peers")
+    p.add_argument("--swarm-id", help=f"swarm to join (default: the --token's swarm, else {d.swarm_id})")
+    p.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of running peers, e.g. the coordinator's (needed unless --coordinator is given)")
     p.add_argument("--identity", metavar="FILE", help="Ed25519 key file; created if missing (default DATA_DIR/identity.pem)")
     p.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help=f"listen addresses (default {' '.join(d.host_maddrs)})")
     p.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses others should dial")
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", metavar="NAME", help=f"the field of a JSON line, or the column of a table, that holds the text (default {d.text_field})")
     p.add_argument("--shard-index", type=int, help="data shard this replica reads (default: from the peer id)")
     p.add_argument("--num-shards", type=int, help=f"number of data shards (default {d.num_shards})")
-    p.add_argument("--threads", type=int, help="torch threads (default: cores - 1)")
+    p.add_argument("--threads", type=int, help="torch threads, at most the cores (default: cores - 1)")
     p.add_argument("--fault-delay-parts-s", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
     p.add_argument("--fault-slowdown", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
     p.add_argument("--log-level", choices=LOG_LEVELS)
@@ -70,24 +70,38 @@ async def serve(node_factory, stop_signals=(signal.SIGINT, signal.SIGTERM)) -> i
     daemon = node_factory()
     try:
         await daemon.start()
-        await stop.wait()
-        logging.getLogger("swarmtrain").info("stopping")
+        # until a stop signal, or an error that ends the daemon (`fatal`: the coordinator refused a node)
+        stopped = asyncio.ensure_future(stop.wait())
+        fatal = getattr(daemon, "fatal", None) or asyncio.get_running_loop().create_future()
+        await asyncio.wait([stopped, fatal], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not fatal.done():
+            logging.getLogger("swarmtrain").info("stopping")
     finally:
         await daemon.stop()
+    if fatal.done():
+        raise fatal.exception()
     return 0
 
 
 def run_daemon(node_factory, fatal_errors=()) -> int:
-    """Run until stopped; a bad setting or an unreachable swarm is one line on stderr, exit 2."""
+    """Run until stopped; a bad setting or an unreachable swarm is one line on stderr, exit 2; a
+    node the coordinator refuses stops, one line on stderr, exit 3."""
     import uvloop
 
     from .net.host import HostError
+    from .net.membership import Refused
 
     try:
         code = uvloop.run(serve(node_factory))
     except (ConfigError, HostError, *fatal_errors) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Refused as e:  # (after a clean stop: deregistered, p2pd down)
+        logging.shutdown()
+        print(f"error: {e}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(3)
     except KeyboardInterrupt:
         code = 0
     # Everything that matters is shut down (deregistered, p2pd stopped, files renamed into

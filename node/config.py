@@ -230,7 +230,7 @@ _TRANSPORT_CHECKS: dict[str, Check] = {
 
 @dataclass(frozen=True)
 class NodeConfig:
-    swarm_id: str = "swarmtrain"  # which swarm to join; records of other swarms are ignored
+    swarm_id: str = ""  # which swarm to join; records of other swarms are ignored. Empty: the join token's swarm, else DEFAULT_SWARM
     initial_peers: tuple[str, ...] = ()  # multiaddrs of running peers, each with /p2p/<peer id>
     identity: str = ""  # Ed25519 key file (PEM); created if missing so restarts keep the peer id. Default: <data_dir>/identity.pem
     host_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)  # where to listen
@@ -265,6 +265,8 @@ class NodeConfig:
         return self.threads or max(1, (os.cpu_count() or 2) - 1)
 
     def __post_init__(self) -> None:
+        if isinstance(self.swarm_id, str) and isinstance(self.token, str):
+            object.__setattr__(self, "swarm_id", _swarm_of(self.swarm_id, self.token))
         check_fields(self, _NODE_CHECKS)
         if self.shard_index >= self.num_shards:
             raise ConfigError(f"shard_index must be < num_shards ({self.num_shards}), got {self.shard_index}", "shard_index")
@@ -273,10 +275,28 @@ class NodeConfig:
         return Path(self.identity) if self.identity else Path(self.data_dir) / "identity.pem"
 
 
+DEFAULT_SWARM = "swarmtrain"
+MAX_HEARTBEAT_INTERVAL_S = 300.0  # a coordinator evicts a member silent for its heartbeat timeout (15 s by default)
+MIN_RECORD_TTL_S = 3.0  # DHT expirations are wall-clock times checked with a 3 s tolerance: a shorter life may be over on arrival
+
+
+def _swarm_of(swarm: str, token: str) -> str:
+    """The swarm a node joins: the one given, else its join token's, else DEFAULT_SWARM; a token
+    of another swarm than the one given is refused."""
+    from .config_checks import token_swarm
+
+    named = token_swarm(token) if token else None
+    if swarm and named and named != swarm:
+        raise ConfigError(f"--token is a join token of swarm {named!r}, not of --swarm-id {swarm!r}: give the token's swarm (or leave --swarm-id out)", "swarm_id")
+    return swarm or named or DEFAULT_SWARM
+
+
 _NODE_CHECKS: dict[str, Check] = {
     "swarm_id": swarm_id, "host_maddrs": non_empty, "device": non_empty, "data_dir": non_empty,
     "direct_port": between(-1, 65535, "a TCP port (0: any free one, -1: off)"),
-    "heartbeat_interval_s": positive, "record_ttl_s": record_ttl, "rpc_timeout_s": positive, "max_backoff_s": positive,
+    "heartbeat_interval_s": lambda v: positive(v) or (None if v <= MAX_HEARTBEAT_INTERVAL_S else f"must be at most {MAX_HEARTBEAT_INTERVAL_S:g} s (a coordinator evicts members silent for its heartbeat timeout, 15 s by default)"),
+    "record_ttl_s": lambda v: record_ttl(v) or (None if v >= MIN_RECORD_TTL_S else f"must be at least {MIN_RECORD_TTL_S:g} s (DHT expirations are checked with a {MIN_RECORD_TTL_S:g} s clock tolerance)"),
+    "rpc_timeout_s": positive, "max_backoff_s": positive,
     "bandwidth_mbps": non_negative, "log_level": one_of(*LOG_LEVELS), "shard_index": at_least(-1), "num_shards": at_least(1), "text_field": non_empty,
     "threads": at_least(0), "fault_delay_parts_s": non_negative,
     "fault_slowdown": lambda v: None if 1.0 <= v <= 100.0 else "must be in [1, 100]",
@@ -341,11 +361,14 @@ def _settings(cls: type, prefix: tuple[str, ...] = (), table: str = "") -> list[
     return out
 
 
-def _coerce(name: str, tp: Any, value: Any, source: str) -> Any:
-    """A value from a file, an env var (a string) or a flag, as type `tp`; ConfigError otherwise."""
+def _coerce(name: str, tp: Any, value: Any, source: str, strict: bool = False) -> Any:
+    """A value from a file, an env var (a string) or a flag, as type `tp`; ConfigError otherwise.
+    `strict` (a file's value, typed by TOML): a string is only ever a string."""
     inner, _ = _optional(tp)
     origin = typing.get_origin(inner)
     try:
+        if strict and isinstance(value, str) and inner is not str:
+            raise ValueError
         if origin is tuple:
             if isinstance(value, str):
                 value = [v for v in value.replace(",", " ").split() if v]
@@ -419,7 +442,7 @@ def load_config(cli: dict[str, Any], config_file: str | None, env: Mapping[str, 
     sources: dict[tuple[str, ...], str] = {}
 
     def put(s: _Setting, value: Any, source: str) -> None:
-        values[s.path] = _coerce(s.key, s.hint, value, source)
+        values[s.path] = _coerce(s.key, s.hint, value, source, strict=source.startswith("config file"))
         sources[s.path] = source
 
     if config_file:
@@ -442,6 +465,10 @@ def load_config(cli: dict[str, Any], config_file: str | None, env: Mapping[str, 
         var = s.env_var(env_prefix)
         if var in env and not (env[var] == "" and _optional(s.hint)[1]):  # empty: not set
             put(s, env[var], f"env {var}")
+    from .config_checks import unknown_env_var
+
+    if problem := unknown_env_var(env, env_prefix, {s.env_var(env_prefix) for s in settings}):
+        raise ConfigError(problem)
     by_cli = {s.cli_key: s for s in settings}
     for name, value in cli.items():
         if value is not None and name in by_cli:

@@ -18,7 +18,7 @@ from protocol.records import owner_of
 
 from . import capabilities
 from .config import ConfigError, NodeConfig, averager_config, transport_config
-from .net.membership import Membership
+from .net.membership import Membership, Refused
 from .osutil import write_json
 from .net.host import Host, HostConfig
 from .net.gate import MemberGate
@@ -41,6 +41,7 @@ class Node:
         self.membership: Membership | None = None
         self._tasks: list[asyncio.Task] = []
         self.roles = RoleRunner(self._make_role)
+        self.fatal: asyncio.Future | None = None  # set to the error that ends the daemon (the coordinator refused us): serve() stops it
 
     def validate(self) -> tuple[SigningKey, bytes | None]:
         """Everything checkable before starting: raises ConfigError with one clear line. (Each
@@ -91,8 +92,11 @@ class Node:
         log.info("capabilities: %s", ", ".join(f"{k}={v}" for k, v in caps.items()))
         self.membership = Membership(self.host, self.transport, c, caps, token)
         self.membership.on_assignment = self.roles.want
+        self.fatal = asyncio.get_running_loop().create_future()
+        membership = asyncio.create_task(self.membership.run(), name="membership")
+        membership.add_done_callback(self._membership_ended)
         self._tasks += [
-            asyncio.create_task(self.membership.run(), name="membership"),
+            membership,
             asyncio.create_task(self.membership.publish_records(), name="member-records"),
             asyncio.create_task(self.host.keep_joined(self.membership.known_peers, on_rejoined=self.membership.publish_soon), name="dht-rejoin"),
             asyncio.create_task(self._write_transport_stats(), name="transport-stats"),
@@ -106,6 +110,11 @@ class Node:
         while True:
             await asyncio.sleep(every_s)
             write_json(path, dict(self.transport.stats))
+
+    def _membership_ended(self, task: asyncio.Task) -> None:
+        """The coordinator refused us (the only way membership ends by itself): the node stops."""
+        if not task.cancelled() and isinstance(task.exception(), Refused) and not self.fatal.done():
+            self.fatal.set_exception(task.exception())
 
     def _make_role(self, assignment: RoleAssignment) -> Role:
         """The role object for an assignment (node/roles/registry.py); RoleError if this node cannot take it."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from protocol.signatures import KeyFileError, SigningKey
 
 from .config import ConfigError, NodeConfig
+from .config_checks import check_node_settings
 from .net.addresses import split_peer_maddr, tcp_ip4s
 
 
@@ -232,4 +233,13 @@ def check_node(c: NodeConfig) -> tuple[SigningKey, bytes | None]:
             raise ConfigError(f"--token is not a join token: {e}") from None
     check_maddrs(c.initial_peers, c.host_maddrs, c.announce_maddrs)
     check_direct_port(c)
+    check_node_settings(c, usable_cores())
     return key, token
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on every platform)
+        return os.cpu_count() or 1

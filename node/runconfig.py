@@ -61,7 +61,7 @@ class RunConfig:
     eval_batches: int = 8  # validation batches after each outer step
     seed: int = 0  # seed of the model's initialisation and of data sampling
     join_timeout_s: float = 15.0  # seconds an averaging round waits for late replicas
-    min_replicas: int = 1  # training starts once this many replicas are registered
+    min_replicas: int = 1  # training starts once this many replicas are registered; fewer never take an outer step (1: a lone replica trains on its own)
     # pipeline mode (the coordinator's --mode pipeline): the model cut into stages
     num_stages: int = 0  # stages the model is cut into (each holds at least one block)
     stage_blocks: str = ""  # blocks per stage, in order, e.g. "2,1,1" (they add up to the model's); empty: even
@@ -86,6 +86,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, _CHECKS, RunConfigError)
+        if self.warmup_steps > self.total_steps:
+            raise RunConfigError(f"warmup_steps ({self.warmup_steps}) must not exceed total_steps ({self.total_steps}): the learning rate would still be warming up when its decay ends", "warmup_steps")
         if self.synchronous_steps and self.stage_step_samples % self.batch_size:
             raise RunConfigError(f"synchronous_steps needs stage_step_samples ({self.stage_step_samples}) to be a multiple of batch_size ({self.batch_size})", "stage_step_samples")
 

@@ -4,7 +4,11 @@ A checkpoint is a directory `step-XXXXXXXX/` holding one safetensors file per na
 tensors and a `manifest.json` written last:
 
     {format, step, created_at, model_config, files: {name: {sha256, size}}, state_hash,
-     signer, signature}
+     signer, signature, verified_by}
+
+`verified_by` (optional) is the keeper's note of how many replicas reported the state's hash
+when it kept the checkpoint (1: the swarm had a single replica); like `created_at`, the
+signature does not cover it.
 
 Both ends use this module: the coordinator's store writes and serves checkpoints, nodes
 download, verify and upload them. A manifest read from a peer or from disk is input:
@@ -32,6 +36,7 @@ SUFFIX = ".safetensors"
 MAX_FILES = 64  # files per checkpoint (a manifest from a peer is remote input: bound it)
 MAX_STEP = 10**15
 MAX_STATE_HASH_LEN = 256
+MAX_VERIFIERS = 1_000_000  # replicas a keeper may say reported a checkpoint's hash
 MAX_MANIFEST_SIZE = 1024 * 1024  # bytes; a manifest is small, a huge one is garbage
 DEFAULT_MAX_FILE_SIZE = 64 * 1024**3  # bytes per file of a checkpoint received from a peer
 
@@ -156,6 +161,9 @@ def check_manifest(manifest: Any, max_file_size: int = DEFAULT_MAX_FILE_SIZE) ->
             raise bad("signer", f"must be {2 * PUBLIC_KEY_SIZE} lowercase hex digits")
         if not isinstance(signature, str) or not re.fullmatch(f"[0-9a-f]{{{2 * SIGNATURE_SIZE}}}", signature):
             raise bad("signature", f"must be {2 * SIGNATURE_SIZE} lowercase hex digits")
+    verified_by = manifest.get("verified_by")
+    if verified_by is not None and not (is_int(verified_by) and 0 <= verified_by <= MAX_VERIFIERS):
+        raise bad("verified_by", f"must be an integer in [0, {MAX_VERIFIERS}] or null, got {verified_by!r}")
     return {
         "format": FORMAT,
         "step": step,
@@ -165,6 +173,7 @@ def check_manifest(manifest: Any, max_file_size: int = DEFAULT_MAX_FILE_SIZE) ->
         "state_hash": state_hash,
         "signer": signer,
         "signature": signature,
+        **({"verified_by": verified_by} if verified_by is not None else {}),
     }
 
 

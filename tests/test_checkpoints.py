@@ -548,3 +548,21 @@ def test_a_directory_source_serves_what_the_store_serves(tmp_path):
         source.read_chunk(4, "extra.txt", 0, 10)
     with pytest.raises(KeyError):
         source.read_chunk(4, "../step-00000004/model.safetensors", 0, 10)
+
+
+def test_a_kept_upload_notes_how_many_replicas_verified_it_whatever_the_uploader_said(tmp_path):
+    src = CheckpointStore(tmp_path / "src")
+    src.save(6, tensors(6), state_hash="h6")
+    blobs = download(src, 6)
+    manifest = {**json.loads(blobs[MANIFEST]), "verified_by": 99}  # the uploader's claim counts for nothing
+    store = CheckpointStore(tmp_path / "coordinator", signing_key=SigningKey.generate())
+    up = store.begin_upload(6, manifest, verified_by=1)
+    for name, data in blobs.items():
+        if name != MANIFEST:
+            up.write(name, 0, data)
+    assert up.commit().manifest["verified_by"] == 1
+    assert CheckpointStore(tmp_path / "coordinator").list()[0].manifest["verified_by"] == 1  # read back from disk
+    assert store.verify(6)[0] is True  # a note beside the signed fields, not in them
+    for bad in (-1, "1", 1.5, True):
+        with pytest.raises(CheckpointError, match="verified_by"):
+            store.begin_upload(7, {**manifest, "step": 7, "verified_by": bad})

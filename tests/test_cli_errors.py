@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from protocol.signatures import SigningKey, peer_id_from_public_key
+from protocol.tokens import issue_token
 from tests.swarm import free_port, session_pids
 
 pytestmark = [pytest.mark.timeout(400)]
@@ -77,7 +78,7 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
     cases.update(
         {
             "node-bad-env-var": Case(NODE, (), (env_var, "must be float", "soon"), env=((env_var, "soon"),), light=True),
-            "node-device-cuda-missing": Case(NODE, ("--data-dir", "{tmp}/data", "--device", "cuda:99"), ("cuda:99",)),
+            "node-device-cuda-missing": Case(NODE, ("--data-dir", "{tmp}/data", "--initial-peers", unreachable, "--device", "cuda:99"), ("cuda:99",)),
             "node-bad-direct-port": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", "70000"), ("--direct-port", "70000"), light=True),
             "node-direct-port-in-use": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", str(busy_port)), ("cannot listen for direct connections", f"port {busy_port}", "in use"), light=True),
             "node-relay-without-peer-id": Case(NODE, ("--data-dir", "{tmp}/data", "--relays", "/ip4/127.0.0.1/tcp/1"), ("--relays", "/ip4/127.0.0.1/tcp/1", "/p2p/<its peer id>"), light=True),
@@ -100,7 +101,7 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
         {
             "node-negative-bandwidth": Case(NODE, ("--bandwidth-mbps", "-5"), ("--bandwidth-mbps", "bandwidth_mbps", "≥ 0", "-5"), light=True),
             "node-missing-data": Case(NODE, (*data, "--data", "{tmp}/missing/dir"), ("--data", "missing/dir", "does not exist"), light=True),
-            "node-data-without-text-field": Case(NODE, (*data, "--data", "{tmp}/records.jsonl", "--text-field", "body"), ("--data", "records.jsonl:1", "no field 'body'")),
+            "node-data-without-text-field": Case(NODE, (*data, "--initial-peers", UNREACHABLE, "--data", "{tmp}/records.jsonl", "--text-field", "body"), ("--data", "records.jsonl:1", "no field 'body'")),
             "node-negative-threads": Case(NODE, ("--threads", "-2"), ("--threads", "threads", "-2"), light=True),
             "node-shard-index-too-large": Case(NODE, ("--shard-index", "4", "--num-shards", "4"), ("--shard-index", "num_shards (4)", "4"), light=True),
             "node-zero-heartbeat-interval": Case(NODE, ("--heartbeat-interval-s", "0"), ("--heartbeat-interval-s", "heartbeat_interval_s", "> 0"), light=True),
@@ -159,7 +160,36 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
             ),
         }
     )
+    cases.update(FIRST_HOUR)
     return cases
+
+
+# What a new user met in their first hour, accepted without a word: each is now one line, exit 2
+UNREACHABLE = f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}"  # (a node's checks that need no network come first)
+TOKEN = issue_token(OWNER, OWNED, roles=("trainer",)).to_text()
+FIRST_HOUR = {
+    "node-no-initial-peers": Case(NODE, ("--data-dir", "{tmp}/data"), ("no --initial-peers", "the coordinator's", "--coordinator"), light=True),
+    "node-huge-heartbeat-interval": Case(NODE, ("--heartbeat-interval-s", "1e9"), ("--heartbeat-interval-s", "at most 300 s"), light=True),
+    "node-record-ttl-below-minimum": Case(NODE, ("--record-ttl-s", "1"), ("--record-ttl-s", "at least 3 s"), light=True),
+    "node-record-ttl-below-heartbeat": Case(
+        NODE, ("--data-dir", "{tmp}/data", "--initial-peers", UNREACHABLE, "--record-ttl-s", "5", "--heartbeat-interval-s", "10"), ("--record-ttl-s 5", "--heartbeat-interval-s 10"), light=True,
+    ),
+    "node-client-mode-serving-relay": Case(NODE, ("--data-dir", "{tmp}/data", "--initial-peers", UNREACHABLE, "--client-mode", "--serve-relay"), ("--serve-relay", "--client-mode"), light=True),
+    "node-threads-beyond-cores": Case(NODE, ("--data-dir", "{tmp}/data", "--initial-peers", UNREACHABLE, "--threads", "100000"), ("--threads 100000", "cores"), light=True),
+    "node-token-of-another-swarm": Case(NODE, ("--swarm-id", "other", "--token", TOKEN), ("--token", OWNED, "--swarm-id 'other'"), light=True),
+    "node-misspelt-env-var": Case(NODE, (), ("SWARMTRAIN_HEARTBEAT_INTERVAL ", "did you mean SWARMTRAIN_HEARTBEAT_INTERVAL_S"), env=(("SWARMTRAIN_HEARTBEAT_INTERVAL", "3"),), light=True),
+    "node-config-string-for-int": Case(NODE, ("--config", "{tmp}/string-int.toml"), ("string-int.toml", "num_shards must be int", "'5'"), light=True),
+    "coordinator-config-string-for-int": Case(COORD, ("--config", "{tmp}/run-string.toml"), ("run-string.toml", "inner_steps must be int", "'5'"), light=True),
+    "coordinator-misspelt-env-var": Case(COORD, (), ("SWARMTRAIN_COORDINATOR_INNER_STEP ", "did you mean SWARMTRAIN_COORDINATOR_INNER_STEPS"), env=(("SWARMTRAIN_COORDINATOR_INNER_STEP", "5"),), light=True),
+    "coordinator-warmup-past-total": Case(COORD, ("--warmup-steps", "100", "--total-steps", "10"), ("--warmup-steps", "warmup_steps (100)", "total_steps (10)"), light=True),
+    "coordinator-num-stages-in-replica-mode": Case(COORD, ("--num-stages", "2"), ("--num-stages", "pipeline mode", "replica mode"), light=True),
+    "coordinator-num-stages-in-experts-mode": Case(COORD, ("--mode", "experts", "--model", "tiny-moe", "--expert-shards", "2", "--num-stages", "2"), ("--num-stages", "experts mode"), light=True),
+    "coordinator-heartbeat-timeout-below-interval": Case(COORD, ("--heartbeat-timeout-s", "1"), ("--heartbeat-timeout-s", "at least 2 s"), light=True),
+    "coordinator-token-naming-no-role": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", OWNED, "--roles", ","), ("--roles ','", "names no role"), light=True),
+    "coordinator-revoke-the-owner": Case(
+        COORD, ("revoke", "--data-dir", "{tmp}/too-early", "--identity", "{tmp}/owner.pem", peer_id_from_public_key(OWNER.public_key)), ("own peer id", "cannot revoke itself"), light=True,
+    ),
+}
 
 
 @dataclass
@@ -184,6 +214,8 @@ def _prepare(tmp: Path) -> None:
     (tmp / "transport.toml").write_text("[transport]\nban_score = 3.0\n")
     (tmp / "in-flight.toml").write_text("[transport]\nmax_bytes_in_flight_per_peer = 1000\n")
     (tmp / "run.toml").write_text("inner_steps = 10\njoin_timeout_s = -1\n")
+    (tmp / "string-int.toml").write_text('num_shards = "5"\n')
+    (tmp / "run-string.toml").write_text('inner_steps = "5"\n')
     OWNER.save(tmp / "owner.pem")
     (tmp / "revoked").mkdir()
     (tmp / "revoked" / "revoked").write_text(f"{PEER}\nnot-a-peer-id  # a hand edit gone wrong\n")
@@ -282,6 +314,20 @@ def test_bad_input_is_one_line_naming_the_problem(results, name):
     assert r.stdout.strip() == "", f"{name}: stdout:\n{r.stdout}"
     assert not r.leftovers, f"{name}: {len(r.leftovers)} processes outlived the daemon"
 
+
+
+@pytest.mark.parametrize("name", sorted(FIRST_HOUR))
+def test_first_hour_mistakes_exit_2(results, name):
+    assert results[name][1].returncode == 2, results[name][1].stderr
+
+
+def test_the_coordinator_help_lists_the_owner_s_tools_each_with_its_own_help():
+    main = subprocess.run([str(BIN / COORD), "--help"], capture_output=True, text=True, timeout=60)
+    assert main.returncode == 0
+    for tool in ("init", "token", "revoke"):
+        assert f"swarmtrain-coordinator {tool} " in main.stdout, main.stdout
+        own = subprocess.run([str(BIN / COORD), tool, "--help"], capture_output=True, text=True, timeout=60)
+        assert own.returncode == 0 and own.stdout.startswith(f"usage: swarmtrain-coordinator {tool}"), own.stdout
 
 
 def test_the_allocator_setting_applies_in_a_fresh_process():

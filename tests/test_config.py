@@ -257,3 +257,69 @@ def test_announcing_a_private_address_to_a_public_swarm_is_warned_about(announce
     w = announce_warning(announced, peers)
     assert (w is not None) == warned, w
     assert not warned or ("cannot dial us" in w and "--announce-maddrs" in w)
+
+
+def test_a_join_token_names_the_swarm_a_node_joins():
+    from protocol import SigningKey
+    from protocol.signatures import peer_id_from_public_key
+    from protocol.tokens import issue_token
+
+    owner = SigningKey.generate()
+    swarm = f"lab@{peer_id_from_public_key(owner.public_key)}"
+    token = issue_token(owner, swarm).to_text()
+    assert NodeConfig(token=token).swarm_id == swarm  # no --swarm-id: the token's
+    assert NodeConfig(token=token, swarm_id=swarm).swarm_id == swarm
+    assert NodeConfig().swarm_id == "swarmtrain"  # neither: the default swarm
+    with pytest.raises(ConfigError, match=f"--token is a join token of swarm '{swarm}', not of --swarm-id 'other'"):
+        NodeConfig(token=token, swarm_id="other")
+
+
+def test_a_config_file_string_is_never_a_number_or_a_flag(tmp_path):
+    for toml, expect in (('num_shards = "5"\n', "num_shards must be int, got '5'"), ('bandwidth_mbps = "100"\n', "bandwidth_mbps must be float"),
+                         ('client_mode = "true"\n', "client_mode must be bool"), ('initial_peers = "/ip4/1.2.3.4/tcp/1/p2p/X"\n', "initial_peers must be a list of str")):  # fmt: skip
+        with pytest.raises(ConfigError, match=expect):
+            _load(tmp_path, toml)
+    assert _load(tmp_path, "num_shards = 5\nbandwidth_mbps = 100\n").bandwidth_mbps == 100.0
+    assert _load(tmp_path, env={"SWARMTRAIN_NUM_SHARDS": "5"}).num_shards == 5  # (the environment holds only strings)
+
+
+def test_a_misspelt_environment_variable_is_refused_with_the_setting_it_nearly_names(tmp_path):
+    with pytest.raises(ConfigError, match="env SWARMTRAIN_AVERAGER_PACE_SHAR is no setting: did you mean SWARMTRAIN_AVERAGER_PACE_SHARE"):
+        _load(tmp_path, env={"SWARMTRAIN_AVERAGER_PACE_SHAR": "0.5"})
+    # other tools' variables (compose's) and the coordinator's are no node's business
+    assert _load(tmp_path, env={"SWARMTRAIN_IMAGE": "x", "SWARMTRAIN_COORDINATOR_INNER_STEP": "5", "SWARMTRAIN_OWNER_PUBLIC_KEY": ""}).swarm_id == "swarmtrain"
+    with pytest.raises(ConfigError, match="did you mean SWARMTRAIN_COORDINATOR_INNER_STEPS"):
+        _load_coordinator(tmp_path, env={"SWARMTRAIN_COORDINATOR_INNER_STEP": "5"})
+
+
+def test_settings_that_cannot_work_together_are_refused_naming_both():
+    from node.config_checks import check_node_settings
+
+    peers = ("/ip4/127.0.0.1/tcp/1/p2p/X",)
+    check_node_settings(NodeConfig(initial_peers=peers, threads=2), cores=2)  # all fine
+    for config, cores, expect in (
+        (NodeConfig(initial_peers=peers, client_mode=True, serve_relay=True), 2, "--serve-relay .* --client-mode"),
+        (NodeConfig(initial_peers=peers, record_ttl_s=5, heartbeat_interval_s=10), 2, "--record-ttl-s 5 is shorter than --heartbeat-interval-s 10"),
+        (NodeConfig(initial_peers=peers, threads=3), 2, "--threads 3: this process may run on 2 cores"),
+        (NodeConfig(), 2, "no --initial-peers"),
+    ):
+        with pytest.raises(ConfigError, match=expect):
+            check_node_settings(config, cores)
+    check_node_settings(NodeConfig(coordinator="/ip4/127.0.0.1/tcp/1/p2p/X"), cores=2)  # the coordinator alone: its DHT is joined through it
+    with pytest.raises(ConfigError, match="warmup_steps .100. must not exceed total_steps .10."):
+        RunConfig(warmup_steps=100, total_steps=10)
+    for mode, run in (("replica", RunConfig(num_stages=2)), ("experts", RunConfig(model="tiny-moe", expert_shards=2, num_stages=2)), ("pipeline", RunConfig(num_stages=2, expert_shards=2))):
+        with pytest.raises(ConfigError, match="is for (pipeline|experts) mode"):
+            CoordinatorConfig(mode=mode, run=run)
+
+
+def test_a_node_heartbeats_within_the_coordinator_s_timeout():
+    from node.net.membership import Membership
+
+    m = Membership(None, None, NodeConfig(heartbeat_interval_s=10.0), {})
+    m._heed_timeout(json.dumps({"inner_steps": 5, "heartbeat_timeout_s": 6.0}).encode())
+    assert m.interval == 2.0  # a third of the coordinator's timeout: never evicted between two heartbeats
+    m._heed_timeout(json.dumps({"heartbeat_timeout_s": 60.0}).encode())
+    assert m.interval == 10.0  # its own, well within
+    m._heed_timeout(b"{}")  # an older coordinator's: says nothing
+    assert m.interval == 10.0

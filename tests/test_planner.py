@@ -523,3 +523,27 @@ def test_a_client_mode_node_trains_in_a_pipeline_and_idles_among_replicas():
     replicas = plan_roles([member("a"), client], PlannerConfig(mode="replica"))
     assert replicas.assignments["a"].role == "replica"
     assert replicas.assignments["c"].role == "idle" and "inbound connections" in replicas.assignments["c"].reason
+
+
+def test_a_member_never_gets_a_role_its_join_token_does_not_allow():
+    only = lambda *roles: {"token_roles": ",".join(roles)}  # noqa: E731 (as the coordinator stores a token's roles)
+    trainer, stage, replica, anyone = (member(p, capabilities=caps) for p, caps in
+                                       (("t", only("trainer")), ("s", only("stage")), ("r", only("replica")), ("x", {})))  # fmt: skip
+    # replica mode: a trainer-only or stage-only token has no place there
+    plan = plan_roles([trainer, stage, replica, anyone], PlannerConfig())
+    assert {p: a.role for p, a in plan.assignments.items()} == {"t": "idle", "s": "idle", "r": "replica", "x": "replica"}
+    assert plan.assignments["t"].reason == "its join token allows only trainer: replica mode has no place for that"
+    # a pipeline: a trainer-only token trains as a trainer, a replica-only one idles
+    plan = plan_roles([trainer, stage, replica, anyone], PIPE3)
+    assert {p: a.role for p, a in plan.assignments.items()} == {"t": "trainer", "s": "stage", "r": "idle", "x": "stage"}
+    assert plan.assignments["t"].reason == "its join token allows the trainer role, not the stage role"
+    assert plan.assignments["r"].reason == "its join token allows only replica: pipeline mode has no place for that"
+    # experts: the same rule for its expert hosts
+    plan = plan_roles([trainer, member("e", capabilities=only("expert", "trainer"))], EXPERTS)
+    assert (plan.assignments["t"].role, plan.assignments["e"].role) == ("trainer", "expert")
+    # a client-mode node (trainers only) whose token allows stages only: nothing it may do
+    plan = plan_roles([member("c", capabilities={"client_mode": 1, **only("stage")})], PIPE3)
+    assert plan.assignments["c"].role == "idle"
+    # and its assignment stays put over repeated planning
+    settled, _ = settle([trainer, stage, replica, anyone], PIPE3)
+    assert {m.peer_id: m.role for m in settled} == {"t": "trainer", "s": "stage", "r": "idle", "x": "stage"}

@@ -6,6 +6,7 @@ import pytest
 
 from coordinator.planner import checkpoint_quorum
 from node.models.data import shard_of
+from node.roles.replica import lone_replica
 from node.roles.slot_state import choose_state
 from node.runconfig import RunConfig, RunConfigError
 
@@ -66,3 +67,16 @@ def test_shards_are_stable_and_spread():
     shards = [shard_of(p, 8) for p in ids]
     assert shards == [shard_of(p, 8) for p in ids]
     assert set(shards) == set(range(8))
+
+
+def test_a_replica_steps_alone_only_as_the_swarm_s_only_replica():
+    lone, why = lone_replica("me", {"me"}, set(), min_replicas=1)
+    assert lone and "only replica" in why
+    # another replica in the records (late, slow, or just dead: its record outlives it a while)
+    assert lone_replica("me", {"me", "b"}, set(), 1) == (False, "1 other replica(s) in the member records: averaging with them")
+    # none in the records, but one of our last round still answers (our DHT lost sight of it)
+    lone, why = lone_replica("me", {"me"}, {"b"}, 1)
+    assert not lone and "1 of the last round answer" in why
+    # a run that asked for two replicas never trains on one
+    lone, why = lone_replica("me", {"me"}, set(), 2)
+    assert not lone and "needs 2" in why

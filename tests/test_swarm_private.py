@@ -41,6 +41,11 @@ def outer_step(swarm, name) -> int:
     return h[-1]["outer_step"] if h else -1
 
 
+def refusals(proc) -> list[str]:
+    """The lines of a node's output that say the coordinator refused it."""
+    return [line for line in proc.log().splitlines() if "refused this node" in line or "refused us" in line]
+
+
 async def _stranger(maddr: str, targets: list[str], owner: SigningKey, swarm_id: str) -> dict[str, list[str]]:
     """A peer of the swarm's network with no certificate of its own: what each call it tries
     gets back from each target."""
@@ -94,9 +99,18 @@ def test_a_private_swarm_from_the_cli_serves_members_only_and_revokes(swarm):
     join = ["--swarm-id", swarm_id, *NODE]
     nodes = {n: swarm.node(n, [maddr], *join, "--shard-index", str(i), "--token", token.stdout.strip()) for i, n in enumerate(["a", "b", "c"])}
     outsider = swarm.node("x", [maddr], *join, "--shard-index", "3")  # no token
+    trainer_only = tool("token", "--data-dir", str(data), "--swarm-id", swarm_id, "--roles", "trainer").stdout.strip()
+    trainer = swarm.node("t", [maddr], *join, "--token", trainer_only)  # asks for no role: replica mode has none its token allows
     ids = {n: node_peer_id(p) for n, p in nodes.items()}
     wait_for(lambda: min(outer_step(swarm, n) for n in nodes) >= 1, 240, "the members to train an outer step")
-    assert "join token is required" in outsider.log() and node_peer_id(outsider) not in coord.members()
+    t = coord.members().get(node_peer_id(trainer)) or wait_for(lambda: coord.members().get(node_peer_id(trainer)), 60, "t to register")
+    assert t["role"] == "idle", t
+    assert "role: idle (its join token allows only trainer: replica mode has no place for that)" in trainer.log()
+    trainer.terminate()
+    assert trainer.wait(30) == 0
+    # refused: it says so in one line and exits (no retrying for ever), never a member
+    assert outsider.wait(60) == 3 and node_peer_id(outsider) not in coord.members()
+    assert refusals(outsider) == ["error: the coordinator refused this node: this swarm is private: a join token is required"], outsider.log()
 
     answers = asyncio.run(_stranger(maddr, [ids["a"], ids["b"]], owner, swarm_id))
     for peer, got in answers.items():
@@ -111,6 +125,8 @@ def test_a_private_swarm_from_the_cli_serves_members_only_and_revokes(swarm):
     seconds = asyncio.run(_revoked(maddr, [ids["a"], ids["b"]], owner, swarm_id, lambda peer: tool("revoke", "--data-dir", str(data), ids["c"], peer)))
     assert all(s < 15 for s in seconds), seconds  # (a refresh is 1 s here: the coordinator's record interval, a third of the nodes' record TTL)
     wait_for(lambda: ids["c"] not in coord.members(), 30, "the coordinator to drop c")
+    assert nodes["c"].wait(60) == 3, nodes["c"].log()  # refused at its next heartbeat: it stops training and exits
+    assert refusals(nodes["c"]) == [f"error: the coordinator refused this node: {ids['c']} is revoked by the owner of swarm {swarm_id}"]
     at = {n: outer_step(swarm, n) for n in ("a", "b")}
     wait_for(lambda: all(outer_step(swarm, n) > at[n] for n in ("a", "b")), 120, "a and b to train on without c")
 

@@ -124,3 +124,21 @@ def test_coordinator_restart_loses_no_checkpoint_and_a_stopped_run_resumes(swarm
         assert start["outer_step"] == latest and start["state_hash"] == latest_hash
     wait_for(lambda: min(step_of(swarm, n) for n in fresh) >= latest + 1, 180, "training to resume")
     assert_same_hashes(swarm, list(fresh), trained_steps(swarm, "e") & trained_steps(swarm, "f"))
+
+
+def test_a_lone_replica_trains_and_its_checkpoints_are_kept(swarm):
+    # the default --min-replicas 1: a swarm of one replica applies its own outer steps
+    coord = swarm.coordinator("coordinator", None, None, *RUN, "--max-outer-steps", "4")
+    maddr = coord.wait_ready()["maddrs"][0]
+    node = replica(swarm, "a", maddr, 0)
+    wait_for(lambda: step_of(swarm, "a") >= 4, 180, "4 outer steps of the lone replica")
+    h = history(swarm, "a")
+    assert trained_steps(swarm, "a") >= {1, 2, 3, 4}, h
+    seen = [e["state_hash"] for e in h]
+    assert len(set(seen)) == len(seen), seen  # a new state at every outer step
+    assert h[-1]["val_loss"] < h[0]["val_loss"] - 0.3, [(e["outer_step"], e.get("val_loss")) for e in h]
+    assert "the swarm's only replica" in node.log() and "averaging failed" not in node.log()
+    # checkpoints 2 and 4 (every 2, and the last) are kept, each verified by the one replica
+    kept = wait_for(lambda: {c["step"]: c for c in coord.status()["checkpoints"] if c["step"] >= 4}, 60, "the last checkpoint")
+    assert kept[4]["state_hash"] == hashes(swarm, "a")[4] and kept[4]["verified_by"] == 1, kept
+    assert "verified by one replica" in coord.proc.log()

@@ -1,11 +1,13 @@
 """The node's side of membership: find the coordinator, register, heartbeat, and publish a
 signed membership record in the DHT. The swarm does not depend on the coordinator being up:
 when it is unreachable the node keeps its role and retries with backoff, and its DHT record
-keeps announcing it; when the coordinator comes back the node registers again."""
+keeps announcing it; when the coordinator comes back the node registers again. A coordinator
+that answers with a refusal (`Refused`) ends the node instead."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import deque
@@ -28,6 +30,12 @@ PROBE_BYTES = 2 << 20
 
 class CoordinatorNotFound(Exception):
     pass
+
+
+class Refused(Exception):
+    """The coordinator refused this node ("unauthorized": no join token, an expired one, another
+    peer's or swarm's, revoked by the owner). Final: asking again gets the same answer, so the
+    node stops (a coordinator that is down or restarting is no refusal: that is retried)."""
 
 
 @dataclass
@@ -65,6 +73,7 @@ class Membership:
         self.leaving = False  # deregistered on purpose: no more heartbeats or registrations
         self._deregistered = False
         self._announced: tuple[str, ...] | None = None  # the addresses our member record last carried
+        self.interval = config.heartbeat_interval_s  # seconds between heartbeats (shorter where the coordinator's timeout asks it)
 
     def heartbeat_soon(self) -> None:
         """Report progress now instead of at the next interval (e.g. right after an outer step)."""
@@ -158,6 +167,8 @@ class Membership:
         changed = self.assignment is None or (reply.role, reply.stage, reply.expert) != (
             self.assignment.role, self.assignment.stage, self.assignment.expert
         )
+        if self.assignment is None or reply.config != self.assignment.config:
+            self._heed_timeout(reply.config)
         self.assignment = reply
         gate = self.transport.gate
         if reply.certificate and gate is not None and reply.certificate != gate.credential:  # an owned swarm's certificate, new or renewed
@@ -174,8 +185,22 @@ class Membership:
             self.publish_soon()  # our record names the role: peers look for e.g. a stage's servers by it
         return reply
 
+    def _heed_timeout(self, config: bytes) -> None:
+        """Heartbeat at least every third of the coordinator's heartbeat timeout (its assignments'
+        config says it): at a longer interval it would evict us between two heartbeats."""
+        try:
+            timeout = json.loads(config).get("heartbeat_timeout_s") if config else None
+        except (ValueError, AttributeError):  # (the run's config is checked where it is used)
+            timeout = None
+        ours = self.config.heartbeat_interval_s
+        self.interval = ours
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < 3 * ours:
+            self.interval = timeout / 3
+            log.warning("--heartbeat-interval-s %g is more than a third of the coordinator's heartbeat timeout (%g s): heartbeating every %.2g s instead", ours, timeout, self.interval)
+
     async def run(self) -> None:
-        """Register, then heartbeat forever; on trouble keep the role and retry with backoff."""
+        """Register, then heartbeat forever; on trouble keep the role and retry with backoff.
+        `Refused` when the coordinator refuses us: the node stops."""
         backoff = 0.5
         while True:
             if self.leaving:
@@ -193,10 +218,10 @@ class Membership:
                     await self.heartbeat()
                 backoff = 0.5
                 self._wake.clear()
-                await woken(self._wake, self.config.heartbeat_interval_s)
+                await woken(self._wake, self.interval)
             except (*NETWORK_ERRORS, CoordinatorNotFound, DHTError) as e:
                 if isinstance(e, RemoteError) and e.code == "unauthorized":
-                    log.error("the coordinator refused us: %s", e.message)
+                    raise Refused(f"the coordinator refused this node: {e.message}") from None
                 if not self._trouble_logged:
                     log.warning("coordinator unreachable (%s); keeping role %s, retrying", e, self.assignment.role if self.assignment else None)
                     self._trouble_logged = True

@@ -31,7 +31,7 @@ import torch
 
 from protocol import RoleAssignment
 
-from ..averaging import Averager, AveragingFailed, NamespaceTaken
+from ..averaging import AverageReport, Averager, AveragingFailed, NamespaceTaken
 from ..averaging.faults import Faults
 from ..config import averager_config
 from ..models.data import EVAL_SEED, Batches, DataError, evaluate, shard_of
@@ -60,6 +60,25 @@ def replica_hash(state: State) -> str:
     """The hash of a replica's outer state: parameters and momentum (zeros where it has none)."""
     model, momentum = state["model"], state.get("outer") or {}
     return state_hash({**{f"param/{n}": t for n, t in model.items()}, **{f"momentum/{n}": momentum.get(n, torch.zeros_like(t)) for n, t in model.items()}})
+
+
+def lone_replica(me: str, recorded: set[str], answered: set[str], min_replicas: int) -> tuple[bool, str]:
+    """Whether a replica applies its own outer step, its pseudo-gradient as the average, and why.
+    Pure. Only the swarm's only replica does: no other replica in the member records (`recorded`,
+    DHT records that live a record TTL, so a replica that is merely late, or slow, or that died
+    a moment ago, is still in them) and none of the replicas of our last round answering a
+    question about its state (`answered`: a peer our DHT lost sight of, but still there). A
+    replica left alone because the others were late or cut off waits and catches up instead
+    (`Replica._round_failed`): a step of its own would diverge from theirs. A run that asked for
+    `min_replicas` >= 2 never trains on one replica."""
+    others, alive = sorted(recorded - {me}), sorted(answered - {me})
+    if others:
+        return False, f"{len(others)} other replica(s) in the member records: averaging with them"
+    if alive:
+        return False, f"no other replica in the member records, but {len(alive)} of the last round answer: averaging with them"
+    if min_replicas > 1:
+        return False, f"the only replica, and the run needs {min_replicas} to train: waiting for others"
+    return True, "the swarm's only replica: it applies its own outer step (its checkpoints are verified by one replica) until another joins"
 
 
 async def _finish(task: asyncio.Task | None) -> bool:
@@ -106,6 +125,7 @@ class Replica(Role):
         self._inner_threads = self.threads
         self.slowdown = c.fault_slowdown
         self._out_of_step = False  # the last round failed: we may have been left behind
+        self._lone = False  # the last round found us the swarm's only replica (logged when that changes)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -186,22 +206,26 @@ class Replica(Role):
         expected = await self._replica_ids()
         key = f"outer-{self.round}-{self.hash[:8]}"
         t1 = time.monotonic()
-        # wait for slower replicas up to one inner phase: replicas differ in speed, and a
-        # window shorter than that difference would leave the fast and the slow ones alone
-        window = max(self.run_config.join_timeout_s, t_inner)
-        # after a failed round we may be the one left behind (cut off, or back from a pause the
-        # clocks did not show): while we wait alone for others, look whether the swarm moved on
-        watch = asyncio.create_task(self._watch_swarm(key)) if self._out_of_step else None
-        failed: AveragingFailed | None = None
-        try:
-            avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=expected, state_key="outer", join_timeout_s=window)
-        except AveragingFailed as e:
-            failed = e
-        finally:
-            moved_on = await _finish(watch)
-        if failed is not None:
-            await self._round_failed(failed, moved_on, wait_s=window + t_inner + 5)
-            return
+        if await self._alone(expected):
+            # the swarm's only replica: its own pseudo-gradient is the average (nobody to wait for)
+            avg, report = pseudo, AverageReport(key=key, ok=True, reason="alone", leader=self.ctx.host.peer_id, members=[self.ctx.host.peer_id], survivors=[self.ctx.host.peer_id])
+        else:
+            # wait for slower replicas up to one inner phase: replicas differ in speed, and a
+            # window shorter than that difference would leave the fast and the slow ones alone
+            window = max(self.run_config.join_timeout_s, t_inner)
+            # after a failed round we may be the one left behind (cut off, or back from a pause the
+            # clocks did not show): while we wait alone for others, look whether the swarm moved on
+            watch = asyncio.create_task(self._watch_swarm(key)) if self._out_of_step else None
+            failed: AveragingFailed | None = None
+            try:
+                avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=expected, state_key="outer", join_timeout_s=window)
+            except AveragingFailed as e:
+                failed = e
+            finally:
+                moved_on = await _finish(watch)
+            if failed is not None:
+                await self._round_failed(failed, moved_on, wait_s=window + t_inner + 5)
+                return
         self._out_of_step = False
         copy_into(self.model.parameters(), self.outer.apply(avg))
         self.round += 1
@@ -366,6 +390,20 @@ class Replica(Role):
         members = await self.view.read()
         peers = (set(members.peers("replica")) | set(self.averager.last_members)) - {self.ctx.host.peer_id}
         return await self.state.ask(sorted(peers), ASK_S)
+
+    async def _alone(self, recorded: set[str]) -> bool:
+        """Whether this is the swarm's only replica (`lone_replica`): `recorded`, the replicas of
+        the member records, are only us, and no replica of our last round answers either."""
+        me = self.ctx.host.peer_id
+        if recorded - {me}:  # (the common case: no question to ask anyone)
+            return False
+        last = sorted(set(self.averager.last_members) - {me})
+        answered = set(await self.state.ask(last, ASK_S)) if last else set()
+        lone, why = lone_replica(me, recorded, answered, self.run_config.min_replicas)
+        if lone != self._lone:
+            log.info("outer step %d: %s", self.round, why)
+            self._lone = lone
+        return lone
 
     async def _replica_ids(self) -> set[str]:
         """The replicas alive as far as the member records show, this one included."""
