@@ -5,6 +5,7 @@ state. Each returns its decision *and* a human-readable reason, so the service c
 show why a peer was evicted or moved, and tests can move time by hand instead of sleeping.
 
 Planning rules, in order (pipeline and experts modes; replica mode makes everyone a replica):
+  0. A member whose role failed is idle (and counts for no slot) until it registers again.
   1. A member that asked for the trainer role gets it.
   2. Every other member keeps its current assignment while that is still valid (stability under
      churn: a peer joining or leaving must not reshuffle the swarm).
@@ -54,6 +55,7 @@ class MemberView:
     throughput: float | None = None  # measured work rate, samples/s; None = unknown
     capabilities: Mapping[str, int | float | str | bool] = field(default_factory=dict)
     wanted_role: str | None = None  # what the peer asked for at registration
+    failed: str | None = None  # why its role failed: it takes no role (idle) until it registers again
 
 
 @dataclass(frozen=True)
@@ -183,8 +185,9 @@ def plan_roles(members: Sequence[MemberView], config: PlannerConfig) -> Plan:
     if config.mode == "replica":
         assignments = {m.peer_id: _replica(m) for m in ordered}
         empty: tuple[int | str, ...] = ()
-    else:
-        assignments, empty = _SlotPlanner(ordered, config).plan()
+    else:  # a member whose role failed holds no slot: the others cover its stage or shard
+        assignments, empty = _SlotPlanner([m for m in ordered if not m.failed], config).plan()
+        assignments.update({m.peer_id: _failed(m) for m in ordered if m.failed})
     changes = [
         m.peer_id
         for m in ordered
@@ -202,7 +205,13 @@ def client_mode(m: MemberView) -> bool:
     return m.capabilities.get("client_mode") in (1, True)
 
 
+def _failed(m: MemberView) -> Assignment:
+    return Assignment("idle", reason=f"its role failed: {m.failed}; it takes a role again once restarted")
+
+
 def _replica(m: MemberView) -> Assignment:
+    if m.failed:
+        return _failed(m)
     if client_mode(m):
         return Assignment("idle", reason="client mode: a replica's averaging needs inbound connections; client-mode nodes train as pipeline or expert trainers")
     if (m.role, m.stage, m.expert) == ("replica", None, None):
