@@ -19,7 +19,7 @@ from typing import Any
 from protocol import Heartbeat
 
 from .history import (
-    INTERVAL_S, Event, EventLimiter, ProgressPoint, ProgressSampler, Rate, Thinning, ThroughputMeter, ThroughputPoint, keep_points,
+    EVENT_KINDS, INTERVAL_S, Event, EventLimiter, ProgressPoint, ProgressSampler, Rate, Thinning, ThroughputMeter, ThroughputPoint, keep_points,
 )  # fmt: skip
 
 MAX_EVENTS = 1000  # rows of the events table (the newest)
@@ -113,6 +113,8 @@ class Recorder:
 
     def event(self, now: float, kind: str, peer_id: str | None, detail: str) -> bool:
         """Record an event unless its kind's limit for this peer is reached; whether it was."""
+        if kind not in EVENT_KINDS:
+            raise ValueError(f"event kind {kind!r} is not one of {', '.join(EVENT_KINDS)}")
         ok, suppressed = self.limiter.allow(now, kind, peer_id)
         if ok:
             more = f" ({suppressed} more like it since the last one shown)" if suppressed else ""

@@ -168,3 +168,45 @@ def test_a_role_that_cannot_be_made_or_started_or_fails_unexpectedly_is_a_failur
     assert len(errors) == 2 and not any(r.exc_info for r in errors)  # one line each
     assert [r.getMessage() for r in caplog.records if r.exc_info] == ["the work role's traceback"]  # a bug's, at DEBUG only
     assert all(r.levelname == "DEBUG" for r in caplog.records if r.exc_info)
+
+
+def test_a_replicas_failed_round_is_noted_and_the_coordinator_records_it_as_an_event(tmp_path):
+    from coordinator.config import CoordinatorConfig
+    from coordinator.service import Coordinator
+    from node.averaging.config import AverageReport, AveragingFailed
+    from node.net.transport import CallContext, Transport
+    from node.roles.replica import Replica
+    from protocol import Heartbeat, Register
+
+    async def main():
+        (host,) = await start_hosts(1)
+        transport = Transport(host)
+        coord = Coordinator(CoordinatorConfig(data_dir=str(tmp_path / "coordinator"), http=""))
+        coord.validate()
+        try:
+            config = NodeConfig(data_dir=str(tmp_path / "node"))
+            (tmp_path / "node").mkdir()
+            membership = Membership(host, transport, config, {})
+            replica = Replica(RoleContext(host, transport, membership, config), RunConfig(min_replicas=1))
+            failed = AveragingFailed(AverageReport(key="outer-0-abcdef12", reason="too late or alone"))
+            try:
+                await replica._round_failed(failed, moved_on=False, wait_s=0.0)  # alone: nobody got further
+            finally:
+                await replica.stop(planned=True)
+            p = membership.progress
+            assert list(p.notes) == ["outer step 0: averaging failed (too late or alone)"] and p.step == 1
+            # what the next heartbeat carries, as the coordinator gets it
+            async def receive():
+                raise AssertionError("one frame")
+
+            peer = host.peer_id
+            await coord.on_register(CallContext(peer, Register(peer_id=peer), receive))
+            await coord.on_heartbeat(CallContext(peer, Heartbeat(peer_id=peer, step=p.step, notes=tuple(p.notes)), receive))
+            events = (await coord.status())["events"]
+            assert [(e["kind"], e["peer_id"], e["detail"]) for e in events] == [("round_failed", peer, "outer step 0: averaging failed (too late or alone)")]
+        finally:
+            await coord.stop()
+            await transport.close()
+            await host.shutdown()
+
+    asyncio.run(main())
