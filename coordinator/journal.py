@@ -22,7 +22,7 @@ from .history import (
     EVENT_KINDS, INTERVAL_S, Event, EventLimiter, ProgressPoint, ProgressSampler, Rate, Thinning, ThroughputMeter, ThroughputPoint, keep_points,
 )  # fmt: skip
 
-MAX_EVENTS = 1000  # rows of the events table (the newest)
+MAX_EVENTS = 1000  # rows of the events table (the newest); of one kind, a quarter of that at most
 MAX_DETAIL = 512  # characters of an event's detail
 THIN_EVERY = 50  # points appended to a series between two thinning passes over it
 
@@ -86,13 +86,17 @@ class Journal:
             return self._db.execute("SELECT MAX(step) FROM progress").fetchone()[0]
 
     def add_event(self, event: Event) -> None:
-        """Append an event; the oldest beyond `max_events` go."""
+        """Append an event; the oldest beyond `max_events` go, and the oldest of its kind beyond
+        a quarter of that (a checkpoint every few minutes must not push the joins out)."""
         with self._tx():
-            cur = self._db.execute(
+            self._db.execute(
                 "INSERT INTO events (time, kind, peer_id, detail) VALUES (?, ?, ?, ?)", (event.time, event.kind, event.peer_id, event.detail[:MAX_DETAIL])
             )
-            # AUTOINCREMENT ids only grow, so everything at or below this id is the excess
-            self._db.execute("DELETE FROM events WHERE id <= ?", (cur.lastrowid - self.max_events,))
+            self._db.execute(
+                "DELETE FROM events WHERE kind = ? AND id <= (SELECT id FROM events WHERE kind = ? ORDER BY id DESC LIMIT 1 OFFSET ?)",
+                (event.kind, event.kind, max(1, self.max_events // 4)),
+            )
+            self._db.execute("DELETE FROM events WHERE id <= (SELECT id FROM events ORDER BY id DESC LIMIT 1 OFFSET ?)", (self.max_events,))
 
     def events(self, limit: int = MAX_EVENTS) -> list[Event]:
         """The newest `limit` events, oldest first."""

@@ -87,13 +87,17 @@ def test_trainers_make_interval_points_for_a_day_and_none_while_they_idle(tmp_pa
 
 
 def test_events_are_bounded_newest_last_and_a_flood_of_notes_or_refusals_is_limited(tmp_path):
-    with Registry(tmp_path / "r.sqlite", max_events=20) as reg:
+    with Registry(tmp_path / "r.sqlite", max_events=40) as reg:
         rec = Recorder(reg.history, context=None)
         members(reg, "replica", "a")
         for i in range(30):
             assert rec.event(T0 + i, "join", f"p{i}", f"join {i}")
-        assert [e.detail for e in reg.history.events()] == [f"join {i}" for i in range(10, 30)]
+        assert [e.detail for e in reg.history.events()] == [f"join {i}" for i in range(20, 30)]  # of one kind: a quarter
         assert reg.history.events(limit=2) == [Event(T0 + 28, "join", "p28", "join 28"), Event(T0 + 29, "join", "p29", "join 29")]
+        for kind in ("checkpoint", "leave", "evict", "revoke", "checkpoint"):  # the newest 40 of all, whatever kinds pour in
+            for i in range(10):
+                rec.event(T0 + 40 + i, kind, "p", f"{kind} {i}")
+        assert [e.detail for e in reg.history.events()] == [f"{kind} {i}" for kind in ("leave", "evict", "revoke", "checkpoint") for i in range(10)]
         for i in range(100):  # a refused peer retrying every 2 s
             rec.event(T0 + 100 + 2 * i, "refused", "x", "join token refused: expired")
         failing = Heartbeat(peer_id="a", failure="the replica role failed: boom", notes=("outer step 3: averaging failed (alone)",) * 16)
