@@ -40,7 +40,9 @@ class Journal:
                  max_events: int = MAX_EVENTS):  # fmt: skip
         self._db, self._tx, self._lock = db, tx, lock
         self.thinning, self.max_events = thinning, max_events
-        self._appended = dict.fromkeys(_SERIES, 0)  # since each series was last thinned
+        # since each series was last thinned (the first append after opening thins: a coordinator
+        # restarted more often than THIN_EVERY points must not grow its file)
+        self._appended = dict.fromkeys(_SERIES, THIN_EVERY - 1)
 
     def add_progress(self, point: ProgressPoint) -> None:
         self._append("progress", point, point.time)
