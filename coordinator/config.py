@@ -150,6 +150,20 @@ def cut_dims(c: CoordinatorConfig):
         raise RunConfigError(f"model: {e}", "model") from None
 
 
+def context_length(c: CoordinatorConfig) -> int | None:
+    """The run's tokens per sample (its model's context), for tokens/s; None when a Hugging Face
+    model's config cannot be read here."""
+    if not c.run.is_hf:
+        return c.run.model_config().context
+    from node.models.hf import ModelDirError, context_of, open_model_dir
+
+    path = _model_path(c)
+    try:
+        return None if path is None else context_of(open_model_dir(path).hf_config())
+    except ModelDirError:
+        return None
+
+
 def resolve_model(c: CoordinatorConfig, data: Path) -> RunConfig:
     """The run as members get it: a model directory (checked by check_coordinator, run first)
     replaced by its pin, its config and tokenizer files packed under DATA_DIR/model for nodes to

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,21 @@ def loopback_only(coordinator) -> bool:
     return coordinator.owned and not coordinator.config.http_public
 
 
+class _Counters:
+    """What only grows since the coordinator started, typed as counters (values from its state)."""
+
+    def __init__(self, evictions: int, rpc: dict[str, int]):
+        self.evictions, self.rpc = evictions, rpc
+
+    def collect(self):
+        evictions = CounterMetricFamily("swarmtrain_evictions", "Members evicted for missing heartbeats since start")
+        evictions.add_metric([], self.evictions)
+        rpc = CounterMetricFamily("swarmtrain_rpc", "RPC counters of the coordinator since start", labels=["counter"])
+        for name, value in sorted(self.rpc.items()):
+            rpc.add_metric([name], value)
+        return [evictions, rpc]
+
+
 def _metrics(coordinator, status: dict) -> bytes:
     reg = CollectorRegistry()
     by_role = Counter(m["role"] or "unassigned" for m in status["members"])
@@ -69,16 +85,16 @@ def _metrics(coordinator, status: dict) -> bytes:
     Gauge("swarmtrain_checkpoints", "Checkpoints on disk", registry=reg).set(len(status["checkpoints"]))
     latest = max((c["step"] for c in status["checkpoints"]), default=-1)
     Gauge("swarmtrain_latest_checkpoint_step", "Step of the newest checkpoint (-1: none)", registry=reg).set(latest)
-    Gauge("swarmtrain_evictions_total", "Members evicted for missing heartbeats since start", registry=reg).set(status["evictions"])
+    Gauge("swarmtrain_failed_members", "Members whose role failed (they take no role until restarted)", registry=reg).set(
+        sum(1 for m in status["members"] if m.get("failed"))
+    )
     Gauge("swarmtrain_plan_epoch", "Role plan version", registry=reg).set(status["epoch"] or 0)
     steps = [m["step"] for m in status["members"] if m["step"] is not None]
     Gauge("swarmtrain_swarm_step", "Highest step reported by a member", registry=reg).set(max(steps, default=0))
     losses = [p["loss"] for p in status["progress"] if p["loss"] is not None]
     if losses:
         Gauge("swarmtrain_last_loss", "Most recent loss reported", registry=reg).set(losses[-1])
-    rpc = Gauge("swarmtrain_rpc", "RPC counters of the coordinator", ["counter"], registry=reg)
-    for name, value in coordinator.transport.stats.items():
-        rpc.labels(counter=name).set(value)
+    reg.register(_Counters(status["evictions"], dict(coordinator.transport.stats) if coordinator.transport else {}))
     return generate_latest(reg)
 
 

@@ -8,6 +8,7 @@ A member whose join token names roles (`allowed_roles`) never gets another one: 
 has no place for any role it allows, it is idle, and its reason says why.
 
 Planning rules, in order (pipeline and experts modes; replica mode makes everyone a replica):
+  0. A member whose role failed is idle (and counts for no slot) until it registers again.
   1. A member that asked for the trainer role gets it (so does a client-mode member, and one
      whose token allows the trainer role but not the mode's stage or expert role).
   2. Every other member keeps its current assignment while that is still valid (stability under
@@ -58,6 +59,7 @@ class MemberView:
     throughput: float | None = None  # measured work rate, samples/s; None = unknown
     capabilities: Mapping[str, int | float | str | bool] = field(default_factory=dict)
     wanted_role: str | None = None  # what the peer asked for at registration
+    failed: str | None = None  # why its role failed: it takes no role (idle) until it registers again
 
 
 @dataclass(frozen=True)
@@ -187,8 +189,9 @@ def plan_roles(members: Sequence[MemberView], config: PlannerConfig) -> Plan:
     if config.mode == "replica":
         assignments = {m.peer_id: _replica(m) for m in ordered}
         empty: tuple[int | str, ...] = ()
-    else:
-        assignments, empty = _SlotPlanner(ordered, config).plan()
+    else:  # a member whose role failed holds no slot: the others cover its stage or shard
+        assignments, empty = _SlotPlanner([m for m in ordered if not m.failed], config).plan()
+        assignments.update({m.peer_id: _failed(m) for m in ordered if m.failed})
     changes = [
         m.peer_id
         for m in ordered
@@ -226,7 +229,13 @@ def client_mode(m: MemberView) -> bool:
     return m.capabilities.get("client_mode") in (1, True)
 
 
+def _failed(m: MemberView) -> Assignment:
+    return Assignment("idle", reason=f"its role failed: {m.failed}; it takes a role again once restarted")
+
+
 def _replica(m: MemberView) -> Assignment:
+    if m.failed:
+        return _failed(m)
     if not _allows(m, "replica"):
         return _not_allowed(m, "replica")
     if client_mode(m):

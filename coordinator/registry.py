@@ -15,7 +15,14 @@ Tables:
     schema_version  one row: the schema this file was written with
     members         one row per member (peer_id primary key)
     meta            small key/value pairs (JSON values): plan epoch, swarm step, ...
-    progress        (step, loss, time, peer_id) history for the status page, capped in rows
+    progress        loss points (step, loss, time, peer_id) for the status page, thinned with age
+    throughput      (time, members, samples/s, tokens/s, bytes/s) per interval, thinned with age
+    events          joins, leaves, evictions, refusals, failures, checkpoints: the newest kept
+(the history tables are journal.py's to fill and read; history.py decides what goes in them)
+
+Schema versions: 2 added members.failed and the throughput and events tables. A version 1
+file is migrated when opened: the column and tables are added, and its progress table (a row
+per heartbeat) keeps one row per step, the first recorded.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
+from .history import Thinning
+from .journal import MAX_EVENTS, Journal
 from .planner import MemberView
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -52,7 +61,8 @@ CREATE TABLE IF NOT EXISTS members (
     loss               REAL,
     samples_per_second REAL,
     state_hash         TEXT,
-    wanted_role        TEXT
+    wanted_role        TEXT,
+    failed             TEXT                      -- why its role failed (NULL: it did not)
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS progress (
@@ -62,11 +72,33 @@ CREATE TABLE IF NOT EXISTS progress (
     time    REAL NOT NULL,
     peer_id TEXT
 );
+CREATE TABLE IF NOT EXISTS throughput (
+    id                 INTEGER PRIMARY KEY AUTOINCREMENT,
+    time               REAL NOT NULL,
+    members            INTEGER NOT NULL,
+    samples_per_second REAL NOT NULL,
+    tokens_per_second  REAL,
+    bytes_per_second   REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    time    REAL NOT NULL,
+    kind    TEXT NOT NULL,
+    peer_id TEXT,
+    detail  TEXT NOT NULL
+);
 """
+
+_MIGRATIONS = {  # from version -> the statements that bring a file to the next one
+    1: (
+        "ALTER TABLE members ADD COLUMN failed TEXT",
+        "DELETE FROM progress WHERE id NOT IN (SELECT MIN(id) FROM progress GROUP BY step)",
+    ),
+}
 
 _MEMBER_COLUMNS = (
     "peer_id, maddrs, capabilities, role, stage, expert, epoch, registered_at, last_seen, "
-    "step, loss, samples_per_second, state_hash, wanted_role"
+    "step, loss, samples_per_second, state_hash, wanted_role, failed"
 )
 
 
@@ -90,6 +122,7 @@ class Member:
     samples_per_second: float | None = None  # last reported throughput
     state_hash: str | None = None  # last reported hash of the peer's model state
     wanted_role: str | None = None
+    failed: str | None = None  # why its role failed: it takes no role until it registers again
 
     def view(self) -> MemberView:
         return MemberView(
@@ -102,26 +135,21 @@ class Member:
             throughput=self.samples_per_second,
             capabilities=self.capabilities,
             wanted_role=self.wanted_role,
+            failed=self.failed,
         )
 
 
-class ProgressPoint(NamedTuple):
-    step: int
-    loss: float | None
-    time: float  # seconds since the epoch
-
-
 class Registry:
-    """Members, meta values and progress history in one SQLite file.
+    """Members, meta values and the swarm's history (`history`, a journal.Journal) in one
+    SQLite file.
 
     Safe to call from several threads (one connection, guarded by a lock); the service calls
     it through `AsyncRegistry`, on one thread of its own. Every method that writes commits
     before returning.
     """
 
-    def __init__(self, path: str | Path, max_progress_rows: int = 100_000):
+    def __init__(self, path: str | Path, thinning: Thinning = Thinning(), max_events: int = MAX_EVENTS):
         self.path = Path(path)
-        self.max_progress_rows = max_progress_rows
         self._lock = threading.RLock()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,15 +175,24 @@ class Registry:
                 if row is None:
                     self._db.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
                 elif row[0] != SCHEMA_VERSION:
-                    raise RegistryError(
-                        f"cannot open registry at {self.path}: schema version {row[0]}, this code reads version {SCHEMA_VERSION}"
-                    )
+                    self._migrate(row[0])
         except sqlite3.Error as e:
             self._db.close()
             raise RegistryError(f"cannot open registry at {self.path}: {e}") from None
         except RegistryError:
             self._db.close()
             raise
+        self.history = Journal(self._db, self._tx, self._lock, thinning, max_events)
+
+    def _migrate(self, version: int) -> None:
+        """Bring a file of an older schema to this one (inside the opening transaction)."""
+        if version not in _MIGRATIONS and version != SCHEMA_VERSION:
+            raise RegistryError(f"cannot open registry at {self.path}: schema version {version}, this code reads version {SCHEMA_VERSION} (and migrates versions from 1)")
+        while version < SCHEMA_VERSION:
+            for stmt in _MIGRATIONS[version]:
+                self._db.execute(stmt)
+            version += 1
+        self._db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -174,7 +211,7 @@ class Registry:
 
     def _row_to_member(self, row: tuple) -> Member:
         (peer_id, maddrs, caps, role, stage, expert, epoch, registered_at, last_seen,
-         step, loss, sps, state_hash, wanted_role) = row
+         step, loss, sps, state_hash, wanted_role, failed) = row
         return Member(
             peer_id=peer_id,
             maddrs=tuple(json.loads(maddrs)),
@@ -190,6 +227,7 @@ class Registry:
             samples_per_second=sps,
             state_hash=state_hash,
             wanted_role=wanted_role,
+            failed=failed,
         )
 
     def _get(self, peer_id: str) -> Member | None:
@@ -207,7 +245,8 @@ class Registry:
         wanted_role: str | None = None,
     ) -> Member:
         """Add a member, or refresh one that registers again (it keeps its role and epoch, and
-        its first registered_at; addresses, capabilities and wanted_role are replaced)."""
+        its first registered_at; addresses, capabilities and wanted_role are replaced; a failed
+        role is forgotten: registering again is a restart)."""
         maddrs_json = json.dumps([str(a) for a in maddrs])
         try:
             caps_json = json.dumps(dict(capabilities), sort_keys=True, allow_nan=False)
@@ -219,7 +258,7 @@ class Registry:
                    VALUES (?, ?, ?, ?, ?, ?)
                    ON CONFLICT (peer_id) DO UPDATE SET
                        maddrs = excluded.maddrs, capabilities = excluded.capabilities,
-                       last_seen = excluded.last_seen, wanted_role = excluded.wanted_role""",
+                       last_seen = excluded.last_seen, wanted_role = excluded.wanted_role, failed = NULL""",
                 (peer_id, maddrs_json, caps_json, now, now, wanted_role),
             )
             member = self._get(peer_id)
@@ -235,9 +274,11 @@ class Registry:
         loss: float | None = None,
         samples_per_second: float | None = None,
         state_hash: str | None = None,
+        failed: str | None = None,
     ) -> Member | None:
         """Mark a member alive at `now` and store what it reported (None = not reported, the old
-        value stays). Returns None for an unknown peer: it must register first."""
+        value stays; `failed` "": its role did not fail). Returns None for an unknown peer: it
+        must register first."""
         for name, value in (("loss", loss), ("samples_per_second", samples_per_second)):
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"heartbeat of {peer_id!r}: {name} must be finite, got {value}")
@@ -246,9 +287,10 @@ class Registry:
                 """UPDATE members SET last_seen = ?,
                        step = COALESCE(?, step), loss = COALESCE(?, loss),
                        samples_per_second = COALESCE(?, samples_per_second),
-                       state_hash = COALESCE(?, state_hash)
+                       state_hash = COALESCE(?, state_hash),
+                       failed = CASE WHEN ? IS NULL THEN failed ELSE NULLIF(?, '') END
                    WHERE peer_id = ?""",
-                (now, step, loss, samples_per_second, state_hash, peer_id),
+                (now, step, loss, samples_per_second, state_hash, failed, failed, peer_id),
             )
             return self._get(peer_id) if cur.rowcount else None
 
@@ -327,28 +369,6 @@ class Registry:
             (key, encoded),
         )
 
-    # -- progress -------------------------------------------------------------------------------
-
-    def record_progress(self, step: int, loss: float | None, now: float, peer_id: str | None = None) -> None:
-        """Append one (step, loss) point; the oldest rows beyond `max_progress_rows` are dropped
-        so a long run cannot grow the file without bound."""
-        if loss is not None and not math.isfinite(loss):
-            raise ValueError(f"progress at step {step}: loss must be finite, got {loss}")
-        with self._tx():
-            cur = self._db.execute(
-                "INSERT INTO progress (step, loss, time, peer_id) VALUES (?, ?, ?, ?)", (step, loss, now, peer_id)
-            )
-            # AUTOINCREMENT ids only grow, so everything at or below this id is the excess.
-            self._db.execute("DELETE FROM progress WHERE id <= ?", (cur.lastrowid - self.max_progress_rows,))
-
-    def progress(self, limit: int = 1000) -> list[ProgressPoint]:
-        """The most recent `limit` points, oldest first (ready to plot)."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT step, loss, time FROM progress ORDER BY id DESC LIMIT ?", (max(0, limit),)
-            ).fetchall()
-        return [ProgressPoint(*r) for r in reversed(rows)]
-
 
 T = TypeVar("T")
 
@@ -378,8 +398,8 @@ class AsyncRegistry:
         return await self._call("register", peer_id, maddrs, capabilities, now, wanted_role)
 
     async def heartbeat(self, peer_id: str, now: float, step: int | None = None, loss: float | None = None,
-                        samples_per_second: float | None = None, state_hash: str | None = None) -> Member | None:
-        return await self._call("heartbeat", peer_id, now, step, loss, samples_per_second, state_hash)
+                        samples_per_second: float | None = None, state_hash: str | None = None, failed: str | None = None) -> Member | None:
+        return await self._call("heartbeat", peer_id, now, step, loss, samples_per_second, state_hash, failed)
 
     async def remove(self, peer_id: str) -> bool:
         return await self._call("remove", peer_id)
@@ -392,9 +412,6 @@ class AsyncRegistry:
 
     async def get_meta(self, key: str, default: Any = None) -> Any:
         return await self._call("get_meta", key, default)
-
-    async def progress(self, limit: int = 1000) -> list[ProgressPoint]:
-        return await self._call("progress", limit)
 
     async def close(self) -> None:
         """Close the file after the calls already made, then stop the thread."""

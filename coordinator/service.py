@@ -41,13 +41,17 @@ from node.state.state_server import CheckpointServer
 from node.net.transport import CallContext, RPCError, Transport, TransportConfig
 
 from .checkpoints import CheckpointError, CheckpointStore, weights_as_first_checkpoint, weights_as_first_stage_checkpoints
-from .config import CoordinatorConfig, check_coordinator, cut_dims, expert_slots, resolve_model
+from .config import CoordinatorConfig, check_coordinator, context_length, cut_dims, expert_slots, resolve_model
 from .expert_stores import EXPERT_CHECKPOINTS, ExpertStores
+from .history import Rate
+from .journal import Recorder
 from .tools import read_revoked, revocation_file
 from .planner import TOKEN_ROLES, Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
-from .registry import AsyncRegistry, Member, ProgressPoint, Registry, RegistryError
+from .registry import AsyncRegistry, Member, Registry, RegistryError
 
 log = logging.getLogger(__name__)
+
+STATUS_EVENTS = 200  # the newest events /status shows
 
 
 # -- registry jobs: each runs on the registry's thread as one job (see AsyncRegistry.run), so
@@ -59,9 +63,19 @@ def _refresh_all(registry: Registry, now: float) -> None:
         registry.heartbeat(m.peer_id, now)
 
 
-def _evict_silent(registry: Registry, planner: PlannerConfig) -> list[Eviction]:
-    """Remove the members `evict` picks now; the evictions that removed someone."""
-    return [ev for ev in evict(time.time(), registry.views(), planner) if registry.remove(ev.peer_id)]
+def _evict_silent(registry: Registry, planner: PlannerConfig, recorder: Recorder) -> list[Eviction]:
+    """Remove the members `evict` picks now; the evictions that removed someone (as events too)."""
+    now = time.time()
+    evicted = [ev for ev in evict(now, registry.views(), planner) if registry.remove(ev.peer_id)]
+    for ev in evicted:
+        recorder.event(now, "evict", ev.peer_id, ev.reason)
+        recorder.forget(ev.peer_id)
+    return evicted
+
+
+def _tick(registry: Registry, recorder: Recorder, now: float) -> None:
+    """The history's interval points that are due (journal.Recorder.tick)."""
+    recorder.tick(now, [Rate(m.peer_id, m.role, m.samples_per_second) for m in registry.members()])
 
 
 def _plan_and_store(registry: Registry, planner: PlannerConfig) -> Plan:
@@ -77,23 +91,27 @@ def _plan_and_store(registry: Registry, planner: PlannerConfig) -> Plan:
     return plan
 
 
-def _heartbeat(registry: Registry, req: Heartbeat, now: float) -> Member | None:
-    """Store a heartbeat and its progress point; None for an unknown peer. A throughput measured
-    at other work than the member's current assignment (it has not switched yet) is dropped."""
+def _heartbeat(registry: Registry, recorder: Recorder, req: Heartbeat, now: float) -> tuple[Member | None, bool]:
+    """Store a heartbeat and what the history takes from it; None for an unknown peer, and
+    whether its role's failure changed (the plan changes with it). A throughput measured at
+    other work than the member's current assignment (it has not switched yet) is dropped."""
+    current = registry.get(req.peer_id)
+    if current is None:
+        return None, False
     rate = req.samples_per_second
-    if req.measured_as:
-        current = registry.get(req.peer_id)
-        if current is None or req.measured_as != role_label(current.role, current.stage if current.stage is not None else current.expert):
-            rate = None
-    member = registry.heartbeat(req.peer_id, now, req.step, req.loss, rate, req.state_hash)
-    if member is not None and req.loss is not None:
-        registry.record_progress(req.step, req.loss, now, req.peer_id)
-    return member
+    if req.measured_as and req.measured_as != role_label(current.role, current.stage if current.stage is not None else current.expert):
+        rate = None
+    member = registry.heartbeat(req.peer_id, now, req.step, req.loss, rate, req.state_hash, req.failure)
+    if member is None:  # cannot happen: it was there in this same job
+        return None, False
+    recorder.heartbeat(now, req, member.role, current.failed)
+    return member, member.failed != current.failed
 
 
-def _snapshot(registry: Registry) -> tuple[list[Member], Any, list[ProgressPoint]]:
-    """Members, plan epoch and recent progress, as of one moment."""
-    return registry.members(), registry.get_meta("epoch", 0), registry.progress(limit=500)
+def _snapshot(registry: Registry) -> dict[str, Any]:
+    """Members, plan epoch and the history, as of one moment."""
+    h = registry.history
+    return {"members": registry.members(), "epoch": registry.get_meta("epoch", 0), "progress": h.progress(), "throughput": h.throughput(), "events": h.events(STATUS_EVENTS)}
 
 
 class StoreSource:
@@ -132,6 +150,7 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig):
         self.config = config
         self.registry: AsyncRegistry | None = None  # its calls run off the event loop, in order
+        self.recorder: Recorder | None = None  # the history: used only in the registry's jobs
         self.store: CheckpointStore | None = None
         self.host: Host | None = None
         self.transport: Transport | None = None
@@ -187,6 +206,7 @@ class Coordinator:
             self.registry = AsyncRegistry(Registry(data / "registry.sqlite"))
         except RegistryError as e:
             raise ConfigError(str(e)) from None
+        self.recorder = Recorder(self.registry.registry.history, context_length(c))
         try:
             self.store = CheckpointStore(data / "checkpoints", keep=c.keep_checkpoints, signing_key=key)
             if c.mode == "pipeline":
@@ -225,8 +245,8 @@ class Coordinator:
             self.transport.use_gate(self.gate)
         for msg_type, handler in [
             (Hello, self.on_hello),
-            (Register, self.on_register),
-            (Heartbeat, self.on_heartbeat),
+            (Register, self._on_register),
+            (Heartbeat, lambda ctx: self._refusals(self.on_heartbeat(ctx), ctx.peer_id)),
             (Deregister, self.on_deregister),
             (CheckpointOffer, self.on_checkpoint_offer),
         ]:
@@ -294,6 +314,7 @@ class Coordinator:
                 if await self.registry.remove(peer):
                     self.certified.pop(peer, None)
                     log.info("deregistered %s: revoked by the owner", peer)
+                    await self._record("revoke", peer, "revoked by the owner: deregistered", forget=True)
                     await self._replan()
             now = time.time()
             rec = RevocationRecord(c.swarm_id, "", tuple(sorted(self.revoked)), now, now + 3 * c.record_interval_s).sign(self.host.key)
@@ -306,10 +327,11 @@ class Coordinator:
     async def _evict_loop(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.config.heartbeat_timeout_s / 4))
-            for ev in await self.registry.run(_evict_silent, self.planner):
+            for ev in await self.registry.run(_evict_silent, self.planner, self.recorder):
                 self.evictions += 1
                 self.reasons.pop(ev.peer_id, None)
                 log.info("evicted %s: %s", ev.peer_id, ev.reason)
+            await self.registry.run(_tick, self.recorder, time.time())
             # every tick, not only on churn: throughputs arrive in heartbeats, and the planner
             # moves at most one peer per call when it rebalances
             await self._replan()
@@ -321,6 +343,17 @@ class Coordinator:
                 a = plan.assignments[p]
                 self.reasons[p] = a.reason
                 log.info("assigned %s: %s%s (%s)", p, a.role, f" {a.stage}" if a.stage is not None else f" {a.expert}" if a.expert else "", a.reason)
+
+    async def _record(self, kind: str, peer_id: str | None, detail: str, forget: bool = False) -> None:
+        """An event for /status (history.EventLimiter may leave it out); `forget`: the peer left,
+        its counters go."""
+
+        def record(registry: Registry) -> None:
+            self.recorder.event(time.time(), kind, peer_id, detail)
+            if forget and peer_id is not None:
+                self.recorder.forget(peer_id)
+
+        await self.registry.run(record)
 
     async def _assignment(self, peer_id: str) -> RoleAssignment:
         m = await self.registry.get(peer_id)
@@ -352,6 +385,25 @@ class Coordinator:
 
     async def on_hello(self, ctx: CallContext) -> Hello:
         return Hello(peer_id=self.host.peer_id, swarm_id=self.config.swarm_id, software="swarmtrain-coordinator/0.1")
+
+    async def _refusals(self, call, peer_id: str):
+        """Await a handler's `call`; a peer it refuses (token, revocation) is an event."""
+        try:
+            return await call
+        except RPCError as e:
+            if e.code == "unauthorized":
+                await self._record("refused", peer_id, e.message)
+            raise
+
+    async def _on_register(self, ctx: CallContext) -> RoleAssignment:
+        """on_register, with its refusals and the members it lets in as events."""
+        known = await self.registry.get(ctx.peer_id) is not None
+        reply = await self._refusals(self.on_register(ctx), ctx.peer_id)
+        if not known:
+            caps = ctx.request.capabilities
+            device = " ".join(str(caps[k]) for k in ("device", "device_name") if caps.get(k))
+            await self._record("join", ctx.peer_id, f"assigned {reply.role} ({device or 'device unknown'}, {caps.get('software') or 'software unknown'})")
+        return reply
 
     async def on_register(self, ctx: CallContext) -> RoleAssignment:
         req: Register = ctx.request
@@ -385,9 +437,12 @@ class Coordinator:
         self._check_sender(ctx, req.peer_id)
         if req.peer_id in self.revoked:
             raise RPCError("unauthorized", f"{req.peer_id} is revoked by the owner of swarm {self.config.swarm_id}")
-        member = await self.registry.run(_heartbeat, req, time.time())
+        member, failure_changed = await self.registry.run(_heartbeat, self.recorder, req, time.time())
         if member is None:
             raise RPCError("not_found", "unknown peer: register first")
+        if failure_changed:
+            log.warning("%s: %s", req.peer_id, f"its role failed: {member.failed}" if member.failed else "its role no longer fails")
+            await self._replan()
         if req.state_hash and self.expert_stores is not None:  # a shard's host or a trainer, after a round of its slot
             self.expert_stores.report(req.peer_id, member.role, member.expert, req.step, req.state_hash)
         elif req.state_hash:
@@ -408,6 +463,7 @@ class Coordinator:
         if removed:
             self.reasons.pop(req.peer_id, None)
             log.info("deregistered %s (%s)", req.peer_id, req.reason or "no reason given")
+            await self._record("leave", req.peer_id, req.reason or "no reason given", forget=True)
             await self._replan()
             if leaving is not None and leaving.role in ("stage", "expert"):
                 # who serves its stage (or shard of experts) now: the last peer of one hands its state to them
@@ -458,8 +514,10 @@ class Coordinator:
         except BaseException:
             upload.abort()
             raise
-        log.info("stored checkpoint %d%s uploaded by %s%s", info.step, f" of stage {stage}" if stage is not None else f" of {expert_slot}" if expert_slot else "", ctx.peer_id,
-                 " (verified by one replica)" if verified_by == 1 else "")  # fmt: skip
+        where = f" of stage {stage}" if stage is not None else f" of {expert_slot}" if expert_slot else ""
+        one = " (verified by one replica)" if verified_by == 1 else ""
+        log.info("stored checkpoint %d%s uploaded by %s%s", info.step, where, ctx.peer_id, one)
+        await self._record("checkpoint", ctx.peer_id, f"step {info.step}{where}, hash {(state_hash if isinstance(state_hash, str) else '')[:16] or 'none'}{one}")
         return Ack(info={"step": info.step})
 
     async def _await_quorum(self, step: int, state_hash: str | None, stage: int | None = None, expert_slot: str | None = None, wait_s: float = 15.0) -> int | None:
@@ -486,7 +544,8 @@ class Coordinator:
     # ---- status ---------------------------------------------------------------------------------
 
     async def status(self) -> dict:
-        registered, epoch, progress = await self.registry.run(_snapshot)
+        snap = await self.registry.run(_snapshot)
+        registered, epoch = snap["members"], snap["epoch"]
         members = []
         for m in registered:
             d = dataclasses.asdict(m)
@@ -532,6 +591,8 @@ class Coordinator:
             "epoch": epoch,
             "members": members,
             "checkpoints": checkpoints,
-            "progress": [p._asdict() for p in progress],
+            "progress": [p._asdict() for p in snap["progress"]],  # one point per outer step, or per interval (coordinator/history.py)
+            "throughput": [p._asdict() for p in snap["throughput"]],
+            "events": [e._asdict() for e in snap["events"]],  # newest last
             "evictions": self.evictions,
         }

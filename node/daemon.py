@@ -40,7 +40,7 @@ class Node:
         self.transport: Transport | None = None
         self.membership: Membership | None = None
         self._tasks: list[asyncio.Task] = []
-        self.roles = RoleRunner(self._make_role)
+        self.roles = RoleRunner(self._make_role, self._role_failed)
         self.fatal: asyncio.Future | None = None  # set to the error that ends the daemon (the coordinator refused us): serve() stops it
 
     def validate(self) -> tuple[SigningKey, bytes | None]:
@@ -119,6 +119,12 @@ class Node:
     def _make_role(self, assignment: RoleAssignment) -> Role:
         """The role object for an assignment (node/roles/registry.py); RoleError if this node cannot take it."""
         return make_role(RoleContext(self.host, self.transport, self.membership, self.config), assignment)
+
+    def _role_failed(self, reason: str) -> None:
+        """Tell the coordinator now: it plans this node idle and shows why."""
+        if self.membership is not None:
+            self.membership.progress.failure = reason
+            self.membership.heartbeat_soon()
 
     async def _on_hello(self, ctx: CallContext) -> Hello:
         return Hello(peer_id=self.transport.peer_id, swarm_id=self.config.swarm_id, software=SOFTWARE)

@@ -566,3 +566,28 @@ def test_a_kept_upload_notes_how_many_replicas_verified_it_whatever_the_uploader
     for bad in (-1, "1", 1.5, True):
         with pytest.raises(CheckpointError, match="verified_by"):
             store.begin_upload(7, {**manifest, "step": 7, "verified_by": bad})
+
+
+def test_a_checkpoint_removed_while_it_is_served_ends_the_call_with_not_found(tmp_path):
+    import asyncio
+    import shutil
+
+    from node.net.transport import CallContext, RPCError
+    from node.state.state_server import CheckpointServer
+    from protocol import StateRequest
+
+    path = write_checkpoint_dir(tmp_path, 0, {"model": {"w": torch.zeros(8)}})
+    server = CheckpointServer(None, DirectorySource(tmp_path))  # (no transport: the handler alone)
+
+    async def receive():
+        raise AssertionError("one frame")
+
+    async def main():
+        chunks = await server.on_state_request(CallContext("peer", StateRequest(name="checkpoint/0/model.safetensors"), receive))
+        shutil.rmtree(path)  # e.g. a replica's initial state, dropped once uploaded, while a peer reads it
+        with pytest.raises(RPCError, match="no longer here") as e:
+            async for _ in chunks:
+                pass
+        return e.value.code
+
+    assert asyncio.run(main()) == "not_found"

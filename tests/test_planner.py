@@ -547,3 +547,20 @@ def test_a_member_never_gets_a_role_its_join_token_does_not_allow():
     # and its assignment stays put over repeated planning
     settled, _ = settle([trainer, stage, replica, anyone], PIPE3)
     assert {m.peer_id: m.role for m in settled} == {"t": "trainer", "s": "stage", "r": "idle", "x": "stage"}
+
+
+@pytest.mark.parametrize("config", [PlannerConfig(), PIPE3, EXPERTS], ids=["replica", "pipeline", "experts"])
+def test_a_member_whose_role_failed_is_idle_and_covers_no_slot(config):
+    role = {"replica": "replica", "pipeline": "stage", "experts": "expert"}[config.mode]
+    slot = {"replica": {}, "pipeline": {"stage": 0}, "experts": {"expert": "e0"}}[config.mode]
+    others = [member(f"p{i}", role=None) for i in range(1, 4)]
+    failed = member("p0", role=role, failed="the replica role failed: training diverged", **slot)
+    plan = plan_roles([failed, *others], config)
+    assert plan.assignments["p0"] == Assignment("idle", reason="its role failed: the replica role failed: training diverged; it takes a role again once restarted")
+    assert "p0" in plan.changes
+    working = apply([failed, *others], plan)[1:]
+    if config.mode != "replica":  # its slot is covered by the working members, as if it were not there
+        assert plan.empty == () and plan_roles(others, config).assignments == {p: plan.assignments[p] for p in ("p1", "p2", "p3")}
+        assert sorted(slots(working, config)) == sorted(range(3) if config.mode == "pipeline" else config.experts)
+    restarted = dataclasses.replace(failed, role="idle", stage=None, expert=None, failed=None)  # it registered again
+    assert plan_roles([restarted, *working], config).assignments["p0"].role == role

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.planner import MemberView, PlannerConfig, plan_roles
-from coordinator.registry import AsyncRegistry, Member, ProgressPoint, Registry, RegistryError
+from coordinator.history import ProgressPoint
+from coordinator.registry import AsyncRegistry, Member, Registry, RegistryError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -132,29 +133,17 @@ def test_meta_values_round_trip_as_json(reg):
         assert reg.get_meta("key") == value
 
 
-def test_progress_history_recent_first_capped(tmp_path):
-    with Registry(tmp_path / "r.sqlite", max_progress_rows=5) as reg:
-        for step in range(8):
-            reg.record_progress(step, 10.0 - step, now=100.0 + step, peer_id="p")
-        assert reg.progress(limit=3) == [ProgressPoint(5, 5.0, 105.0), ProgressPoint(6, 4.0, 106.0), ProgressPoint(7, 3.0, 107.0)]
-        assert [p.step for p in reg.progress()] == [3, 4, 5, 6, 7]  # the oldest 3 were dropped
-        reg.record_progress(8, None, now=108.0)
-        assert reg.progress(limit=1) == [ProgressPoint(8, None, 108.0)]
-        with pytest.raises(ValueError, match="loss must be finite"):
-            reg.record_progress(9, float("inf"), now=109.0)
-
-
 def test_everything_survives_close_and_reopen_in_wal_full_mode(tmp_path):
     path = tmp_path / "r.sqlite"
     with Registry(path) as reg:
         reg.register("p", ["/ip4/1"], {"tflops": 1.0}, now=1.0)
         reg.set_assignment("p", "replica", None, None, epoch=2)
         reg.set_meta("swarm_step", 17)
-        reg.record_progress(17, 1.25, now=3.0)
+        reg.history.add_progress(ProgressPoint(17, 1.25, 3.0, "p"))
     with Registry(path) as reg:
         assert reg.get("p").role == "replica" and reg.get("p").epoch == 2
         assert reg.get_meta("swarm_step") == 17
-        assert reg.progress() == [ProgressPoint(17, 1.25, 3.0)]
+        assert reg.history.progress() == [ProgressPoint(17, 1.25, 3.0, "p")]
     db = sqlite3.connect(path)
     try:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -206,7 +195,7 @@ def test_file_from_a_newer_version(tmp_path):
     db.execute("UPDATE schema_version SET version = 99")
     db.commit()
     db.close()
-    with pytest.raises(RegistryError, match="schema version 99, this code reads version 1"):
+    with pytest.raises(RegistryError, match="schema version 99, this code reads version 2"):
         Registry(path)
 
 
@@ -346,12 +335,25 @@ def test_async_registry_passes_errors_through(tmp_path):
 
 
 def test_a_rate_measured_at_other_work_than_the_current_assignment_is_not_stored(reg):
+    from coordinator.journal import Recorder
     from coordinator.service import _heartbeat
     from protocol import Heartbeat
 
+    rec = Recorder(reg.history, context=None)
     reg.register("a", [], {}, now=1.0)
     reg.set_assignment("a", "stage", 1, None, epoch=1)
     # the node has not switched yet: its rate is the old stage's
-    assert _heartbeat(reg, Heartbeat(peer_id="a", samples_per_second=50.0, measured_as="stage:0"), 2.0).samples_per_second is None
-    assert _heartbeat(reg, Heartbeat(peer_id="a", samples_per_second=70.0, measured_as="stage:1"), 3.0).samples_per_second == 70.0
-    assert _heartbeat(reg, Heartbeat(peer_id="a", samples_per_second=80.0), 4.0).samples_per_second == 80.0  # no label: as before
+    assert _heartbeat(reg, rec, Heartbeat(peer_id="a", samples_per_second=50.0, measured_as="stage:0"), 2.0)[0].samples_per_second is None
+    assert _heartbeat(reg, rec, Heartbeat(peer_id="a", samples_per_second=70.0, measured_as="stage:1"), 3.0)[0].samples_per_second == 70.0
+    assert _heartbeat(reg, rec, Heartbeat(peer_id="a", samples_per_second=80.0), 4.0)[0].samples_per_second == 80.0  # no label: as before
+    assert _heartbeat(reg, rec, Heartbeat(peer_id="nobody"), 5.0) == (None, False)
+
+
+def test_a_failed_role_is_stored_until_the_member_registers_again(reg):
+    reg.register("a", [], {}, now=1.0)
+    assert reg.heartbeat("a", now=2.0, failed="the replica role failed: boom").failed == "the replica role failed: boom"
+    assert reg.heartbeat("a", now=3.0).failed == "the replica role failed: boom"  # not reported: kept
+    assert reg.views()[0].failed == "the replica role failed: boom"  # the planner sees it
+    assert reg.register("a", [], {}, now=4.0).failed is None  # registering again is a restart
+    reg.heartbeat("a", now=5.0, failed="again")
+    assert reg.heartbeat("a", now=6.0, failed="").failed is None  # "": its role runs

@@ -91,48 +91,122 @@ class Work(Role):
 
     name = "work"
 
-    def __init__(self, log, fail=False):
+    def __init__(self, log, fail: Exception | None = None):
         self.log, self.fail = log, fail
 
     async def start(self):
         self.log.append("start")
 
     async def run(self):
-        if self.fail:
-            raise RuntimeError("boom")
+        if self.fail is not None:
+            raise self.fail
         await asyncio.Event().wait()
 
     async def stop(self, planned):
         self.log.append(f"stop planned={planned}")
 
 
-def test_a_failed_role_is_stopped_unplanned_and_an_unknown_role_is_refused():
+async def until(cond) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the runner did not get there")
+
+
+def test_a_failed_role_is_stopped_unplanned_reported_once_and_no_role_is_taken_after_it(caplog):
     async def main():
-        log = []
-        kinds = {"replica": lambda: Work(log, fail=True), "stage": lambda: Work(log)}
-
-        def factory(a):
-            if a.role not in kinds:
-                raise RoleError(f"no {a.role} here")
-            return kinds[a.role]()
-
-        runner = RoleRunner(factory)
+        log, reported = [], []
+        kinds = {"replica": lambda: Work(log, fail=FloatingPointError("non-finite gradient norm at inner step 1 (loss nan)")), "stage": lambda: Work(log)}
+        runner = RoleRunner(lambda a: kinds[a.role](), on_failure=reported.append)
         runner.want(assignment("replica"))
         await runner.settled()
-        for _ in range(100):
-            if "stop planned=False" in log:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: "stop planned=False" in log)
         assert log == ["start", "stop planned=False"] and runner.role is None
-        runner.want(assignment("expert"))  # refused: nothing runs, nothing breaks
+        reason = "the work role failed: training diverged (non-finite gradient norm at inner step 1 (loss nan)); is a learning rate too high?"
+        assert reported == [reason] and runner.failure == reason
+        runner.want(assignment("stage"))  # declined until the node restarts, with one line saying why
         await runner.settled()
-        assert runner.role is None
+        runner.want(assignment("idle"))
+        await runner.settled()
+        assert log == ["start", "stop planned=False"] and runner.role is None and reported == [reason]
+        await runner.stop()
+
+    with caplog.at_level("DEBUG", logger="node.roles.runner"):
+        asyncio.run(main())
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [m for lvl, m in lines if lvl == "ERROR"] == [
+        "the work role failed: training diverged (non-finite gradient norm at inner step 1 (loss nan)); is a learning rate too high?; "
+        "this node takes no role until it is restarted"
+    ]
+    assert sum("not taking the stage role" in m for _, m in lines) == 1
+    assert not any(r.exc_info for r in caplog.records)  # an expected failure: no traceback, even at DEBUG
+
+
+def test_a_role_that_cannot_be_made_or_started_or_fails_unexpectedly_is_a_failure_too(caplog):
+    async def main():
+        def factory(a):
+            raise RoleError(f"no {a.role} here")
+
+        reported = []
+        runner = RoleRunner(factory, on_failure=reported.append)
+        runner.want(assignment("expert"))
+        await runner.settled()
+        assert reported == ["the expert role failed: no expert here"] and runner.role is None
+
+        log = []
+        runner = RoleRunner(lambda a: Work(log, fail=KeyError("weight")), on_failure=reported.append)
         runner.want(assignment("stage"))
         await runner.settled()
-        runner.want(RoleAssignment(peer_id="p", role="stage", epoch=5))  # the same work: kept
-        await runner.settled()
-        assert log == ["start", "stop planned=False", "start"]
+        await until(lambda: len(reported) == 2)
+        assert reported[1] == "the work role failed: KeyError: 'weight'" and log == ["start", "stop planned=False"]
         await runner.stop()
-        assert log[-1] == "stop planned=True" and runner.role is None
+
+    with caplog.at_level("DEBUG", logger="node.roles.runner"):
+        asyncio.run(main())
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 2 and not any(r.exc_info for r in errors)  # one line each
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == ["the work role's traceback"]  # a bug's, at DEBUG only
+    assert all(r.levelname == "DEBUG" for r in caplog.records if r.exc_info)
+
+
+def test_a_replicas_failed_round_is_noted_and_the_coordinator_records_it_as_an_event(tmp_path):
+    from coordinator.config import CoordinatorConfig
+    from coordinator.service import Coordinator
+    from node.averaging.config import AverageReport, AveragingFailed
+    from node.net.transport import CallContext, Transport
+    from node.roles.replica import Replica
+    from protocol import Heartbeat, Register
+
+    async def main():
+        (host,) = await start_hosts(1)
+        transport = Transport(host)
+        coord = Coordinator(CoordinatorConfig(data_dir=str(tmp_path / "coordinator"), http=""))
+        coord.validate()
+        try:
+            config = NodeConfig(data_dir=str(tmp_path / "node"))
+            (tmp_path / "node").mkdir()
+            membership = Membership(host, transport, config, {})
+            replica = Replica(RoleContext(host, transport, membership, config), RunConfig(min_replicas=1))
+            failed = AveragingFailed(AverageReport(key="outer-0-abcdef12", reason="too late or alone"))
+            try:
+                await replica._round_failed(failed, moved_on=False, wait_s=0.0)  # alone: nobody got further
+            finally:
+                await replica.stop(planned=True)
+            p = membership.progress
+            assert list(p.notes) == ["outer step 0: averaging failed (too late or alone)"] and p.step == 1
+            # what the next heartbeat carries, as the coordinator gets it
+            async def receive():
+                raise AssertionError("one frame")
+
+            peer = host.peer_id
+            await coord.on_register(CallContext(peer, Register(peer_id=peer), receive))
+            await coord.on_heartbeat(CallContext(peer, Heartbeat(peer_id=peer, step=p.step, notes=tuple(p.notes)), receive))
+            events = (await coord.status())["events"]
+            assert [(e["kind"], e["peer_id"], e["detail"]) for e in events] == [("round_failed", peer, "outer step 0: averaging failed (too late or alone)")]
+        finally:
+            await coord.stop()
+            await transport.close()
+            await host.shutdown()
 
     asyncio.run(main())

@@ -23,7 +23,8 @@ one; the registry says which class an assignment makes. The roles and the parts 
 
 Files:
     role.py              `Role`, `RoleError`, `RoleContext` (what the daemon gives every role)
-    runner.py            `RoleRunner`: at most one role at a time, each switch awaiting the old one's stop
+    runner.py            `RoleRunner`: at most one role at a time, each switch awaiting the old one's stop;
+                         a role that fails is reported (one line) and no role is taken until restart
     registry.py          `RoleSpec` entries, one per role; `make_role(ctx, assignment)`
     view.py              `SwarmView`: one DHT read path, one timeout, one freshness rule, reasons for skips
     caller.py            `SlotPeers` (pure: pick, deadlines, backoff) and `PeerCaller` (checked calls)

@@ -192,6 +192,7 @@ class ExpertTrainer(Role):
                 avg, report = await self.averager.average(f"dense-{n}", snap, weight=float(max(1, self.steps)), expected_peers=self.trainers)
             except AveragingFailed as e:
                 log.warning("dense sync %d failed (%s); training on", n, e.report.reason)
+                self.ctx.membership.progress.note(f"dense sync {n} failed ({e.report.reason})")
                 continue
             async with self._lock:
                 with torch.no_grad():

@@ -250,6 +250,7 @@ class Replica(Role):
     async def _round_failed(self, e: AveragingFailed, moved_on: bool, wait_s: float) -> None:
         self._out_of_step = True
         log.warning("outer step %d: averaging failed (%s)", self.round, e.report.reason)
+        self.ctx.membership.progress.note(f"outer step {self.round}: averaging failed ({e.report.reason})")  # for the coordinator's events
         # late: the others may be averaging without us right now; wait for their result.
         # Otherwise the round failed for everyone: a quick look, then move on together.
         if not await self._catch_up(wait_s=wait_s if e.report.late or moved_on else 3.0):

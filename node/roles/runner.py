@@ -6,6 +6,12 @@ role starts, so two roles never hold the same services (the transport and the av
 service refuse a second owner: a switch that did not wait would fail loudly, not steal).
 Assignments that arrive during a switch collapse into the newest. Which role object an
 assignment makes is the factory's (registry.py `make_role`).
+
+A role that fails (it cannot be made or started, or its `run()` raises) is not retried: the
+same role would most likely fail the same way (training that diverges, a model this node cannot
+build), and a coordinator that keeps assigning it would make the node loop. The reason goes to
+`on_failure` (the daemon reports it in heartbeats, and the coordinator plans the node idle),
+and later assignments are declined until the node is restarted.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+
+from protocol.session import MAX_NOTE_LEN
 
 from protocol import RoleAssignment
 
@@ -31,12 +39,28 @@ def role_key(a: RoleAssignment | None) -> tuple | None:
 
 RoleFactory = Callable[[RoleAssignment], "Role | None"]
 
+# what a role raises for a reason its message says in full: one line is the whole story. Any
+# other exception is a bug: one line too (the node keeps serving), its traceback at DEBUG
+EXPECTED_FAILURES = (RoleError, FloatingPointError)
+
+
+def failure_reason(name: str, e: Exception) -> str:
+    """One line for the operator: what failed and why."""
+    why = " ".join(str(e).split()) or "no message"
+    if isinstance(e, FloatingPointError):
+        why = f"training diverged ({why}); is a learning rate too high?"
+    elif not isinstance(e, EXPECTED_FAILURES):
+        why = f"{type(e).__name__}: {why}"
+    return f"the {name} role failed: {why}"[:MAX_NOTE_LEN]
+
 
 class RoleRunner:
     """At most one role at a time; each switch awaits the old role's teardown first."""
 
-    def __init__(self, factory: RoleFactory):
+    def __init__(self, factory: RoleFactory, on_failure: Callable[[str], None] | None = None):
         self._factory = factory
+        self.on_failure = on_failure  # called with the reason when a role fails
+        self.failure = ""  # why a role failed ("": none did): no role is taken again
         self.role: Role | None = None
         self.key: tuple | None = None
         self._wanted: RoleAssignment | None = None
@@ -65,17 +89,20 @@ class RoleRunner:
             self.switches += 1
             if key is None:
                 continue
+            if self.failure:
+                log.warning("not taking the %s role: %s (restart the node to take a role again)", a.role, self.failure)
+                continue
             try:
                 role = self._factory(a)
-            except RoleError as e:
-                log.error("cannot take the %s role: %s", a.role, e)
+            except Exception as e:
+                self._failed(a.role, e)
                 continue
             if role is None:
                 continue
             try:
                 await role.start()
-            except RoleError as e:
-                log.error("cannot take the %s role: %s", role.name, e)
+            except Exception as e:
+                self._failed(role.name, e)
                 await role.stop(planned=False)
                 continue
             self.role, self.key = role, key
@@ -86,11 +113,19 @@ class RoleRunner:
             await role.run()
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("the %s role failed", role.name)
-            if self.role is role:  # give its services back; the next assignment may start it anew
+        except Exception as e:
+            self._failed(role.name, e)
+            if self.role is role:  # give its services back
                 self.role, self.key, self._run_task = None, None, None
                 await role.stop(planned=False)
+
+    def _failed(self, name: str, e: Exception) -> None:
+        self.failure = failure_reason(name, e)
+        log.error("%s; this node takes no role until it is restarted", self.failure)
+        if not isinstance(e, EXPECTED_FAILURES):
+            log.debug("the %s role's traceback", name, exc_info=e)
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
 
     async def _stop_role(self, planned: bool) -> None:
         role, task = self.role, self._run_task

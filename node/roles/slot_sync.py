@@ -151,6 +151,7 @@ class SlotSync:
             avg, report = await self.averager.average(f"sync-{n}-{outer_hash[:8]}", pseudo, weight=1.0, expected_peers=self.peers, state_key="outer")
         except AveragingFailed as e:
             log.warning("%s: sync %d failed (%s); training on, the next one covers it", self.what, n, e.report.reason)
+            self.ctx.membership.progress.note(f"{self.what}: sync {n} failed ({e.report.reason})")
             if await self.catch_up() is None and e.report.late:
                 # nobody else averaged and no peer of the slot answered: the peers the DHT still
                 # lists are gone. Our parameters become the slot's state, as for a lone peer. (A

@@ -175,7 +175,10 @@ class CheckpointServer:
         offset = start
         while True:
             n = min(CHUNK, end - offset)
-            data = await loop.run_in_executor(None, source.read_chunk, step, filename, offset, n) if n else b""
+            try:
+                data = await loop.run_in_executor(None, source.read_chunk, step, filename, offset, n) if n else b""
+            except (KeyError, OSError) as e:  # gone since the call began (a replica drops its initial state once it is uploaded)
+                raise RPCError("not_found", f"{name} is no longer here ({e!r})") from None
             yield StateChunk(name=name, offset=offset, total_size=size, sha256=sha, data=data)
             offset += n
             if offset >= end:
