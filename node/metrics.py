@@ -58,8 +58,8 @@ class NodeCollector:
                 yield GaugeMetricFamily(name, text, value=value)
         failed = bool(membership and membership.progress.failure)
         yield GaugeMetricFamily("swarmtrain_node_role_failed", "1 while this node's role has failed (it takes no role until restarted)", value=int(failed))
-        queues = GaugeMetricFamily("swarmtrain_node_queue_length", "Work waiting or in flight: a server's queued calls, a trainer's micro-batches in flight, the calls peers have open with us", labels=["queue"])
-        for name, n in sorted({**activity.queue_lengths(), "served_calls": len(transport.server.tasks)}.items()):
+        queues = GaugeMetricFamily("swarmtrain_node_queue_length", "Work waiting or in flight: a server's queued calls, a trainer's micro-batches in flight, the streams peers have open with us (a call, or a pipe between calls)", labels=["queue"])
+        for name, n in sorted({**activity.queue_lengths(), "served_streams": len(transport.server.tasks)}.items()):
             queues.add_metric([name], n)
         yield queues
         events = CounterMetricFamily("swarmtrain_node_transport_events", "The transport's counters (calls made and served, pipes, direct connections, relay hops...)", labels=["event"])

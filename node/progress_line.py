@@ -85,6 +85,8 @@ class ProgressLine:
             return
         if self._bar is None:
             self._bar = tqdm(file=self.stream, bar_format="{desc}", dynamic_ncols=True, leave=False)
+        elif text == self._bar.desc:
+            return  # (nothing new: no redraw)
         self._bar.set_description_str(text, refresh=True)
 
     def close(self) -> None:
