@@ -62,10 +62,10 @@ class NodeCollector:
         for name, n in sorted({**activity.queue_lengths(), "served_streams": len(transport.server.tasks)}.items()):
             queues.add_metric([name], n)
         yield queues
-        events = CounterMetricFamily("swarmtrain_node_transport_events", "The transport's counters (calls made and served, pipes, direct connections, relay hops...)", labels=["event"])
+        rpc = CounterMetricFamily("swarmtrain_node_rpc", "The transport's counters, as the coordinator's swarmtrain_rpc (calls made and served, pipes, direct connections, relay hops and relayed_bytes carried as a relay...)", labels=["counter"])
         for name, n in sorted(transport.stats.items()):
-            events.add_metric([name], n)
-        yield events
+            rpc.add_metric([name], n)
+        yield rpc
 
 
 def registry(node: Any) -> CollectorRegistry:
