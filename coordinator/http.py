@@ -16,22 +16,9 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from node.net.http import HttpServer, serve_http
+
 log = logging.getLogger(__name__)
-
-
-class HttpServer:
-    def __init__(self, runner: web.AppRunner, site: web.TCPSite, address: str):
-        self.runner, self.site, self.address = runner, site, address
-
-    async def stop(self) -> None:
-        await self.runner.cleanup()
-
-
-def parse_http(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"--http must be HOST:PORT, got {text!r}")
-    return host, int(port)
 
 
 DASHBOARD = Path(__file__).resolve().parent / "dashboard"
@@ -123,8 +110,6 @@ async def _page(request: web.Request) -> web.StreamResponse:
 
 
 async def start_http(coordinator, address: str) -> HttpServer:
-    host, port = parse_http(address)
-
     async def status(request: web.Request) -> web.Response:
         return web.json_response(await coordinator.status(), headers={"Cache-Control": "no-store"})
 
@@ -137,15 +122,4 @@ async def start_http(coordinator, address: str) -> HttpServer:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", _page)
     app.router.add_get("/dashboard/{name}", _asset)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    try:
-        await site.start()
-    except OSError as e:
-        await runner.cleanup()
-        from node.config import ConfigError
-
-        raise ConfigError(f"--http {address}: cannot listen: {e.strerror}") from None
-    bound = runner.addresses[0][1] if port == 0 else port  # the sockets' (host, port, ...) names
-    return HttpServer(runner, site, f"{host}:{bound}")
+    return await serve_http(app, address)

@@ -20,6 +20,9 @@ and the process itself:
     runconfig.py     RunConfig: the training run's settings, coordinator -> members
     preflight.py     the checks of a node's settings that need neither torch nor hivemind
     capabilities.py  device, memory, FLOP/s probe
+    activity.py      what the role is doing (steps, rounds, queues, rates): one object roles update
+    metrics.py       --http: GET /metrics (Prometheus) and GET /status (JSON) of this node
+    progress_line.py the live line in a terminal (plain log lines elsewhere) while a role trains
     osutil.py        fsync, hashing, /proc helpers, a cancellable event wait
     demo.py          a local swarm (coordinator + replicas, or a pipeline, or experts) that trains and stops by itself
 

@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fault-delay-parts-s", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
     p.add_argument("--fault-slowdown", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
     p.add_argument("--log-level", choices=LOG_LEVELS)
+    p.add_argument("--http", metavar="HOST:PORT", help="serve this node's /metrics (Prometheus) and /status (JSON) there; port 0 picks a free one (default: none)")
     avg = p.add_argument_group("averaging (more in the config file's [averager] table)")
     avg.add_argument("--aggregator", dest="averager.aggregator", choices=AGGREGATORS, help="how averaged contributions are combined; trimmed_mean and centered_clip survive some malicious peers (default: the plain mean)")
     avg.add_argument("--min-group-size", dest="averager.min_group_size", type=int, metavar="N", help="a round left with fewer members than this aborts")

@@ -257,6 +257,7 @@ class NodeConfig:
     threads: int = 0  # torch threads for training; 0: cores - 1 (p2pd and the DHT need the rest)
     fault_delay_parts_s: float = 0.0  # chaos drills and tests only: hold each averaging part this long (seconds) before sending
     fault_slowdown: float = 1.0  # chaos drills and tests only: each inner step takes this many times as long (a slower machine)
+    http: str = ""  # HOST:PORT of this node's /metrics (Prometheus) and /status (JSON); port 0 picks a free one; "": none
     averager: AveragerSettings = field(default_factory=AveragerSettings)  # [averager] in the config file
     transport: TransportSettings = field(default_factory=TransportSettings)  # [transport] in the config file
 

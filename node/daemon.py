@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -17,11 +18,13 @@ from protocol import Hello, LocalProtocolError, RoleAssignment, SigningKey
 from protocol.records import owner_of
 
 from . import capabilities
+from .activity import Activity
 from .config import ConfigError, NodeConfig, averager_config, transport_config
 from .net.membership import Membership, Refused
 from .osutil import write_json
 from .net.host import Host, HostConfig
 from .net.gate import MemberGate
+from .progress_line import ProgressLine
 from .preflight import announce_warning, check_data_dir, check_node, load_identity  # noqa: F401 (check_data_dir, load_identity: imported from here too)
 from .roles.registry import make_role
 from .roles.role import Role, RoleContext
@@ -42,6 +45,10 @@ class Node:
         self._tasks: list[asyncio.Task] = []
         self.roles = RoleRunner(self._make_role, self._role_failed)
         self.fatal: asyncio.Future | None = None  # set to the error that ends the daemon (the coordinator refused us): serve() stops it
+        self.activity = Activity()  # what the roles do: /metrics, /status, the progress line
+        self.software = SOFTWARE
+        self.started_at = time.time()
+        self.http = None  # --http: /metrics and /status (node/metrics.py)
 
     def validate(self) -> tuple[SigningKey, bytes | None]:
         """Everything checkable before starting: raises ConfigError with one clear line. (Each
@@ -92,6 +99,12 @@ class Node:
         log.info("capabilities: %s", ", ".join(f"{k}={v}" for k, v in caps.items()))
         self.membership = Membership(self.host, self.transport, c, caps, token)
         self.membership.on_assignment = self.roles.want
+        if c.http:
+            from .metrics import http_app
+            from .net.http import serve_http
+
+            self.http = await serve_http(http_app(self), c.http)
+            log.info("metrics at http://%s/metrics, status at /status", self.http.address)
         self.fatal = asyncio.get_running_loop().create_future()
         membership = asyncio.create_task(self.membership.run(), name="membership")
         membership.add_done_callback(self._membership_ended)
@@ -100,6 +113,7 @@ class Node:
             asyncio.create_task(self.membership.publish_records(), name="member-records"),
             asyncio.create_task(self.host.keep_joined(self.membership.known_peers, on_rejoined=self.membership.publish_soon), name="dht-rejoin"),
             asyncio.create_task(self._write_transport_stats(), name="transport-stats"),
+            asyncio.create_task(ProgressLine(self.activity).run(), name="progress-line"),
         ]
         if c.relays:
             self._tasks.append(asyncio.create_task(self.transport.keep_relays(c.relays), name="relays"))
@@ -118,7 +132,8 @@ class Node:
 
     def _make_role(self, assignment: RoleAssignment) -> Role:
         """The role object for an assignment (node/roles/registry.py); RoleError if this node cannot take it."""
-        return make_role(RoleContext(self.host, self.transport, self.membership, self.config), assignment)
+        self.activity.begin(assignment.label)
+        return make_role(RoleContext(self.host, self.transport, self.membership, self.config, self.activity), assignment)
 
     def _role_failed(self, reason: str) -> None:
         """Tell the coordinator now: it plans this node idle and shows why."""
@@ -137,6 +152,8 @@ class Node:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self.http is not None:
+            await self.http.stop()
         if self.transport is not None:
             await self.transport.close()
         if self.host is not None:

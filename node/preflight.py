@@ -169,7 +169,7 @@ def check_direct_port(c: NodeConfig) -> None:
 
 
 def parse_http(text: str) -> tuple[str, int]:
-    """--http HOST:PORT; the same rule as coordinator.http.parse_http (which imports aiohttp)."""
+    """--http HOST:PORT, the node's and the coordinator's (node/net/http.py serves it)."""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"--http must be HOST:PORT, got {text!r}")
@@ -178,7 +178,7 @@ def parse_http(text: str) -> tuple[str, int]:
 
 def check_http(address: str) -> None:
     """--http must be HOST:PORT, and that address free to listen on (ConfigError worded as
-    coordinator.http.start_http words it)."""
+    node/net/http.py `serve_http` words it)."""
     try:
         host, port = parse_http(address)
     except ValueError as e:
@@ -234,6 +234,8 @@ def check_node(c: NodeConfig) -> tuple[SigningKey, bytes | None]:
     check_maddrs(c.initial_peers, c.host_maddrs, c.announce_maddrs)
     check_direct_port(c)
     check_node_settings(c, usable_cores())
+    if c.http:
+        check_http(c.http)
     return key, token
 
 

@@ -79,6 +79,9 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
         {
             "node-bad-env-var": Case(NODE, (), (env_var, "must be float", "soon"), env=((env_var, "soon"),), light=True),
             "node-device-cuda-missing": Case(NODE, ("--data-dir", "{tmp}/data", "--initial-peers", unreachable, "--device", "cuda:99"), ("cuda:99",)),
+            "node-bad-http": Case(NODE, ("--data-dir", "{tmp}/data", "--initial-peers", unreachable, "--http", "9100"), ("--http must be HOST:PORT", "9100"), light=True),
+            "node-http-port-in-use": Case(NODE, ("--data-dir", "{tmp}/data", "--initial-peers", unreachable, "--http", f"127.0.0.1:{busy_port}"),
+                                          (f"--http 127.0.0.1:{busy_port}", "address already in use"), light=True),  # fmt: skip
             "node-bad-direct-port": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", "70000"), ("--direct-port", "70000"), light=True),
             "node-direct-port-in-use": Case(NODE, ("--data-dir", "{tmp}/data", "--direct-port", str(busy_port)), ("cannot listen for direct connections", f"port {busy_port}", "in use"), light=True),
             "node-relay-without-peer-id": Case(NODE, ("--data-dir", "{tmp}/data", "--relays", "/ip4/127.0.0.1/tcp/1"), ("--relays", "/ip4/127.0.0.1/tcp/1", "/p2p/<its peer id>"), light=True),

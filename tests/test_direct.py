@@ -142,6 +142,13 @@ def test_bulk_calls_go_direct_and_arrive_intact_attributed_to_the_caller():
         assert client.stats["direct_pipes"] == 1 and client.stats["direct_fallbacks"] == 0
         assert server._direct.accepted == 1
         assert client.stats["pipes_opened"] == 1
+        # the frames are counted on the direct plane, the same bytes at both ends; the
+        # DirectOpen call before them on libp2p
+        sent, got = client.traffic.bytes, server.traffic.bytes
+        assert sent[("direct", server.peer_id, "sent")] == got[("direct", client.peer_id, "received")] > 9 << 20
+        assert got[("direct", client.peer_id, "sent")] == sent[("direct", server.peer_id, "received")] > 0
+        assert 0 < sent[("libp2p", server.peer_id, "sent")] < 1 << 10 and sent[("relayed", server.peer_id, "sent")] == 0
+        assert client.traffic.by_plane()["direct"]["sent"] == sent[("direct", server.peer_id, "sent")]
         sock = client._pipes[server.peer_id][0].writer.get_extra_info("socket")
         if _cubic_allowed():  # the congestion control asked for, where the kernel lets us
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0") == b"cubic"
@@ -208,6 +215,9 @@ def test_a_peer_without_a_direct_listener_is_reached_over_libp2p():
         assert client.stats["direct_pipes"] == 0
         assert client.stats["direct_fallbacks"] == 1  # tried once, then remembered
         assert not client.paces(server.peer_id)  # a libp2p stream cannot be paced
+        sent, got = client.traffic.bytes, server.traffic.bytes
+        assert sent[("libp2p", server.peer_id, "sent")] == got[("libp2p", client.peer_id, "received")] > 6 << 20
+        assert sent[("direct", server.peer_id, "sent")] == 0
 
     run(scenario, server_config={"direct": False})
 

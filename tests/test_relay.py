@@ -118,6 +118,11 @@ def test_a_peer_nobody_can_dial_is_called_through_its_relay_both_ways_and_in_bul
             assert t_relay.stats["relayed_bytes"] - before >= 24 * MB, dict(t_relay.stats)
             assert t_caller.stats["pipes_opened"] == 1 and t_caller.stats["relay_opens"] >= 3, dict(t_caller.stats)
             assert t_hidden.stats["relayed_served"] >= 5 and t_hidden.stats["relayed_refused"] == 0, dict(t_hidden.stats)
+            # both ends count those calls as relayed, the same bytes, and not also as libp2p
+            sent, got = t_caller.traffic.bytes, t_hidden.traffic.bytes
+            for a, b in (("sent", "received"), ("received", "sent")):
+                assert sent[("relayed", hidden.peer_id, a)] == got[("relayed", caller.peer_id, b)] > 12 * MB
+                assert sent[("libp2p", hidden.peer_id, a)] == got[("libp2p", caller.peer_id, b)] == 0
 
             # a relay that serves no hops: the call fails at once, saying so
             caller.routes[hidden.peer_id] = (stranger.peer_id,)

@@ -21,6 +21,7 @@ RUN = ["--model", "tiny", "--inner-steps", "5", "--eval-batches", "2", "--warmup
        "--min-replicas", "3"]  # fmt: skip
 NODE = ["--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "0.5", "--num-shards", "4"]
 CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)"
+GET = "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
 
 
 @pytest.fixture
@@ -53,8 +54,9 @@ def test_replicas_behind_nats_average_through_a_relay(swarm, topo):
     maddr = wait_for(lambda: find(coord, 0), 60, "the coordinator's address").group(0)
     relay = swarm.node("r", [maddr], *NODE, "--shard-index", "1", "--host-maddrs", f"/ip4/{topo.ip(1)}/tcp/0", "--serve-relay", prefix=topo.wrap(1, []))
     relay_maddr = wait_for(lambda: find(relay, 1), 60, "the relay's address").group(0)
+    http = free_port()  # n2's /metrics, on the loopback of its namespace
     hidden = {name: swarm.node(name, [maddr], *NODE, "--shard-index", str(i), "--host-maddrs", f"/ip4/{topo.ip(i)}/tcp/0", "--relays", relay_maddr,
-                               prefix=topo.wrap(i, []))
+                               *(["--http", f"127.0.0.1:{http}"] if name == "n2" else []), prefix=topo.wrap(i, []))
               for i, name in ((2, "n2"), (3, "n3"))}  # fmt: skip
     for name, proc in hidden.items():
         node_peer_id(proc)
@@ -79,6 +81,20 @@ def test_replicas_behind_nats_average_through_a_relay(swarm, topo):
     for name in hidden:
         st = transport_stats(swarm, name)
         assert st.get("relay_opens", 0) > 0 and st.get("relayed_served", 0) > 0 and st.get("relayed_refused", 0) == 0, (name, st)
+    # n2 counts its calls with n3 (through the relay) as relayed, those with the relay and the
+    # coordinator (over its own connections to them) as libp2p
+    metrics = subprocess.run(topo.wrap(2, [sys.executable, "-c", GET, f"http://127.0.0.1:{http}/metrics"]), capture_output=True, text=True, timeout=30)
+    assert metrics.returncode == 0, metrics.stderr
+    n3 = node_peer_id(hidden["n3"])
+    by_plane = {}
+    for line in metrics.stdout.splitlines():
+        if line.startswith("swarmtrain_node_bytes_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+            key = (labels["plane"], labels["direction"], labels["peer"] == n3)
+            by_plane[key] = by_plane.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    for direction in ("sent", "received"):
+        assert by_plane.get(("relayed", direction, True), 0) > 0 and by_plane.get(("libp2p", direction, False), 0) > 0, by_plane
+        assert by_plane.get(("libp2p", direction, True), 0) == 0, by_plane
     sent = topo.tx_bytes()
     print(f"relayed {carried['relayed_bytes']} bytes in {carried['relayed_streams']} streams; bytes put on each link: "
           f"coordinator {sent[0]}, relay {sent[1]}, n2 {sent[2]}, n3 {sent[3]}")  # fmt: skip

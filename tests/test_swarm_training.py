@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.swarm import Swarm, settled_leftovers, wait_for
+from tests.swarm import Swarm, free_port, settled_leftovers, wait_for
+from tests.test_monitoring import queried_metric_names
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 
@@ -44,6 +47,46 @@ def trained_steps(swarm, name) -> set[int]:
 
 def replica(swarm, name, maddr, shard, *extra):
     return swarm.node(name, [maddr], *NODE, "--shard-index", str(shard), *extra)
+
+
+def scrape(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+        return r.read().decode()
+
+
+def samples(text: str) -> list[tuple[str, dict, float]]:
+    """(name, labels, value) of every sample of a Prometheus text exposition."""
+    return [(x.name, x.labels, x.value) for family in text_string_to_metric_families(text) for x in family.samples]
+
+
+def total(found: list[tuple[str, dict, float]], name: str, **labels: str) -> float:
+    return sum(v for n, got, v in found if n == name and labels.items() <= got.items())
+
+
+def check_node_http(port: int, coord) -> None:
+    """A replica's --http after a few outer steps, its counters against what it did; every metric
+    the monitoring profile's dashboard queries is one this node or the coordinator exports."""
+    text = scrape(port, "/metrics")
+    for family in ("swarmtrain_node_bytes_total", "swarmtrain_node_rounds_total", "swarmtrain_node_steps_total"):
+        assert f"# TYPE {family} counter" in text
+    found = samples(text)
+    for plane in ("libp2p", "direct"):  # averaging's bulk parts go direct, everything else over libp2p
+        for direction in ("sent", "received"):
+            assert total(found, "swarmtrain_node_bytes_total", plane=plane, direction=direction) > 0, (plane, direction)
+    assert total(found, "swarmtrain_node_bytes_total", plane="relayed") == 0
+    assert total(found, "swarmtrain_node_rounds_total", kind="outer", outcome="ok") >= 1
+    steps = total(found, "swarmtrain_node_steps_total")
+    assert steps >= 5 and total(found, "swarmtrain_node_step_seconds_count") >= steps and total(found, "swarmtrain_node_step_seconds_sum") > 0
+    assert total(found, "swarmtrain_node_tokens_total") > 0 and total(found, "swarmtrain_node_samples_total") > 0
+    assert total(found, "process_resident_memory_bytes") > 50e6
+    status = json.loads(scrape(port, "/status"))
+    member = coord.members()[status["peer_id"]]
+    assert status["role"] == member["role"] == "replica" and status["progress"]["step"] >= 1 and status["progress"]["failure"] == ""
+    assert status["traffic"]["direct"]["sent"] > 0 and status["traffic"]["sent"] >= status["traffic"]["direct"]["sent"]
+    assert status["capabilities"]["software"] == member["capabilities"]["software"] and status["uptime_s"] > 0
+    assert status["activity"]["rounds"]["outer/ok"] >= 1
+    exported = {n for n, _, _ in found} | {n for n, _, _ in samples(coord.metrics())}
+    assert queried_metric_names() <= exported, queried_metric_names() - exported
 
 
 def assert_same_hashes(swarm, names, steps):
@@ -91,8 +134,10 @@ def test_replicas_train_in_lockstep_survive_a_kill_and_take_a_joiner(swarm):
 def test_coordinator_restart_loses_no_checkpoint_and_a_stopped_run_resumes(swarm):
     coord = swarm.coordinator("coordinator", None, None, *RUN, "--min-replicas", "2")
     maddr = coord.wait_ready()["maddrs"][0]
-    nodes = {n: replica(swarm, n, maddr, i) for i, n in enumerate(["a", "b"])}
+    http = free_port()
+    nodes = {n: replica(swarm, n, maddr, i, *(["--http", f"127.0.0.1:{http}"] if n == "a" else [])) for i, n in enumerate(["a", "b"])}
     wait_for(lambda: any(c["step"] >= 4 for c in coord.status()["checkpoints"]), 300, "a checkpoint of step >= 4")
+    check_node_http(http, coord)
     before = {c["step"]: c["state_hash"] for c in coord.status()["checkpoints"]}
 
     # the coordinator dies; the replicas keep training without it

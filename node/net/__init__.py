@@ -19,6 +19,8 @@ Files:
     relay.py         relay hops to peers nobody can dial (behind a NAT): hello, splice, nonces
     gate.py          an owned swarm's membership gate: certificates presented, checked before every call
     membership.py    find the coordinator, register, heartbeat, publish signed member records; read them
+    traffic.py       `Traffic`: bytes moved by plane (libp2p, direct, relayed), peer and direction; a `Meter` per stream
+    http.py          `serve_http`: the node's and the coordinator's --http HOST:PORT (an aiohttp app)
     compat.py        each touch of a library's private internals (asyncio, hivemind), version-stamped
 
 Nothing here is imported at package import: the CLI's checks read `addresses` and `relay` before

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import os
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from protocol.records import RelayHello
@@ -38,6 +39,7 @@ class Dialer:
         self.dropped: dict[str, float] = {}  # peer -> when a call to it timed out or `reset` dropped our connections to it
         self._dialed: dict[str, float] = {}  # peer -> when check_route last let a libp2p dial through untested
         self._via_relay: dict[str, tuple[str, float]] = {}  # peer -> (relay, when) of the last open to it a relay won
+        self.relayed: weakref.WeakSet[asyncio.StreamWriter] = weakref.WeakSet()  # the streams we opened that a relay carries (their traffic's plane)
 
     def mark_dropped(self, peer_id: str) -> None:
         """A call to the peer timed out, or our connections to it were dropped: its next
@@ -86,6 +88,7 @@ class Dialer:
                 if winner := next((t for t in done if t.exception() is None), None):
                     if winner in through:
                         self._via_relay[peer_id] = (through[winner], time.monotonic())
+                        self.relayed.add(winner.result()[1])
                     elif relays:
                         self._via_relay.pop(peer_id, None)  # it is reachable without a relay now
                     return winner.result()

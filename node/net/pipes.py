@@ -107,7 +107,7 @@ class Pipes:
             async with asyncio.timeout(timeout):
                 if pipe is None:
                     reader, writer = await self._open(peer_id)
-                    pipe = Pipe(reader, writer, FrameReader(reader, writer, self.config.max_frame_size))
+                    pipe = Pipe(reader, writer, FrameReader(reader, writer, self.config.max_frame_size, meter=t.meter(peer_id, writer)))
                     pipe.direct = isinstance(writer.transport, direct.SealedTransport)
                     t.stats["pipes_opened"] += 1
                 if pipe.direct and pipe.pace != int(pace or 0):
@@ -117,7 +117,7 @@ class Pipes:
                 pipe.next_id += 1
                 try:
                     for msg in (request, *more):
-                        await write(pipe.writer, msg.with_request_id(rid), self.config.max_frame_size)
+                        await write(pipe.writer, msg.with_request_id(rid), self.config.max_frame_size, pipe.frames.meter)
                     reply = await pipe.frames.next()
                 except (ConnectionError, BrokenPipeError) as e:
                     reply = None

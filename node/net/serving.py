@@ -26,6 +26,7 @@ from . import relay
 from .host import PeerUnreachable
 from .rpc import PIPE_PROTOCOL, RPC_PROTOCOL, CallContext, PeerState, RPCError
 from .streams import FrameReader, close, write
+from .traffic import Meter
 
 if TYPE_CHECKING:
     from .transport import Transport
@@ -159,12 +160,12 @@ class Server:
             await self.refuse(reader, writer, "bad_request", f"relayed stream refused: {e or type(e).__name__}")
             return
         t.stats["relayed_served"] += 1
-        await self.serve_calls(hello.peer_id, reader, writer, pipe=hello.protocol == PIPE_PROTOCOL)
+        await self.serve_calls(hello.peer_id, reader, writer, pipe=hello.protocol == PIPE_PROTOCOL, relayed=True)
 
-    async def serve_calls(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pipe: bool) -> None:
+    async def serve_calls(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pipe: bool, relayed: bool = False) -> None:
         """Serve one call (an RPC stream) or calls one after another until the caller closes
         (a pipe). On a pipe, a call that ends in an error ends the pipe: its caller may still
-        be writing frames that belong to it."""
+        be writing frames that belong to it. `relayed`: a relay carries the stream (its traffic's plane)."""
         config, st = self.config, self.transport.scores.peers[peer_id]
         counted = 0
 
@@ -177,7 +178,8 @@ class Server:
             if n > 0 and st.bytes_in_flight > config.max_bytes_in_flight_per_peer:
                 raise RPCError("overloaded", f"more than {config.max_bytes_in_flight_per_peer} bytes in flight")
 
-        frames = FrameReader(reader, writer, config.max_frame_size, on_bytes)
+        frames = FrameReader(reader, writer, config.max_frame_size, on_bytes, self.transport.meter(peer_id, writer, relayed))
+        meter = frames.meter
 
         async def receive() -> Message:
             async with asyncio.timeout(config.request_read_timeout_s):
@@ -209,14 +211,14 @@ class Server:
                             raise RPCError("overloaded", f"more than {config.max_concurrent_per_peer} concurrent calls")
                         request = first if pipe else await receive()
                         request_id = request.request_id
-                        await self._handle(CallContext(peer_id, request, receive), writer)
+                        await self._handle(CallContext(peer_id, request, receive), writer, meter)
                         ok = True
                     except RemoteProtocolError as e:
-                        await self._bad_input(peer_id, st, writer, e, request_id)
+                        await self._bad_input(peer_id, st, writer, e, request_id, meter)
                     except RPCError as e:
-                        await self._reply_error(writer, e.code, e.message, request_id)
+                        await self._reply_error(writer, e.code, e.message, request_id, meter)
                     except TimeoutError:
-                        await self._reply_error(writer, "timeout", "request or handler passed its deadline", request_id)
+                        await self._reply_error(writer, "timeout", "request or handler passed its deadline", request_id, meter)
                     except (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError):
                         linger = False  # the caller hung up, or the handler hangs up on it: no reply to protect
                     except asyncio.CancelledError:
@@ -224,7 +226,7 @@ class Server:
                         raise
                     except Exception:
                         log.exception("handler failed on a request from %s", peer_id)
-                        await self._reply_error(writer, "internal", "the handler failed; see the server's log", request_id)
+                        await self._reply_error(writer, "internal", "the handler failed; see the server's log", request_id, meter)
                     finally:
                         if active:
                             st.active -= 1
@@ -239,7 +241,7 @@ class Server:
                 finally:
                     close(writer)
 
-    async def _handle(self, ctx: CallContext, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, ctx: CallContext, writer: asyncio.StreamWriter, meter: Meter | None = None) -> None:
         """The request's handler, its reply (or replies) written back with the call's id."""
         t, request = self.transport, ctx.request
         handler = t.handlers.get(type(request))
@@ -251,17 +253,17 @@ class Server:
         async with asyncio.timeout(self.config.handler_timeout_s):
             result = await handler(ctx)
             if isinstance(result, Message):
-                await write(writer, result.with_request_id(request.request_id), self.config.max_frame_size)
+                await write(writer, result.with_request_id(request.request_id), self.config.max_frame_size, meter)
             else:
                 async for msg in result:
-                    await write(writer, msg.with_request_id(request.request_id), self.config.max_frame_size)
+                    await write(writer, msg.with_request_id(request.request_id), self.config.max_frame_size, meter)
 
-    async def _bad_input(self, peer_id: str, st: PeerState, writer: asyncio.StreamWriter, e: RemoteProtocolError, request_id: int) -> None:
+    async def _bad_input(self, peer_id: str, st: PeerState, writer: asyncio.StreamWriter, e: RemoteProtocolError, request_id: int, meter: Meter) -> None:
         """A peer's malformed frames: counted, scored down, logged, answered `bad_request`."""
         self.transport.stats["bad_frames"] += 1
         self.transport.scores.penalize(peer_id, 2.0, time.monotonic())
         self._log_peer(peer_id, st, f"refused bad input from {peer_id}: {e}")
-        await self._reply_error(writer, "bad_request", str(e), request_id)
+        await self._reply_error(writer, "bad_request", str(e), request_id, meter)
 
     def _log_peer(self, peer_id: str, st: PeerState, text: str) -> None:
         now = time.monotonic()
@@ -281,9 +283,9 @@ class Server:
         finally:
             close(writer)
 
-    async def _reply_error(self, writer: asyncio.StreamWriter, code: str, message: str, request_id: int) -> None:
+    async def _reply_error(self, writer: asyncio.StreamWriter, code: str, message: str, request_id: int, meter: Meter | None = None) -> None:
         try:
-            await asyncio.wait_for(write(writer, Error(code=code, message=message[:1000], request_id=request_id), self.config.max_frame_size), 5)
+            await asyncio.wait_for(write(writer, Error(code=code, message=message[:1000], request_id=request_id), self.config.max_frame_size, meter), 5)
         except Exception:  # best effort: the peer may be gone or not reading
             pass
 

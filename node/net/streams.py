@@ -1,6 +1,7 @@
 """Frames on a stream, both ways: `FrameReader` reads whole messages off a stream straight into a
 `Decoder`'s buffers, `write` puts one on it without copying its tensor chunks, `close` lets a
-stream go whatever state it is in. Used by the serving side, the calls and the pipes of
+stream go whatever state it is in. Both count the stream's bytes into its `Meter` (traffic.py):
+every frame of a call passes here, whatever the plane. Used by the serving side, the calls and the pipes of
 node/net/transport.py."""
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import time
 from collections.abc import Callable
 
 from protocol import Decoder, Message, RemoteProtocolError
-from protocol.framing import encode_buffers
+from protocol.framing import PREFIX_SIZE, encode_buffers
 
 from . import compat
 from .rpc import RPCError
+from .traffic import Meter
 
 
 class FrameReader(asyncio.BufferedProtocol):
@@ -25,10 +27,13 @@ class FrameReader(asyncio.BufferedProtocol):
 
     `on_bytes(+n)` is called for bytes read, `on_bytes(-n)` when they are handed on as a
     message: what is counted is what this stream holds in memory right now. Reading pauses
-    while a decoded message waits to be taken (at most one frame is read ahead)."""
+    while a decoded message waits to be taken (at most one frame is read ahead). `meter`
+    counts every byte read, for good (the node's traffic)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame_size: int, on_bytes: Callable[[int], None] | None = None):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame_size: int, on_bytes: Callable[[int], None] | None = None,
+                 meter: Meter | None = None):  # fmt: skip
         self.decoder = Decoder(max_frame_size)
+        self.meter = meter
         self.pending: list[tuple[Message, int]] = []  # decoded messages and the bytes they stand for
         self.on_bytes = on_bytes or (lambda n: None)
         self._error: BaseException | None = None
@@ -47,6 +52,8 @@ class FrameReader(asyncio.BufferedProtocol):
         elif reader.at_eof():
             self._eof = True
         if leftover:
+            if meter is not None:
+                meter.received(len(leftover))
             self._got(len(leftover), lambda: self.decoder.feed(leftover))
 
     # -- protocol callbacks (the transport calls these) ------------------------------------------
@@ -59,6 +66,8 @@ class FrameReader(asyncio.BufferedProtocol):
         return self.decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.meter is not None:
+            self.meter.received(nbytes)
         if self._error is not None:
             self._dropped += nbytes
             self._wake()
@@ -151,8 +160,11 @@ class FrameReader(asyncio.BufferedProtocol):
                 return
 
 
-async def write(writer: asyncio.StreamWriter, msg: Message, max_frame_size: int) -> None:
-    writer.writelines(encode_buffers(msg, max_frame_size))  # tensor chunks go out without a copy
+async def write(writer: asyncio.StreamWriter, msg: Message, max_frame_size: int, meter: Meter | None = None) -> None:
+    buffers = encode_buffers(msg, max_frame_size)
+    writer.writelines(buffers)  # tensor chunks go out without a copy
+    if meter is not None:
+        meter.sent(PREFIX_SIZE + int.from_bytes(buffers[0], "big"))  # (the first buffer is the length prefix)
     await writer.drain()
 
 

@@ -55,7 +55,7 @@ from .rpc import (
 )
 from .serving import Server, answer_ping, answer_probe
 from .streams import FrameReader, close, write
-from .traffic import Traffic
+from .traffic import Meter, Traffic
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,17 @@ class Transport:
     def _direct_addrs(self, addrs: tuple[str, ...]) -> None:
         self.pipes.addrs = addrs
 
+    def meter(self, peer_id: str, writer: asyncio.StreamWriter, relayed: bool = False) -> Meter:
+        """The traffic counters of a stream with `peer_id`, by its plane: direct TCP, carried by a
+        relay (`relayed`: one served to us; the dialer knows those it opened), else libp2p."""
+        if isinstance(writer.transport, direct.SealedTransport):
+            plane = "direct"
+        elif relayed or writer in self.dialer.relayed:
+            plane = "relayed"
+        else:
+            plane = "libp2p"
+        return self.traffic.meter(plane, peer_id)
+
     # ---- client side ---------------------------------------------------------------------
 
     async def _open_stream(self, peer_id: str, protocol: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -176,8 +187,8 @@ class Transport:
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await self.dialer.open_stream(peer_id, RPC_PROTOCOL)
-                frames = FrameReader(reader, writer, self.config.max_frame_size)
-                await write(writer, request, self.config.max_frame_size)
+                frames = FrameReader(reader, writer, self.config.max_frame_size, meter=self.meter(peer_id, writer))
+                await write(writer, request, self.config.max_frame_size, frames.meter)
                 yield frames, writer
         except TimeoutError:
             self.dialer.mark_dropped(peer_id)  # (its next stream: see Dialer.check_route)
@@ -224,10 +235,10 @@ class Transport:
             try:
                 if hasattr(more, "__aiter__"):
                     async for msg in more:  # type: ignore[union-attr]
-                        await write(writer, msg, self.config.max_frame_size)
+                        await write(writer, msg, self.config.max_frame_size, frames.meter)
                 else:
                     for msg in more:  # type: ignore[union-attr]
-                        await write(writer, msg, self.config.max_frame_size)
+                        await write(writer, msg, self.config.max_frame_size, frames.meter)
             except (ConnectionError, BrokenPipeError) as e:
                 # the server may have refused before reading everything: its reply says why
                 try:

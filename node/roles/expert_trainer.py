@@ -64,7 +64,7 @@ class ExpertTrainer(Role):
         self.view = SwarmView(ctx.host, c.swarm_id, c.record_ttl_s)
         self._stopping = False
         self.losses = LossLog(Path(c.data_dir), ctx.membership, run.batch_size, stats=self._stats, line=lambda: f"{self.client.skipped} expert calls skipped",
-                              entry=lambda: {"skipped_experts": self.skipped_experts}, reports_step=False)  # fmt: skip
+                              entry=lambda: {"skipped_experts": self.skipped_experts}, reports_step=False, activity=ctx.activity)  # fmt: skip
         self._known = asyncio.Event()
         self._lock = asyncio.Lock()  # held while a micro-batch or a sync uses the dense parameters
         self._compute = ComputeThread(c.torch_threads(), "trainer")
@@ -193,12 +193,14 @@ class ExpertTrainer(Role):
             except AveragingFailed as e:
                 log.warning("dense sync %d failed (%s); training on", n, e.report.reason)
                 self.ctx.membership.progress.note(f"dense sync {n} failed ({e.report.reason})")
+                self.ctx.activity.round("sync", "failed")
                 continue
             async with self._lock:
                 with torch.no_grad():
                     for p, s, a in zip(self.model.parameters(), snap, avg):
                         p.add_(a - s)
             self.syncs += 1
+            self.ctx.activity.round("sync", "ok")
             log.info("dense sync %d with %d trainers in %.2f s", n, len(report.members), report.seconds)
             if keep:
                 await self._keep(n, avg, upload=self.ctx.host.peer_id == min(report.members))

@@ -55,7 +55,8 @@ class PipelineTrainer(Role):
             self._cut(builtin_model(run))
         self.caller = PeerCaller(ctx.transport)
         self.view = SwarmView(ctx.host, c.swarm_id, c.record_ttl_s)
-        self.losses = LossLog(Path(c.data_dir), ctx.membership, run.batch_size, stats=self._stats, line=lambda: f"{self.caller.retries} retries, {self.losses.lost} lost")
+        self.losses = LossLog(Path(c.data_dir), ctx.membership, run.batch_size, stats=self._stats, line=lambda: f"{self.caller.retries} retries, {self.losses.lost} lost",
+                              activity=ctx.activity)  # fmt: skip
         self._known = asyncio.Event()
         self._telling: set[asyncio.Task] = set()
 

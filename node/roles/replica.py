@@ -224,8 +224,10 @@ class Replica(Role):
             finally:
                 moved_on = await _finish(watch)
             if failed is not None:
+                self.ctx.activity.round("outer", "failed")
                 await self._round_failed(failed, moved_on, wait_s=window + t_inner + 5)
                 return
+        self.ctx.activity.round("outer", "ok")
         self._out_of_step = False
         copy_into(self.model.parameters(), self.outer.apply(avg))
         self.round += 1
@@ -262,6 +264,8 @@ class Replica(Role):
     def _inner_steps(self, n: int) -> list[float]:
         self._inner_threads = torch.get_num_threads()  # this thread's: what the steps ran with
         losses = []
+        activity, samples = self.ctx.activity, self.train_config.batch_size
+        activity.inner_phase(self.round + 1, n)
         for _ in range(n):
             if self._stop:
                 break
@@ -269,6 +273,8 @@ class Replica(Role):
             losses.append(self.inner.step())
             if self.slowdown > 1.0:  # fault injection: a slower machine
                 time.sleep((self.slowdown - 1.0) * (time.monotonic() - t0))
+            activity.trained(samples, samples * self.spec.context, time.monotonic() - t0, losses[-1])
+        activity.phase_done()
         return losses or [math.nan]
 
     def _evaluate(self) -> float:

@@ -16,8 +16,10 @@ Every role is built as `Cls(ctx, run, assignment)` (node/roles/registry.py makes
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from ..activity import Activity
 
 
 class RoleError(Exception):
@@ -27,12 +29,14 @@ class RoleError(Exception):
 @dataclass(frozen=True)
 class RoleContext:
     """What the daemon gives every role: its libp2p host, its RPC transport, its membership (the
-    progress it reports, the coordinator it knows) and the node's settings."""
+    progress it reports, the coordinator it knows), the node's settings, and the node's activity
+    (what the role counts as it works: its steps, rounds, queues; node/activity.py)."""
 
     host: Any  # node.net.host.Host
     transport: Any  # node.net.transport.Transport
     membership: Any  # node.net.membership.Membership
     node_config: Any  # node.config.NodeConfig
+    activity: Activity = field(default_factory=Activity)
 
 
 class Role(abc.ABC):

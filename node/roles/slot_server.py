@@ -90,6 +90,7 @@ class SlotServer:
             self._registration = self.ctx.transport.serve(handlers, owner=self.what)
         except HandlerTaken as e:
             raise RoleError(str(e)) from None
+        self.ctx.activity.queues["calls"] = lambda: len(self.queue)
         log.info("%s: %s, state of round %d from %s, hash %s", self.what, describe(), self.state.step, self.state.source[-8:], self.weights.hash)
         self.report(start=True, state_from=self.state.source)
         self.ctx.membership.publish_soon()  # trainers find it through the DHT
@@ -98,7 +99,7 @@ class SlotServer:
         """Serve the queued calls (`take` picks each batch) and sync with the slot's peers, until cancelled."""
         syncing = asyncio.create_task(self.sync.run(), name=f"{self.name.namespace}-sync")
         try:
-            await self.queue.serve(self.schedule, take, self.compute.run_batch, self.step_now, self.report)
+            await self.queue.serve(self.schedule, take, self._run_batch, self.step_now, self.report)
         finally:
             syncing.cancel()
             await asyncio.gather(syncing, return_exceptions=True)
@@ -124,6 +125,14 @@ class SlotServer:
     async def _flush(self) -> None:
         if self.schedule.due:  # a step that waited for the next call: nothing trained stays behind
             await self.step_now()
+
+    def _run_batch(self, batch: list[Pending]) -> list[Any]:
+        """The compute's batch, counted into the node's activity (the samples whose gradients it
+        accumulated: a micro-batch's forward and backward count once)."""
+        t0, samples = time.monotonic(), self.compute.samples
+        results = self.compute.run_batch(batch)
+        self.ctx.activity.trained(self.compute.samples - samples, seconds=time.monotonic() - t0)
+        return results
 
     async def step_now(self) -> None:
         async with self.weights.busy:  # (on the loop's thread, as batches run)

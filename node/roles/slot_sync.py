@@ -123,6 +123,7 @@ class SlotSync:
                 await self._sync(n)
             else:
                 await self._advance_alone(n)
+                self.ctx.activity.round("sync", "alone")
 
     async def _advance_alone(self, n: int) -> None:
         """The slot's only peer: its parameters become its outer state as they are, so the state
@@ -152,6 +153,7 @@ class SlotSync:
         except AveragingFailed as e:
             log.warning("%s: sync %d failed (%s); training on, the next one covers it", self.what, n, e.report.reason)
             self.ctx.membership.progress.note(f"{self.what}: sync {n} failed ({e.report.reason})")
+            self.ctx.activity.round("sync", "failed")
             if await self.catch_up() is None and e.report.late:
                 # nobody else averaged and no peer of the slot answered: the peers the DHT still
                 # lists are gone. Our parameters become the slot's state, as for a lone peer. (A
@@ -164,6 +166,7 @@ class SlotSync:
             await self.weights.compute(self.weights.apply_outer, avg)
             synced = self.weights.hash
         await self._committed(n, synced, upload=self.ctx.host.peer_id == min(report.members))
+        self.ctx.activity.round("sync", "ok")
         log.info("%s: sync %d with %d peers in %.2f s, hash %s (%d steps of the round dropped)", self.what, n, len(report.members), report.seconds, synced, dropped)
         self.report(sync=n, group=len(report.members), dropped_steps=dropped, state_hash=synced)
 

@@ -4,7 +4,8 @@ progress their heartbeats carry, and how fast they compute.
     StatsFile     DATA_DIR/<role>-stats.json: the role's counters and a bounded history
     ComputeRate   samples per second of a peer's own compute, over its recent batches
     LossLog       a trainer's losses: every `REPORT_EVERY` micro-batches, one history entry,
-                  one log line, the progress its heartbeat carries, and its stats file
+                  one log line, the progress its heartbeat carries, and its stats file; every
+                  micro-batch, the node's activity (node/activity.py)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..activity import Activity
 from ..osutil import write_json
 
 log = logging.getLogger(__name__)
@@ -63,11 +65,13 @@ class LossLog:
     """A trainer's training loss, reported every REPORT_EVERY micro-batches (see the module)."""
 
     def __init__(self, data_dir: str | Path, membership, batch_size: int, stats: Callable[[], dict[str, Any]], line: Callable[[], str],
-                 entry: Callable[[], dict[str, Any]] = dict, reports_step: bool = True):  # fmt: skip
+                 entry: Callable[[], dict[str, Any]] = dict, reports_step: bool = True, activity: Activity | None = None):  # fmt: skip
         """`stats()`: the role's own counters for its stats file; `line()`: the end of its log
         line; `entry()`: what its history entries carry besides the loss. `reports_step`: the
-        heartbeats' step is the micro-batches trained (False: the role reports a step of its own)."""
+        heartbeats' step is the micro-batches trained (False: the role reports a step of its own).
+        `activity`: the node's, which each micro-batch is counted into."""
         self.stats = StatsFile(data_dir, "trainer", keep=500)
+        self.activity = activity if activity is not None else Activity()
         self.reports_step = reports_step
         self.membership, self.batch_size, self.extra, self.line, self.entry = membership, batch_size, stats, line, entry
         self.micro_batches = 0
@@ -79,10 +83,12 @@ class LossLog:
     def start(self) -> None:
         self.t0 = time.monotonic()
 
-    def record(self, loss: float | None) -> None:
+    def record(self, loss: float | None, tokens: int = 0, seconds: float = 0.0) -> None:
+        """A micro-batch came back with its loss (None: given up) after `seconds`, of `tokens` tokens."""
         if loss is None:
             self.lost += 1
             return
+        self.activity.trained(self.batch_size, tokens, seconds, loss)
         self.micro_batches += 1
         self._losses.append(loss)
         if len(self._losses) < REPORT_EVERY:

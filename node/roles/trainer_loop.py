@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -42,21 +43,28 @@ async def micro_batch_loop(name: str, batches: Batches, send: Send, losses: Loss
     """Micro-batches from `batches`, `in_flight` at a time, each `send(name, x, y)` until it comes
     back with its loss (None: given up), recorded in `losses`. `window` > 0: a window's
     micro-batches (a synchronous step's) go out only once the previous window's all came back,
-    and `on_window()` runs at each boundary, after the window's micro-batches went out."""
+    and `on_window()` runs at each boundary, after the window's micro-batches went out. The
+    micro-batches in flight are a queue of the node's activity."""
     tasks: set[asyncio.Task] = set()
     n = 0
+
+    async def timed(key: str, x: torch.Tensor, y: torch.Tensor) -> tuple[float | None, int, float]:
+        t0 = time.monotonic()
+        return await send(key, x, y), x.numel(), time.monotonic() - t0
+
+    losses.activity.queues["micro_batches_in_flight"] = lambda: len(tasks)
     try:
         while True:
             boundary = bool(window and n and n % window == 0 and not tasks)  # the last window's micro-batches all came back
             while len(tasks) < in_flight and not (window and n % window == 0 and tasks):
                 x, y = batches.next()
-                tasks.add(asyncio.create_task(send(f"{name}-{n}", x, y)))
+                tasks.add(asyncio.create_task(timed(f"{name}-{n}", x, y)))
                 n += 1
             if boundary and on_window is not None:  # (after the window's micro-batches: theirs are the calls the first stage waits for)
                 on_window()
             done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
-                losses.record(t.result())
+                losses.record(*t.result())
     finally:
         for t in tasks:
             t.cancel()
