@@ -1,7 +1,7 @@
 """bench/models.py's swarm arms: real coordinator and node daemons on loopback (tests/swarm.py
 starts them, each in its own session; `Swarm.close` kills what is left of every session).
 
-    run_daemon          a node with no coordinator to join: it never gets a role
+    run_daemon          a node with no coordinator of its swarm to join: it never gets a role
     run_replica         a coordinator and one replica (min_replicas 1): its inner steps' tokens/s
     run_pipeline_swarm  a coordinator, one stage server per stage, one trainer, synchronous steps
     run_joiner          two replicas train (--joiner-replicas); one more joins: its start to its
@@ -68,7 +68,10 @@ def _coordinator(sw: Swarm, watch, *run: str) -> tuple:
 def run_daemon(s: Settings, work: Path, watch) -> dict:
     sw = Swarm(_fresh(work))
     try:
-        node = sw.start("daemon", "swarmtrain-node", "--data-dir", str(sw.tmp / "daemon"), *_node(s))
+        # its way into the DHT: the coordinator of another swarm (a node needs an initial peer),
+        # so it finds no coordinator of its own swarm and never gets a role
+        elsewhere = sw.coordinator("elsewhere", None, None, "--swarm-id", "bench-elsewhere")
+        node = sw.node("daemon", [elsewhere.wait_ready(120)["maddrs"][0]], *_node(s))
         watch.watch("daemon", node.popen.pid)
         wait_for(lambda: _alive(node) and "capabilities:" in node.log(), 120, "the daemon to start")
         t_end = time.monotonic() + s.daemon_window_s  # a measuring window, not a wait for a state

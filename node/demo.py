@@ -227,24 +227,41 @@ def kept(status: dict, args) -> bool:
     return args.outer_steps in [c["step"] for c in status.get("checkpoints", [])]
 
 
-def replica_histories(run_dir: Path) -> dict[str, dict[int, str]]:
-    """replica name -> outer step -> state hash, from each replica's stats file (the steps it
-    averaged or took from a peer); replicas whose files are not there yet are left out."""
-    out: dict[str, dict[int, str]] = {}
+def replica_histories(run_dir: Path) -> dict[str, dict[int, dict]]:
+    """replica name -> outer step -> what it recorded there (state hash; val loss, unless it took
+    that step's state from a peer), from each replica's stats file; replicas whose files are not
+    there yet are left out."""
+    out: dict[str, dict[int, dict]] = {}
     for stats in run_dir.glob("replica*/replica-stats.json"):
         try:
             history = json.loads(stats.read_text())["history"]
         except (OSError, ValueError, KeyError):
             continue
-        out[stats.parent.name] = {e["outer_step"]: e["state_hash"] for e in history if "state_hash" in e}
+        out[stats.parent.name] = {e["outer_step"]: e for e in history if "state_hash" in e}
     return out
 
 
+def step_row(step: int, replicas: int, recorded: list[dict]) -> tuple[float, str] | None:
+    """The demo's line for an outer step every replica has reached, from what the replicas
+    recorded at it; None until one recorded its validation loss there."""
+    losses = [e["val_loss"] for e in recorded if e.get("val_loss") is not None]
+    if not losses:
+        return None
+    hashes = [e["state_hash"] for e in recorded]
+    if len(set(hashes)) > 1:
+        same = f"{len(set(hashes))} different"
+    elif len(hashes) == replicas:
+        same = "identical"
+    else:
+        same = f"identical in the {len(hashes)} replicas seen at this step"
+    return losses[0], f"{step:>10} {losses[0]:>9.4f} {replicas:>8}  {hashes[0]} ({same})"
+
+
 def watch(http: int, args, run_dir: Path, t0: float, procs: Procs) -> int:
-    shown = -1
-    first_loss = None
+    """A line per outer step (every one, however quick: from the replicas' own records, which
+    the coordinator's heartbeats may skip), until the run's last."""
+    shown, first_loss = -1, None
     print(f"{'outer step':>10} {'val loss':>9} {'replicas':>8}  outer-state hash")
-    seen: dict[str, dict[int, str]] = {}  # replica -> outer step -> the hash it reported there
     while time.monotonic() - t0 < args.timeout_s:
         for name, p in procs.procs:
             if p.poll() is not None:
@@ -252,46 +269,33 @@ def watch(http: int, args, run_dir: Path, t0: float, procs: Procs) -> int:
                 return 1
         status = get_status(http)
         time.sleep(0.25)
-        if status is None:
+        replicas = [m for m in status["members"] if m["role"] == "replica"] if status else []
+        if not replicas:
             continue
-        replicas = [m for m in status["members"] if m["role"] == "replica"]
-        for m in replicas:
-            if m["step"] is not None and m["state_hash"]:
-                seen.setdefault(m["peer_id"], {})[m["step"]] = m["state_hash"]
-
-        steps = [m["step"] or 0 for m in replicas]
-        if not replicas or min(steps) <= shown:
-            continue
-        step = min(steps)
-        at_step = [m for m in replicas if m["step"] == step]
-        losses = [m["loss"] for m in at_step if m["loss"] is not None]
-        if not losses:
-            continue
-        # a replica may be one step ahead already: compare what each reported at this step
-        hashes = [seen[m["peer_id"]][step] for m in replicas if step in seen.get(m["peer_id"], {})]
-        # heartbeats can skip a step (two quick rounds between two of them): each replica's own
-        # record of the hash it held after every outer step says it then
-        recorded = [h[step] for h in replica_histories(run_dir).values() if step in h]
-        if len(recorded) >= len(hashes):
-            hashes = recorded
-        loss = losses[0]
-        first_loss = loss if first_loss is None else first_loss
-        if len(set(hashes)) > 1:
-            same = f"{len(set(hashes))} different"
-        elif len(hashes) == len(replicas):
-            same = "identical"
-        else:
-            same = f"identical in the {len(hashes)} replicas seen at this step"
-        print(f"{step:>10} {loss:>9.4f} {len(replicas):>8}  {hashes[0]} ({same})", flush=True)
-        shown = step
-        if step >= args.outer_steps:
-            ckpts = [c["step"] for c in status["checkpoints"]]
-            print(
-                f"done: validation loss {first_loss:.3f} -> {loss:.3f} after {step} outer steps "
-                f"({step * args.inner_steps} inner steps per replica, {len(replicas)} replicas, "
-                f"{time.monotonic() - t0:.0f} s); checkpoints kept at steps {ckpts}"
-            )
-            return 0
+        histories = replica_histories(run_dir)
+        reached = min(m["step"] or 0 for m in replicas)
+        for step in range(shown + 1, reached + 1):
+            recorded = [h[step] for h in histories.values() if step in h]
+            # every replica's record of it, or what there is once the swarm is two steps on
+            row = step_row(step, len(replicas), recorded) if len(recorded) >= len(replicas) or reached >= step + 2 else None
+            if row is None:
+                break  # not on disk yet: the next look
+            loss, line = row
+            first_loss = loss if first_loss is None else first_loss
+            print(line, flush=True)
+            shown = step
+            if step >= args.outer_steps:
+                deadline = time.monotonic() + LAST_CHECKPOINT_WAIT_S
+                while not kept(status, args) and time.monotonic() < deadline:  # its upload may trail the step
+                    time.sleep(0.25)
+                    status = get_status(http) or status
+                ckpts = [c["step"] for c in status["checkpoints"]]
+                print(
+                    f"done: validation loss {first_loss:.3f} -> {loss:.3f} after {step} outer steps "
+                    f"({step * args.inner_steps} inner steps per replica, {len(replicas)} replicas, "
+                    f"{time.monotonic() - t0:.0f} s); checkpoints kept at steps {ckpts}"
+                )
+                return 0
     print(f"gave up after {args.timeout_s:.0f} s; see the logs in {run_dir}/")
     return 1
 

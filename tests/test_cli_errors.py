@@ -97,74 +97,76 @@ def _cases(closed_port: int, busy_port: int) -> dict[str, Case]:
             "coordinator-pipeline-without-stages": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline"), ("num_stages", "pipeline mode needs at least 1 stage"), light=True),
         }
     )
-    # Out of bounds: refused at start, before anything registers. Those `light` are refused
-    # before torch and hivemind load (so before any p2pd); the others by Node.validate.
-    data = ("--data-dir", "{tmp}/data")
-    cases.update(
-        {
-            "node-negative-bandwidth": Case(NODE, ("--bandwidth-mbps", "-5"), ("--bandwidth-mbps", "bandwidth_mbps", "≥ 0", "-5"), light=True),
-            "node-missing-data": Case(NODE, (*data, "--data", "{tmp}/missing/dir"), ("--data", "missing/dir", "does not exist"), light=True),
-            "node-data-without-text-field": Case(NODE, (*data, "--initial-peers", UNREACHABLE, "--data", "{tmp}/records.jsonl", "--text-field", "body"), ("--data", "records.jsonl:1", "no field 'body'")),
-            "node-negative-threads": Case(NODE, ("--threads", "-2"), ("--threads", "threads", "-2"), light=True),
-            "node-shard-index-too-large": Case(NODE, ("--shard-index", "4", "--num-shards", "4"), ("--shard-index", "num_shards (4)", "4"), light=True),
-            "node-zero-heartbeat-interval": Case(NODE, ("--heartbeat-interval-s", "0"), ("--heartbeat-interval-s", "heartbeat_interval_s", "> 0"), light=True),
-            "node-nan-rpc-timeout": Case(NODE, (), ("SWARMTRAIN_RPC_TIMEOUT_S", "rpc_timeout_s", "nan"), env=(("SWARMTRAIN_RPC_TIMEOUT_S", "nan"),), light=True),
-            "node-bad-log-level-env": Case(NODE, (), ("SWARMTRAIN_LOG_LEVEL", "log_level", "LOUD"), env=(("SWARMTRAIN_LOG_LEVEL", "LOUD"),), light=True),
-            "node-bad-wanted-role": Case(NODE, (*data, "--wanted-role", "boss"), ("--wanted-role", "boss"), light=True),
-            "node-bad-aggregator-flag": Case(NODE, ("--aggregator", "median"), ("--aggregator", "invalid choice", "median"), light=True),
-            "node-averager-bad-in-file": Case(NODE, ("--config", "{tmp}/averager.toml"), ("averager.toml", "[averager]", "min_group_size", "≥ 1", "0"), light=True),
-            "node-averager-unknown-in-file": Case(NODE, ("--config", "{tmp}/averager-unknown.toml"), ("averager-unknown.toml", "unknown setting 'colour'", "[averager]"), light=True),
-            "node-averager-param-without-aggregator": Case(NODE, ("--config", "{tmp}/averager-tau.toml"), ("averager-tau.toml", "tau", "centered_clip"), light=True),
-            "node-averager-bad-env": Case(NODE, (), ("SWARMTRAIN_AVERAGER_PACE_SHARE", "pace_share", "1.5"), env=(("SWARMTRAIN_AVERAGER_PACE_SHARE", "1.5"),), light=True),
-            "node-averager-bad-bool-env": Case(NODE, (), ("SWARMTRAIN_AVERAGER_PACE", "must be bool", "maybe"), env=(("SWARMTRAIN_AVERAGER_PACE", "maybe"),), light=True),
-            "node-transport-bad-env": Case(NODE, (), ("SWARMTRAIN_TRANSPORT_CALL_TIMEOUT_S", "call_timeout_s", "-1"), env=(("SWARMTRAIN_TRANSPORT_CALL_TIMEOUT_S", "-1"),), light=True),
-            "node-transport-bad-in-file": Case(NODE, ("--config", "{tmp}/transport.toml"), ("transport.toml", "[transport]", "ban_score", "< 0"), light=True),
-            "node-transport-in-flight-below-frame": Case(NODE, (*data, "--config", "{tmp}/in-flight.toml"), ("max_bytes_in_flight_per_peer", "frame size", "1000"), light=True),
-            "coordinator-zero-inner-steps": Case(COORD, ("--inner-steps", "0"), ("--inner-steps", "inner_steps", "≥ 1", "0"), light=True),
-            "coordinator-bad-run-env": Case(COORD, (), ("SWARMTRAIN_COORDINATOR_OUTER_MOMENTUM", "outer_momentum", "1.5"), env=(("SWARMTRAIN_COORDINATOR_OUTER_MOMENTUM", "1.5"),), light=True),
-            "coordinator-bad-run-in-file": Case(COORD, ("--config", "{tmp}/run.toml"), ("run.toml", "join_timeout_s", "> 0", "-1"), light=True),
-            "coordinator-bad-block-size": Case(COORD, ("--block-size", "3"), ("--block-size", "block_size", "3"), light=True),
-            "coordinator-synchronous-steps-misfit": Case(
-                COORD, ("--mode", "pipeline", "--num-stages", "2", "--batch-size", "3", "--stage-step-samples", "16", "--synchronous-steps"),
-                ("synchronous_steps", "stage_step_samples (16)", "batch_size (3)"), light=True,
-            ),
-            "coordinator-stage-clip-in-experts-mode": Case(
-                COORD, ("--mode", "experts", "--model", "tiny-moe", "--expert-shards", "2", "--stage-clip", "stage"), ("stage_clip 'stage'", "pipeline mode"), light=True,
-            ),
-            "coordinator-bad-stage-routing": Case(COORD, ("--stage-routing", "mail"), ("--stage-routing", "invalid choice", "mail"), light=True),
-            "coordinator-zero-heartbeat-timeout": Case(COORD, ("--heartbeat-timeout-s", "0"), ("--heartbeat-timeout-s", "heartbeat_timeout_s", "> 0"), light=True),
-            "coordinator-init-bad-name": Case(COORD, ("init", "--data-dir", "{tmp}/o", "--name", "a/b"), ("init", "--name 'a/b'", "without spaces or '/'"), light=True),
-            "coordinator-token-before-init": Case(COORD, ("token", "--data-dir", "{tmp}/none", "--swarm-id", OWNED), ("token", "no owner key", "run `swarmtrain-coordinator init` first"), light=True),
-            "coordinator-token-bad-expiry": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", OWNED, "--expires-in", "never"), ("--expires-in 'never'", "30d"), light=True),
-            "coordinator-token-bad-role": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", OWNED, "--roles", "boss"), ("--roles", "unknown role(s) boss"), light=True),
-            "coordinator-token-bad-peer": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", OWNED, "--peer", "alice"), ("--peer 'alice'", "not a peer id"), light=True),
-            "coordinator-token-other-owner": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", f"lab@{PEER}"), (f"owned by {PEER}", "would be refused"), light=True),
-            "coordinator-token-missing-swarm-id": Case(COORD, ("token", "--identity", "{tmp}/owner.pem"), ("--swarm-id",), light=True),
-            "coordinator-revoke-bad-peer": Case(COORD, ("revoke", "--data-dir", "{tmp}/too-early", "12D3KooWnope"), ("revoke", "'12D3KooWnope' is not a peer id"), light=True),
-            "coordinator-revoke-bad-list": Case(COORD, ("revoke", "--data-dir", "{tmp}/revoked", "--list"), ("revoked line 2", "'not-a-peer-id' is not a peer id"), light=True),
-            "coordinator-bad-swarm-id": Case(COORD, ("--swarm-id", "lab@alice"), ("swarm_id", "'alice' is not an Ed25519 libp2p peer id"), light=True),
-            "node-bad-swarm-id": Case(NODE, ("--swarm-id", "my swarm"), ("swarm_id", "without spaces"), light=True),
-            "coordinator-private-unowned": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--private"), ("--private needs an owned swarm id", "init"), light=True),
-            "coordinator-owned-by-another": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--swarm-id", OWNED), (f"owned by {peer_id_from_public_key(OWNER.public_key)}", "this identity"), light=True),
-            "coordinator-zero-keep-checkpoints": Case(COORD, ("--keep-checkpoints", "0"), ("--keep-checkpoints", "keep_checkpoints", "≥ 1"), light=True),
-            # a Hugging Face model directory: read at start (transformers loads), refused before anything listens
-            "coordinator-model-dir-missing": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/no/such-model"), ("model", "no/such-model")),
-            "coordinator-model-without-config": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/empty-model"), ("empty-model", "config.json")),
-            "coordinator-model-hub-id": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "someorg/somemodel"), ("someorg/somemodel", "download")),
-            "coordinator-model-weights-misfit": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/misfit-model"), ("model.safetensors", "config.json", "wte")),
-            "coordinator-model-tokenizer-past-its-vocabulary": Case(
-                COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/small-vocab-model"), ("tokenizer", "embeds only 100 tokens"),
-            ),
-            "coordinator-model-cut-past-its-layers": Case(
-                COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline", "--num-stages", "3", "--model", "{tmp}/one-layer-model"), ("num_stages (3)", "1 blocks (decoder layers)"),
-            ),
-            "coordinator-model-family-not-cut": Case(
-                COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline", "--num-stages", "2", "--model", "{tmp}/opt-model"), ("pipeline role", "gpt2, llama", "'opt'"),
-            ),
-        }
-    )
+    cases.update(_out_of_bounds())
     cases.update(FIRST_HOUR)
     return cases
+
+
+def _out_of_bounds() -> dict[str, Case]:
+    """Out of bounds: refused at start, before anything registers. Those `light` are refused
+    before torch and hivemind load (so before any p2pd); the others by Node.validate."""
+    data = ("--data-dir", "{tmp}/data")
+    return {
+        "node-negative-bandwidth": Case(NODE, ("--bandwidth-mbps", "-5"), ("--bandwidth-mbps", "bandwidth_mbps", "≥ 0", "-5"), light=True),
+        "node-missing-data": Case(NODE, (*data, "--data", "{tmp}/missing/dir"), ("--data", "missing/dir", "does not exist"), light=True),
+        "node-data-without-text-field": Case(NODE, (*data, "--initial-peers", UNREACHABLE, "--data", "{tmp}/records.jsonl", "--text-field", "body"), ("--data", "records.jsonl:1", "no field 'body'")),
+        "node-negative-threads": Case(NODE, ("--threads", "-2"), ("--threads", "threads", "-2"), light=True),
+        "node-shard-index-too-large": Case(NODE, ("--shard-index", "4", "--num-shards", "4"), ("--shard-index", "num_shards (4)", "4"), light=True),
+        "node-zero-heartbeat-interval": Case(NODE, ("--heartbeat-interval-s", "0"), ("--heartbeat-interval-s", "heartbeat_interval_s", "> 0"), light=True),
+        "node-nan-rpc-timeout": Case(NODE, (), ("SWARMTRAIN_RPC_TIMEOUT_S", "rpc_timeout_s", "nan"), env=(("SWARMTRAIN_RPC_TIMEOUT_S", "nan"),), light=True),
+        "node-bad-log-level-env": Case(NODE, (), ("SWARMTRAIN_LOG_LEVEL", "log_level", "LOUD"), env=(("SWARMTRAIN_LOG_LEVEL", "LOUD"),), light=True),
+        "node-bad-wanted-role": Case(NODE, (*data, "--wanted-role", "boss"), ("--wanted-role", "boss"), light=True),
+        "node-bad-aggregator-flag": Case(NODE, ("--aggregator", "median"), ("--aggregator", "invalid choice", "median"), light=True),
+        "node-averager-bad-in-file": Case(NODE, ("--config", "{tmp}/averager.toml"), ("averager.toml", "[averager]", "min_group_size", "≥ 1", "0"), light=True),
+        "node-averager-unknown-in-file": Case(NODE, ("--config", "{tmp}/averager-unknown.toml"), ("averager-unknown.toml", "unknown setting 'colour'", "[averager]"), light=True),
+        "node-averager-param-without-aggregator": Case(NODE, ("--config", "{tmp}/averager-tau.toml"), ("averager-tau.toml", "tau", "centered_clip"), light=True),
+        "node-averager-bad-env": Case(NODE, (), ("SWARMTRAIN_AVERAGER_PACE_SHARE", "pace_share", "1.5"), env=(("SWARMTRAIN_AVERAGER_PACE_SHARE", "1.5"),), light=True),
+        "node-averager-bad-bool-env": Case(NODE, (), ("SWARMTRAIN_AVERAGER_PACE", "must be bool", "maybe"), env=(("SWARMTRAIN_AVERAGER_PACE", "maybe"),), light=True),
+        "node-transport-bad-env": Case(NODE, (), ("SWARMTRAIN_TRANSPORT_CALL_TIMEOUT_S", "call_timeout_s", "-1"), env=(("SWARMTRAIN_TRANSPORT_CALL_TIMEOUT_S", "-1"),), light=True),
+        "node-transport-bad-in-file": Case(NODE, ("--config", "{tmp}/transport.toml"), ("transport.toml", "[transport]", "ban_score", "< 0"), light=True),
+        "node-transport-in-flight-below-frame": Case(NODE, (*data, "--config", "{tmp}/in-flight.toml"), ("max_bytes_in_flight_per_peer", "frame size", "1000"), light=True),
+        "coordinator-zero-inner-steps": Case(COORD, ("--inner-steps", "0"), ("--inner-steps", "inner_steps", "≥ 1", "0"), light=True),
+        "coordinator-bad-run-env": Case(COORD, (), ("SWARMTRAIN_COORDINATOR_OUTER_MOMENTUM", "outer_momentum", "1.5"), env=(("SWARMTRAIN_COORDINATOR_OUTER_MOMENTUM", "1.5"),), light=True),
+        "coordinator-bad-run-in-file": Case(COORD, ("--config", "{tmp}/run.toml"), ("run.toml", "join_timeout_s", "> 0", "-1"), light=True),
+        "coordinator-bad-block-size": Case(COORD, ("--block-size", "3"), ("--block-size", "block_size", "3"), light=True),
+        "coordinator-synchronous-steps-misfit": Case(
+            COORD, ("--mode", "pipeline", "--num-stages", "2", "--batch-size", "3", "--stage-step-samples", "16", "--synchronous-steps"),
+            ("synchronous_steps", "stage_step_samples (16)", "batch_size (3)"), light=True,
+        ),
+        "coordinator-stage-clip-in-experts-mode": Case(
+            COORD, ("--mode", "experts", "--model", "tiny-moe", "--expert-shards", "2", "--stage-clip", "stage"), ("stage_clip 'stage'", "pipeline mode"), light=True,
+        ),
+        "coordinator-bad-stage-routing": Case(COORD, ("--stage-routing", "mail"), ("--stage-routing", "invalid choice", "mail"), light=True),
+        "coordinator-zero-heartbeat-timeout": Case(COORD, ("--heartbeat-timeout-s", "0"), ("--heartbeat-timeout-s", "heartbeat_timeout_s", "> 0"), light=True),
+        "coordinator-init-bad-name": Case(COORD, ("init", "--data-dir", "{tmp}/o", "--name", "a/b"), ("init", "--name 'a/b'", "without spaces or '/'"), light=True),
+        "coordinator-token-before-init": Case(COORD, ("token", "--data-dir", "{tmp}/none", "--swarm-id", OWNED), ("token", "no owner key", "run `swarmtrain-coordinator init` first"), light=True),
+        "coordinator-token-bad-expiry": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", OWNED, "--expires-in", "never"), ("--expires-in 'never'", "30d"), light=True),
+        "coordinator-token-bad-role": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", OWNED, "--roles", "boss"), ("--roles", "unknown role(s) boss"), light=True),
+        "coordinator-token-bad-peer": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", OWNED, "--peer", "alice"), ("--peer 'alice'", "not a peer id"), light=True),
+        "coordinator-token-other-owner": Case(COORD, ("token", "--identity", "{tmp}/owner.pem", "--swarm-id", f"lab@{PEER}"), (f"owned by {PEER}", "would be refused"), light=True),
+        "coordinator-token-missing-swarm-id": Case(COORD, ("token", "--identity", "{tmp}/owner.pem"), ("--swarm-id",), light=True),
+        "coordinator-revoke-bad-peer": Case(COORD, ("revoke", "--data-dir", "{tmp}/too-early", "12D3KooWnope"), ("revoke", "'12D3KooWnope' is not a peer id"), light=True),
+        "coordinator-revoke-bad-list": Case(COORD, ("revoke", "--data-dir", "{tmp}/revoked", "--list"), ("revoked line 2", "'not-a-peer-id' is not a peer id"), light=True),
+        "coordinator-bad-swarm-id": Case(COORD, ("--swarm-id", "lab@alice"), ("swarm_id", "'alice' is not an Ed25519 libp2p peer id"), light=True),
+        "node-bad-swarm-id": Case(NODE, ("--swarm-id", "my swarm"), ("swarm_id", "without spaces"), light=True),
+        "coordinator-private-unowned": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--private"), ("--private needs an owned swarm id", "init"), light=True),
+        "coordinator-owned-by-another": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--swarm-id", OWNED), (f"owned by {peer_id_from_public_key(OWNER.public_key)}", "this identity"), light=True),
+        "coordinator-zero-keep-checkpoints": Case(COORD, ("--keep-checkpoints", "0"), ("--keep-checkpoints", "keep_checkpoints", "≥ 1"), light=True),
+        # a Hugging Face model directory: read at start (transformers loads), refused before anything listens
+        "coordinator-model-dir-missing": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/no/such-model"), ("model", "no/such-model")),
+        "coordinator-model-without-config": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/empty-model"), ("empty-model", "config.json")),
+        "coordinator-model-hub-id": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "someorg/somemodel"), ("someorg/somemodel", "download")),
+        "coordinator-model-weights-misfit": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/misfit-model"), ("model.safetensors", "config.json", "wte")),
+        "coordinator-model-tokenizer-past-its-vocabulary": Case(
+            COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/small-vocab-model"), ("tokenizer", "embeds only 100 tokens"),
+        ),
+        "coordinator-model-cut-past-its-layers": Case(
+            COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline", "--num-stages", "3", "--model", "{tmp}/one-layer-model"), ("num_stages (3)", "1 blocks (decoder layers)"),
+        ),
+        "coordinator-model-family-not-cut": Case(
+            COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline", "--num-stages", "2", "--model", "{tmp}/opt-model"), ("pipeline role", "gpt2, llama", "'opt'"),
+        ),
+    }
 
 
 # What a new user met in their first hour, accepted without a word: each is now one line, exit 2
