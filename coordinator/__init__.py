@@ -15,6 +15,8 @@ Files:
                     itself is node/state/checkpoint_dir.py, shared with nodes
     expert_stores.py  experts mode: each shard's and the trainers' dense parts' stores, their hash reports
     service.py      the RPC handlers, eviction loop, DHT record; glue between the above
-    http.py         GET /status (JSON: members, history, events) and GET /metrics (Prometheus)
+    status.py       what /status shows of the members, stages, shards and checkpoints (pure)
+    http.py         GET / (the dashboard: dashboard/), GET /status (JSON: members, history,
+                    events) and GET /metrics (Prometheus); loopback only for an owned swarm
     cli.py          swarmtrain-coordinator
 """

@@ -9,7 +9,6 @@ one heartbeat timeout of grace after a restart before any eviction.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import math
@@ -48,6 +47,7 @@ from .journal import Recorder
 from .tools import read_revoked, revocation_file
 from .planner import TOKEN_ROLES, Eviction, Plan, PlannerConfig, checkpoint_quorum, evict, plan_roles
 from .registry import AsyncRegistry, Member, Registry, RegistryError
+from .status import checkpoint_rows, dense_view, member_rows, shard_views, stage_views
 
 log = logging.getLogger(__name__)
 
@@ -545,52 +545,21 @@ class Coordinator:
 
     async def status(self) -> dict:
         snap = await self.registry.run(_snapshot)
-        registered, epoch = snap["members"], snap["epoch"]
-        members = []
-        for m in registered:
-            d = dataclasses.asdict(m)
-            d["maddrs"] = list(m.maddrs)
-            members.append(d)
-        checkpoints = [
-            {"step": i.step, "created_at": i.manifest.get("created_at"), "state_hash": i.manifest.get("state_hash"), "files": i.manifest.get("files"),
-             "verified_by": i.manifest.get("verified_by")}  # replicas that reported its hash (1: verified by one replica; null: the initial state)
-            for i in self.store.list()
-        ]
-        stages = {}
-        if self.config.mode == "pipeline":  # per stage: its peers, the hashes they report (one after a sync), throughput
-            for i in range(self.config.run.num_stages):
-                peers = [m for m in registered if m.role == "stage" and m.stage == i]
-                stages[str(i)] = {
-                    "peers": sorted(m.peer_id for m in peers),
-                    "state_hashes": sorted({m.state_hash for m in peers if m.state_hash}),
-                    "checkpoints": [{"step": c.step, "state_hash": c.manifest.get("state_hash")} for c in self.stage_stores[i].list()] if i in self.stage_stores else [],
-                    "samples_per_second": sum(m.samples_per_second or 0.0 for m in peers),
-                }
-        shards, dense = {}, {}
+        registered = snap["members"]
         kept = self.expert_stores.listed() if self.expert_stores is not None else {}
-        for slot in self.planner.experts:  # experts mode: per shard, its hosts, their hashes (one after a sync), throughput
-            peers = [m for m in registered if m.role == "expert" and m.expert == slot]
-            shards[slot] = {
-                "peers": sorted(m.peer_id for m in peers),
-                "state_hashes": sorted({m.state_hash for m in peers if m.state_hash}),
-                "checkpoints": kept.get(slot, []),
-                "samples_per_second": sum(m.samples_per_second or 0.0 for m in peers),
-            }
-        if self.expert_stores is not None:  # and the trainers' dense parts
-            dense = {"peers": sorted(m.peer_id for m in registered if m.role == "trainer"), "checkpoints": kept.get("dense", [])}
         return {
             "swarm_id": self.config.swarm_id,
             "run": self.run.to_dict(),  # as members get it (a Hugging Face model by its pin)
-            "stages": stages,
-            "expert_shards": shards,
-            "dense": dense,
+            "stages": stage_views(registered, self.config.run.num_stages, self.stage_stores) if self.config.mode == "pipeline" else {},
+            "expert_shards": shard_views(registered, self.planner.experts, kept),
+            "dense": dense_view(registered, kept) if self.expert_stores is not None else {},
             "peer_id": self.host.peer_id if self.host else None,
             "maddrs": await self.host.visible_maddrs() if self.host else [],
             "now": time.time(),
             "started_at": self.started_at,
-            "epoch": epoch,
-            "members": members,
-            "checkpoints": checkpoints,
+            "epoch": snap["epoch"],
+            "members": member_rows(registered),
+            "checkpoints": checkpoint_rows(self.store),
             "progress": [p._asdict() for p in snap["progress"]],  # one point per outer step, or per interval (coordinator/history.py)
             "throughput": [p._asdict() for p in snap["throughput"]],
             "events": [e._asdict() for e in snap["events"]],  # newest last
