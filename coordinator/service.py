@@ -481,6 +481,7 @@ class Coordinator:
         except ValueError as e:
             raise RemoteProtocolError(f"manifest is not JSON: {e}", "manifest") from None
         state_hash = manifest.get("state_hash") if isinstance(manifest, dict) else None
+        state_hash = state_hash if isinstance(state_hash, str) else None  # (anything else is no hash)
         stage = (manifest.get("model_config") or {}).get("stage") if isinstance(manifest, dict) and isinstance(manifest.get("model_config"), dict) else None
         store, expert_slot = self.store, None
         if self.expert_stores is not None:  # experts mode: a shard's experts, or the trainers' dense parts
@@ -492,7 +493,7 @@ class Coordinator:
             store = self.stage_stores[stage]
         else:
             stage = None
-        verified_by = await self._await_quorum(offer.step, state_hash if isinstance(state_hash, str) else None, stage, expert_slot)
+        verified_by = await self._await_quorum(offer.step, state_hash, stage, expert_slot)
         try:
             upload = store.begin_upload(offer.step, manifest, verified_by)
         except CheckpointError as e:
@@ -517,7 +518,7 @@ class Coordinator:
         where = f" of stage {stage}" if stage is not None else f" of {expert_slot}" if expert_slot else ""
         one = " (verified by one replica)" if verified_by == 1 else ""
         log.info("stored checkpoint %d%s uploaded by %s%s", info.step, where, ctx.peer_id, one)
-        await self._record("checkpoint", ctx.peer_id, f"step {info.step}{where}, hash {(state_hash if isinstance(state_hash, str) else '')[:16] or 'none'}{one}")
+        await self._record("checkpoint", ctx.peer_id, f"step {info.step}{where}, hash {(state_hash or '')[:16] or 'none'}{one}")
         return Ack(info={"step": info.step})
 
     async def _await_quorum(self, step: int, state_hash: str | None, stage: int | None = None, expert_slot: str | None = None, wait_s: float = 15.0) -> int | None:
