@@ -20,7 +20,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 
-
 class NodeCollector:
     """Metric families of one node, made at each scrape (see the module). `node`: the daemon
     (node/daemon.py `Node`): its transport, membership, activity, config, started_at."""
