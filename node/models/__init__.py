@@ -11,6 +11,7 @@ Files:
     hf_stages.py a Hugging Face GPT-2 or Llama-family model cut into stages by decoder layers (HFStage)
     tokens.py    tokenizers: bytes (the built-in models) or a model directory's tokenizer.json
     sources.py   where documents come from: text files, JSON lines, parquet, a saved `datasets` set
+    adamw.py     the run's AdamW: torch's fused kernel without torch.optim's start-up cost
     data.py      the corpus (built-in: Python's stdlib sources; or --data) as token ids, shards, evaluation
     diloco.py    inner/outer optimizers, the state hash, a one-process DiLoCo simulation
     export.py    the GPT as a Hugging Face GPT-2 (weights, config, byte tokenizer), sampling, its loss

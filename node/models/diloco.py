@@ -24,7 +24,6 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from functools import partial
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from torch import nn
 
 from protocol import ErrorFeedback, decode_tensor, make_codec
 
+from .adamw import FusedAdamW, fused_supported
 from .data import EVAL_SEED, Batches, Corpus, evaluate
 from .gpt import GPT, GPTConfig, init_model
 from ..runconfig import RunConfig
@@ -103,7 +103,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.inner_lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
+def adamw(params, cfg: TrainConfig) -> FusedAdamW | torch.optim.AdamW:
     """The run's AdamW over `params`: decay on matrices (weights, embeddings) only, since
     decaying biases and LayerNorm gains toward 0 hurts; the schedule's first learning rate."""
     params = [p for p in params if p.requires_grad]
@@ -111,11 +111,9 @@ def adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    make = partial(torch.optim.AdamW, groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
-    try:  # one kernel per parameter group, not ~10 per tensor (a stage's step is on the pipeline's critical path)
-        return make(fused=True)
-    except (RuntimeError, TypeError, ValueError):  # a device (or torch) without the fused kernel
-        return make()
+    if fused_supported(params):  # one kernel per parameter group, not ~10 per tensor (a stage's step is on the pipeline's critical path)
+        return FusedAdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
+    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))  # a device (or torch) without the fused kernel
 
 
 class InnerTrainer:
