@@ -411,7 +411,9 @@ def print_table(result: dict) -> None:
     print(f"all-reduce of {cfg['size_bytes'] / MiB:g} MiB fp32 across {cfg['peers']} peers ({where}), "
           f"median of {cfg['rounds']} rounds, {cfg['cpus']} CPUs")
     if "link_goodput_mbit" in cfg:
-        print(f"link check: {cfg['link_goodput_mbit']} Mbit/s TCP payload from peer 0 to peer 1; bound {cfg['bound_seconds']} s")
+        print(f"link check: {cfg['link_goodput_mbit']} Mbit/s TCP payload from peer 0 to peer 1")
+    if cfg["netns"]:
+        print(f"bound {cfg['bound']} = {cfg['bound_seconds']} s; with equal slices {cfg['bound_even_seconds']} s")
     head = f"{'impl':<11} {'codec':<14} {'s/round':>8} {'MiB/peer':>9} {'rel_error':>10}"
     head += f" {'wireMiB':>8} {'x bound':>8}" if cfg["netns"] else ""
     print(head + "  notes")
