@@ -277,6 +277,16 @@ class RoundDriver:
             if missing:
                 raise RoundFailed(f"slice {j}: no part from {', '.join(m[-8:] for m in missing)} after the decision")
 
+    def is_decision(self, reply, phase: str) -> bool:
+        """Whether a reply is this round's decision of `phase`: survivors among the members and,
+        after the scatter, one owner (a survivor) per slice; anything else is not taken."""
+        g = self.rnd.group
+        if not (isinstance(reply, AvgDecision) and reply.group_id == g.group_id and reply.phase == phase):
+            return False
+        if not reply.commit or phase != "scatter":
+            return True
+        return set(reply.survivors) <= set(g.members) and len(reply.owners) == g.n_slices and set(reply.owners) <= set(reply.survivors)
+
     async def decide(self, phase: str, mine: AvgReport | None, phase_deadline: float) -> AvgDecision:
         """Report to the leader and get its decision (leading: collect reports and decide;
         `mine` is None when the leader was excluded and only coordinates)."""
@@ -309,7 +319,7 @@ class RoundDriver:
                 raise CallTimeout(f"{rnd.leader[-8:]} went silent during the round")
             # probed while we wait: a leader that went silent is not waited for to the deadline
             reply = await self.avg.matchmaker.call_alive(rnd.leader, mine, timeout=max(phase_deadline - time.monotonic(), 0) + 3 * grace)
-            if isinstance(reply, AvgDecision) and reply.group_id == rnd.group.group_id and reply.phase == phase:
+            if self.is_decision(reply, phase):
                 rnd.decisions[phase] = reply
                 rnd.decided[phase].set()
                 return reply
@@ -323,7 +333,7 @@ class RoundDriver:
                 reply = await transport.call(peer, AvgDecisionQuery(group_id=rnd.group.group_id, phase=phase), timeout=grace)
             except NETWORK_ERRORS:
                 continue
-            if isinstance(reply, AvgDecision) and reply.group_id == rnd.group.group_id and reply.phase == phase:
+            if self.is_decision(reply, phase):
                 rnd.decisions[phase] = reply
                 rnd.decided[phase].set()
                 return reply
