@@ -230,6 +230,33 @@ def test_nan_and_wrong_shape_senders_are_excluded_and_named(peers, size):
         assert results[bad.name]["unchanged"]
 
 
+def test_on_uneven_links_the_slowest_owns_no_slice_and_a_failed_owners_slices_are_reowned(peers):
+    """Members that declare uneven links: the slowest owns no slice, the others several each,
+    interleaved, and parts leave in turn (slice order). Every member ends with the same bits,
+    those of the same pipeline computed locally. Then an owner sends NaN: it is excluded, its
+    slices go to the surviving owners (not to the slow member), the survivors still agree."""
+    group = peers[:4]
+    slow = group[2]
+    numel = 400_000  # long enough for two slices per owner
+    rounds = (("int8", {"block_size": 256}, None), ("none", {}, next(p for p in group if p is not slow and p is not min(group, key=lambda p: p.peer_id))))
+    for codec, params, bad in rounds:
+        for p in group:
+            p.configure(faults={"corrupt_parts": "nan"} if p is bad else {}, codec=codec, codec_params=params, join_timeout_s=10,
+                        bandwidth=12.5e6 if p is slow else 50e6)
+        results = run_round(group, f"uneven-{codec}", numel=numel)
+        good = [results[p.name] for p in group if p is not bad]
+        assert all(r["ok"] for r in good), [(r["ok"], r.get("reason"), r.get("failed")) for r in good]
+        assert len({r["sha"] for r in good}) == 1
+        for r in good:
+            owners = {r["members"][i] for i in r["slice_owners"]}
+            assert slow.peer_id not in owners and len(owners) == 3 and len(r["slice_owners"]) == 6, r["slice_owners"]
+            assert r["schedule"] == "in turn" and r["equals_reference"], r
+            assert r["max_err"] <= bound(codec, r["max_abs"])
+            assert [f[0] for f in r["failed"]] == ([bad.peer_id] if bad else [])
+        if bad:
+            assert not results[bad.name]["ok"] and results[bad.name]["unchanged"]
+
+
 def test_a_member_that_keeps_sending_nan_is_banned_and_left_out(peers):
     """Bad parts score their sender down at each receiver; a sender that keeps at it is banned
     there (the transport refuses its calls). A banned member that turns honest is still left

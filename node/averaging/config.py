@@ -100,6 +100,7 @@ class AverageReport:
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
     bounds: tuple[int, ...] = ()  # slice bounds of the flat vector
+    slice_owners: tuple[int, ...] = ()  # member index that owned each slice as the group formed (empty: slice i is member i's)
     late: bool = False  # failed because the group formed without us (others may still be averaging)
     early_used: int = 0  # slices received before the decision and kept (optimistic gather)
     early_discarded: int = 0  # slices received before a decision that excluded someone: sent again
