@@ -69,7 +69,7 @@ from bench import netns
 from bench.workers import Group, PeerFailed, clean_up, exit_code
 
 IMPLS = ("swarmtrain", "hivemind", "gloo")
-DEFAULT_PARAMS = {"none": {}, "fp16": {}, "int8": {"block_size": 1024}, "topk": {"ratio": 0.01}, "powersgd": {"rank": 4}}
+DEFAULT_PARAMS = {"none": {}, "fp16": {}, "int8": {"block_size": 1024}, "topk": {"ratio": 0.01}, "powersgd": {"rank": 4}, "sparse": {"density": 0.02, "bits": 2, "chunk": 4096}}
 HIVEMIND_CODECS = ("none", "fp16", "int8")
 MiB = 1 << 20
 

@@ -59,6 +59,7 @@ class AvgGroup(Message):
     codec: str = "none"
     codec_params: Params = dataclasses.field(default_factory=dict)
     gather_codec: str = "none"
+    gather_codec_params: Params = dataclasses.field(default_factory=dict)  # e.g. the sparse codec's density, bits, chunk
     deadline_s: float = 0.0  # seconds the scatter phase may take, derived from measured bandwidth
     redirect: str = ""
     reason: str = ""

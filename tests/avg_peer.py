@@ -37,7 +37,7 @@ def reference(cfg: AveragerConfig, seeds: list[int], numel: int, bounds, survivo
     the member index owning each slice (empty: slice j is member j's)."""
     xs = [flat(make_tensors(s, numel)) for s in seeds]
     codec = make_codec(cfg.codec, **cfg.codec_params)
-    gather = make_codec(cfg.resolved_gather_codec)
+    gather = make_codec(cfg.resolved_gather_codec, **cfg.gather_codec_params)
     out = torch.empty(numel)
     for j in range(len(bounds) - 1):
         a, b = bounds[j], bounds[j + 1]

@@ -82,3 +82,33 @@ def test_an_outer_lr_sweep_reuses_the_sync_arm_but_not_the_diloco_arms():
         assert Settings.comparable(base, arm) != Settings.comparable(swept, arm)
     # the sync arm's evaluation points follow H: another H is another curve
     assert Settings.comparable(base, "a") != Settings.comparable(Settings(inner_steps=50).to_dict(), "a")
+
+
+def test_a_sparse_sweep_reuses_the_sync_and_int8_arms_but_not_the_sparse_one():
+    from bench.convergence_settings import Settings
+
+    base = Settings().to_dict()
+    sparse = Settings(sparse_density=0.01, sparse_inner_steps=20, sparse_outer_momentum=0.0).to_dict()
+    for arm in ("a", "b", "c"):
+        assert Settings.comparable(base, arm) == Settings.comparable(sparse, arm)
+    assert Settings.comparable(base, "s") != Settings.comparable(sparse, "s")
+    # an int8 sweep leaves the sparse arm as it was
+    assert Settings.comparable(base, "s") == Settings.comparable(Settings(outer_lr=1.2, codec="fp16").to_dict(), "s")
+    with pytest.raises(ValueError, match="sparse_inner_steps"):
+        Settings(sparse_inner_steps=30)  # 800 steps are not a whole number of its rounds
+    with pytest.raises(ValueError, match="sparse bits"):
+        Settings(sparse_bits=9)
+
+
+def test_the_sparse_arm_runs_and_reports_its_bytes(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.convergence", "--quick", "--arms", "s", "--json", "--out", str(tmp_path), "--sparse-density", "0.01"],
+        cwd=ROOT, capture_output=True, text=True, timeout=370, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
+    s = json.loads(out.stdout)["arms"]["s"]
+    assert s["status"] == "ok" and [p["step"] for p in s["curve"]] == [0, 10, 20, 30, 40]
+    assert s["curve"][-1]["val_loss"] < s["curve"][0]["val_loss"]
+    # 4 rounds of the tiny model (136,960 values) among 2: per round, one half scattered and
+    # one half gathered, at 81 bytes per chunk of 4096 (41 values: scales, 12-bit indices, 2-bit codes)
+    assert 4 * 136_960 * 81 / 4096 * 0.95 < min(s["bytes_sent_per_node"]) <= max(s["bytes_sent_per_node"]) < 4 * 136_960 * 81 / 4096 * 1.1

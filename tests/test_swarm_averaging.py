@@ -165,6 +165,7 @@ CODECS = [
     ("int8", {"block_size": 256}),
     ("topk", {"ratio": 0.05}),
     ("powersgd", {"rank": 4}),
+    ("sparse", {"density": 0.05, "bits": 2, "chunk": 4096}),  # gathered sparse too, with the owners' feedback
 ]
 
 
@@ -200,7 +201,7 @@ def test_groups_of_every_size_and_codec(peers, size):
             # bitwise equal to the same codec pipeline computed locally from the inputs
             assert r["equals_reference"], (name, r)
             assert r["max_err"] <= bound(name, r["max_abs"]), (name, r["max_err"])
-            if name in ("topk", "powersgd"):
+            if name in ("topk", "powersgd", "sparse"):
                 assert r["rel_err"] < 1.0  # one lossy step without history; error feedback sends the rest later
 
 
@@ -212,7 +213,7 @@ def test_nan_and_wrong_shape_senders_are_excluded_and_named(peers, size):
     leader = min(group, key=lambda p: p.peer_id)
     # with a lossy codec, the owner that inherits the bad sender's slice counts its own part
     # as the bad sender would have decoded it: still the same bits everywhere
-    for kind, codec, params in (("nan", "none", {}), ("shape", "none", {}), ("nan", "int8", {"block_size": 256})):
+    for kind, codec, params in (("nan", "none", {}), ("shape", "none", {}), ("nan", "int8", {"block_size": 256}), ("nan", "sparse", {"density": 0.05})):
         # the NaN sender is the round's leader: excluded, it must still coordinate the commit
         bad = leader if kind == "nan" else next(p for p in group if p is not leader)
         for p in group:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from protocol import AvgDecision, AvgGroup, AvgJoin, AvgReport
 
-from .config import WIRE_BYTES, AveragerConfig
+from .config import AveragerConfig, wire_bytes
 
 # ---- slices ---------------------------------------------------------------------------------
 
@@ -170,7 +170,7 @@ def form_group(
         return None, "too few peers for a group"
     bws = [joins[m].bandwidth or config.default_bandwidth for m in members]
     gather = config.resolved_gather_codec
-    per_elem = max(WIRE_BYTES.get(config.codec, 4.0), WIRE_BYTES.get(gather, 4.0))
+    per_elem = max(wire_bytes(config.codec, dict(codec_params)), wire_bytes(gather, config.gather_codec_params))
     n = len(members)
     moved = 2 * (n - 1) / max(n, 1) * numel * per_elem  # bytes in + out per member, one phase
     expected_s = moved / min(bws)
@@ -186,6 +186,7 @@ def form_group(
         codec=config.codec,
         codec_params=dict(codec_params),
         gather_codec=gather,
+        gather_codec_params=config.gather_codec_params,
         deadline_s=deadline_s,
     )
     return group, f"{n} members; slowest {min(bws) / 1e6:.1f} MB/s: {expected_s:.2f} s per phase expected, deadline {deadline_s:.2f} s; {layout}"

@@ -86,7 +86,7 @@ class RoundDriver:
         self.config, self.sender, self.buffers = avg.config, avg.sender, avg.buffers
         g = rnd.group
         self.codec = make_codec(g.codec, **g.codec_params)
-        self.gather_codec = make_codec(g.gather_codec)
+        self.gather_codec = make_codec(g.gather_codec, **g.gather_codec_params)
         self.my_index = g.members.index(rnd.me)
         self.weights = dict(zip(g.members, g.weights))
         self.encoded: dict[int, EncodedTensor] = {}

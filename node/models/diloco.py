@@ -6,6 +6,7 @@
     OuterOptimizer   θ_outer and Nesterov momentum: pseudo_gradient(local), apply(averaged)
     state_hash       short hex of tensors' exact bits; replicas compare it after every outer step
     simulate_diloco  N replicas in one process, pseudo-gradients through a real codec + error feedback
+                     (optionally through the all-reduce's arithmetic, sim_allreduce.py)
     train_sync       plain single-stream AdamW training, to make a shared warm-start checkpoint
 
 One outer round, as a replica runs it (the averaging is the network's job, elsewhere):
@@ -34,6 +35,7 @@ from protocol import ErrorFeedback, decode_tensor, make_codec
 from .adamw import FusedAdamW, fused_supported
 from .data import EVAL_SEED, Batches, Corpus, evaluate
 from .gpt import GPT, GPTConfig, init_model
+from .sim_allreduce import SimAllReduce
 from ..runconfig import RunConfig
 
 
@@ -278,10 +280,14 @@ def simulate_diloco(
     eval_every: int = 1,
     eval_batches: int = 8,
     eval_seed: int = EVAL_SEED,
+    allreduce: bool = False,
 ) -> dict[str, Any]:
     """N DiLoCo replicas in this process, no network. Each replica trains on its own shard, sends
     its pseudo-gradient through ErrorFeedback(codec) as a real sender would, the decoded tensors
     are averaged, and every replica applies the same outer step with its own OuterOptimizer.
+    With `allreduce`, the averaging is the averager's all-reduce instead (sim_allreduce.py: each
+    owner's slice exact from itself, and sent back through the same codec with the owner's error
+    feedback, as a sparse run's gather is); bytes are then what each replica sends in it.
 
     Returns {"history": [{"outer_step", "inner_step", "val_loss", "train_loss"}...],
     "bytes_sent": [per replica], "state_hash": θ_outer hash, "state": final model state_dict,
@@ -307,6 +313,8 @@ def simulate_diloco(
     outers = [OuterOptimizer(m.parameters(), cfg.outer_lr, cfg.outer_momentum) for m in models]
     senders = [ErrorFeedback(make_codec(codec, **kwargs)) for _ in range(num_replicas)]
     names = [name for name, _ in base.named_parameters()]
+    numel = sum(p.numel() for p in base.parameters())
+    butterfly = SimAllReduce(num_replicas, numel, make_codec(codec, **kwargs), make_codec(codec, **kwargs)) if allreduce else None
     bytes_sent = [0] * num_replicas
 
     def val_loss() -> float:
@@ -314,15 +322,22 @@ def simulate_diloco(
 
     history = [{"outer_step": 0, "inner_step": 0, "val_loss": val_loss(), "train_loss": None}]
     for outer_step in range(1, outer_steps + 1):
-        train_losses, decoded = [], []
+        train_losses, decoded, flats = [], [], []
         for r in range(num_replicas):
             train_losses += [inners[r].step() for _ in range(cfg.inner_steps)]
             pg = outers[r].pseudo_gradient(models[r].parameters())
+            if butterfly is not None:
+                flats.append(torch.cat([g.reshape(-1) for g in pg]))
+                continue
             encoded = [senders[r].encode(n, g) for n, g in zip(names, pg)]
             bytes_sent[r] += sum(e.nbytes for e in encoded)
             decoded.append([decode_tensor(e) for e in encoded])
-        # Mean over replicas in a fixed order; in the swarm every replica receives these same bits.
-        avg = [torch.stack(ts).sum(0) / num_replicas for ts in zip(*decoded)]
+        if butterfly is not None:
+            flat = butterfly(flats)
+            avg = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in base.parameters()]), base.parameters())]
+            bytes_sent = list(butterfly.bytes_sent)
+        else:  # mean over replicas in a fixed order; in the swarm every replica receives these same bits
+            avg = [torch.stack(ts).sum(0) / num_replicas for ts in zip(*decoded)]
         hashes = set()
         for m, outer in zip(models, outers):
             copy_into(m.parameters(), outer.apply(avg))

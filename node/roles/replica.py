@@ -103,7 +103,7 @@ class Replica(Role):
         self.ctx, self.run_config = ctx, run
         self.train_config = run.train_config()
         self.spec: RunModel | None = None  # the model and its data (a Hugging Face model's files are fetched first)
-        codec_params = {"block_size": run.block_size} if run.codec == "int8" else {}
+        codec_params = run.codec_params()
         config = averager_config(  # the [averager] settings; the run's codec and join window win
             c, swarm_id=c.swarm_id, namespace="replicas", codec=run.codec, codec_params=codec_params, join_timeout_s=run.join_timeout_s,
             bandwidth=c.bandwidth_mbps * 1e6 / 8,  # declared: slices sized by it, sends paced to it
