@@ -138,7 +138,8 @@ class Replica(Role):
         self._lone = False  # the last round found us the swarm's only replica (logged when that changes)
         self.streaming: Streaming | None = None  # the outer step in fragments (run.fragments > 1), made with the model
         self.inner_s = 0.0  # seconds spent in inner steps (this process)
-        self.wait_s = 0.0  # seconds the fragments' rounds kept training waiting
+        self.wait_s = 0.0  # seconds training waited on fragments' rounds (over their period)
+        self.eval_s = 0.0  # seconds spent evaluating after outer steps
         self.sync_bytes = 0  # bytes the last outer step's largest round sent
         self._cycle_inner_s = 0.0  # the last cycle's inner steps' time: the join window of the next one's rounds
 
@@ -273,18 +274,20 @@ class Replica(Role):
         self._out_of_step = False
         self.bytes_sent += cycle.bytes_sent
         self.sync_bytes = max(r.bytes_sent for r in cycle.reports)
-        extra = {"fragments": len(cycle.outcomes), "failed_fragments": [o.fragment for o in cycle.outcomes if not o.ok], "wait_s": round(cycle.wait_s, 3)}
+        extra = {"fragments": len(cycle.outcomes), "failed_fragments": [o.fragment for o in cycle.outcomes if not o.ok], "wait_s": round(self.wait_s, 3)}
         await self._outer_step_done(cycle.losses, cycle.inner_s, cycle.members, time.monotonic() - t0, cycle.leader, extra)
 
     async def _outer_step_done(self, losses: list[float], t_inner: float, members: int, round_s: float, leader: str, extra: dict) -> None:
         """After an outer step (the state saved): evaluate, record, report; the round's leader
         hands the state to the coordinator every `checkpoint_every` steps and at the last."""
+        t0 = time.monotonic()
         val = await self._compute(self._evaluate)
+        self.eval_s += time.monotonic() - t0
         tokens = len(losses) * self.train_config.batch_size * self.spec.context
         entry = {
             "outer_step": self.round, "val_loss": val, "train_loss": sum(losses) / len(losses), "state_hash": self.hash,
             "bytes_sent": self.bytes_sent, "sync_bytes": self.sync_bytes, "members": members, "round_s": round(round_s, 3),
-            "tokens_per_s": round(tokens / t_inner, 1), "threads": self._inner_threads, "inner_s": round(self.inner_s, 3), "time": time.time(), **extra,
+            "tokens_per_s": round(tokens / t_inner, 1), "threads": self._inner_threads, "inner_s": round(self.inner_s, 3), "eval_s": round(self.eval_s, 3), "time": time.time(), **extra,
         }  # fmt: skip
         self.stats.remember(entry)
         log.info("outer %d | train %.3f | val %.4f | %d replicas | %.0f tok/s | round %.2f s | %.1f KB sent | hash %s", self.round, entry["train_loss"], val,
@@ -397,6 +400,7 @@ class Replica(Role):
         if state is None:
             return False
         await self._compute(self._adopt, state, offer.step)
+        await self.state.drop(offer.step)  # ours of that step, if any: the others' replaces it
         await self._save()
         if self.streaming is not None and offer.from_peer:
             self._out_of_step = True  # the others are somewhere in their cycle: our first rounds may find nobody
