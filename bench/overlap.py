@@ -145,16 +145,12 @@ def main(argv=None) -> int:
     from bench import netns
 
     try:
-        netns.check_available()
-    except netns.NetnsUnavailable as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
         settings = Settings(preset=args.preset, steps=args.steps, warmup_steps=args.warmup_steps, inner_steps=args.inner_steps,
                             replicas=args.replicas, eval_batches=args.eval_batches)  # fmt: skip
-        if not 1 <= args.fragments <= settings.inner_steps:
-            raise ValueError(f"--fragments must be in 1..{settings.inner_steps} (H), got {args.fragments}")
-    except ValueError as e:
+        if not 2 <= args.fragments <= settings.inner_steps:
+            raise ValueError(f"--fragments must be in 2..{settings.inner_steps} (H), got {args.fragments}")
+        netns.check_available()
+    except (ValueError, netns.NetnsUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from bench.convergence import warm_start
