@@ -75,7 +75,7 @@ def run_arm(settings: Settings, fragments: int, warm: dict, rate: str, work: Pat
     from bench import netns
     from bench.convergence_swarm import coordinator_args, node_args, write_warm_checkpoint
     from bench.convergence_settings import thread_env
-    from tests.swarm import Swarm, wait_for
+    from tests.swarm import ProcessExited, Swarm, wait_for
 
     n, last = settings.replicas, settings.outer_steps
     netns.remove_stale()
@@ -88,7 +88,12 @@ def run_arm(settings: Settings, fragments: int, warm: dict, rate: str, work: Pat
         args = coordinator_args(settings, work / "coordinator", 0, 0, swarm_id)
         coord = sw.start("coordinator", "swarmtrain-coordinator", *args, "--host-maddrs", f"/ip4/{topo.ip(0)}/tcp/0", "--http", "",
                          "--fragments", str(fragments), "--heartbeat-timeout-s", "30", prefix=topo.wrap(0, []), env=env)  # fmt: skip
-        maddr = wait_for(lambda: re.search(rf"/ip4/{re.escape(topo.ip(0))}/tcp/\d+/p2p/\w+", coord.log()), 60, "the coordinator's address").group(0)
+        def address():
+            if not coord.alive():
+                raise ProcessExited(f"the coordinator exited: {coord.log()[-2000:]}")
+            return re.search(rf"/ip4/{re.escape(topo.ip(0))}/tcp/\d+/p2p/\w+", coord.log())
+
+        maddr = wait_for(address, 120, "the coordinator's address").group(0)
         names = [f"node{r}" for r in range(n)]
         mbps = str(int(netns.parse_rate(rate) / 1e6))
         for r, name in enumerate(names):

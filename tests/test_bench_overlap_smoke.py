@@ -40,7 +40,7 @@ def test_bad_settings_are_refused_in_one_line(args, message):
 @pytest.mark.timeout(900)
 def test_both_arms_run_behind_shaped_links(tmp_path):
     require_netns()
-    argv = ["--preset", "tiny", "--warmup-steps", "10", "--steps", "30", "--inner-steps", "10", "--replicas", "2", "--fragments", "2",
+    argv = ["--preset", "tiny", "--warmup-steps", "10", "--steps", "60", "--inner-steps", "10", "--replicas", "2", "--fragments", "2",
             "--eval-batches", "2", "--timeout", "400", "--out", str(tmp_path)]  # fmt: skip
     out = subprocess.run([sys.executable, "-m", "bench.overlap", *argv], capture_output=True, text=True, timeout=880)
     assert out.returncode == 0, out.stderr[-3000:]
