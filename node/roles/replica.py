@@ -262,20 +262,22 @@ class Replica(Role):
         self.hash = self._hash()
         await self._save()
         look_s, decision = after_cycle(cycle.outcomes, wait_s=window + cycle.inner_s + 5)
+        self._out_of_step = False
         if look_s:
-            self._out_of_step = True
             log.warning("outer step %d: %s", self.round, decision.reason)
             self.ctx.membership.progress.note(f"outer step {self.round}: {decision.reason}")  # for the coordinator's events
-            if await self._settle(look_s):
+            settled = await self._settle(look_s)
+            if settled == "taken":
                 return
+            self._out_of_step = settled != "in step"  # nobody seen holding ours: we may be the one behind
         if not cycle.applied:  # nothing averaged: the state is the one we started the cycle from
             self._publish_progress(None)
             return
-        self._out_of_step = False
         self.bytes_sent += cycle.bytes_sent
         self.sync_bytes = max(r.bytes_sent for r in cycle.reports)
         extra = {"fragments": len(cycle.outcomes), "failed_fragments": [o.fragment for o in cycle.outcomes if not o.ok], "wait_s": round(self.wait_s, 3)}
-        await self._outer_step_done(cycle.losses, cycle.inner_s, cycle.members, time.monotonic() - t0, cycle.leader, extra)
+        # what the outer step cost training: the cycle's time outside inner steps (sends, applies, waits)
+        await self._outer_step_done(cycle.losses, cycle.inner_s, cycle.members, time.monotonic() - t0 - cycle.inner_s, cycle.leader, extra)
 
     async def _outer_step_done(self, losses: list[float], t_inner: float, members: int, round_s: float, leader: str, extra: dict) -> None:
         """After an outer step (the state saved): evaluate, record, report; the round's leader
@@ -455,21 +457,21 @@ class Replica(Role):
             if best is not None and best[0] > self.round and self.averager.abandon(key, f"the others are at outer step {best[0]}"):
                 return True
 
-    async def _settle(self, wait_s: float) -> bool:
+    async def _settle(self, wait_s: float) -> str:
         """After a cycle whose rounds failed, its state saved: take the other replicas' state when
         they hold another at this outer step or a later one (`choose_state`), looking for up to
-        `wait_s`; stop looking once one of them holds ours."""
+        `wait_s`: "taken"; stop looking once one of them holds ours: "in step"; else "unseen"."""
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not self._stop:
             offers = await self._peer_states()
             best = choose_state((self.round, self.hash), {p: o.held for p, o in offers.items()})
             if best is None and any(o.held == (self.round, self.hash) for o in offers.values()):
-                return False
+                return "in step"
             for offer in offers.values():
                 if offer.held == best and await self._take(offer):
-                    return True
+                    return "taken"
             await asyncio.sleep(1.0)
-        return False
+        return "unseen"
 
     async def _catch_up(self, wait_s: float) -> bool:
         """After a failed round: if the other replicas got further, take their state."""
