@@ -159,7 +159,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from bench.convergence import warm_start
+    from bench.convergence_settings import set_threads
     from node.models.data import load_corpus
+
+    set_threads(settings.threads)  # the warm start's, in this process: the replicas get theirs by flag
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-overlap-"))
     out.mkdir(parents=True, exist_ok=True)
