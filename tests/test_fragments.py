@@ -179,3 +179,27 @@ def test_a_failed_fragment_round_leaves_that_fragment_as_it_was():
     for p, b in zip(list(model.parameters())[f1.start : f1.stop], before[f1.start : f1.stop]):
         torch.testing.assert_close(p.detach(), b + 0.04)
     assert cycle.applied == 1 and cycle.leader == "me"
+
+
+def test_a_round_long_past_its_period_is_given_up_and_the_cycle_goes_on(monkeypatch):
+    import node.roles.streaming as streaming
+
+    monkeypatch.setattr(streaming, "OVERDUE_S", 0.2)
+    base = init_model(PRESETS["tiny"], 0)
+    parts = split([p.numel() for p in base.parameters()], 2)
+    model, outer = _replica(base)
+    before = [p.clone() for p in outer.params]
+
+    async def average(key, pseudo, state_key, window):
+        if "-f0-" in key:
+            await asyncio.Event().wait()  # a round that never ends
+        return pseudo, AverageReport(key=key, ok=True, leader="me", members=["me"], survivors=["me"]), False
+
+    async def compute(fn, *args):
+        return fn(*args)
+
+    cycle = asyncio.run(Streaming(parts, 2, compute, lambda n: [1.0] * n, average).cycle(model, outer, 0, 0.1, lambda: False))
+    assert [(o.fragment, o.ok) for o in cycle.outcomes] == [(0, False), (1, True)]
+    assert "given up" in cycle.reports[0].reason and 0.25 < cycle.wait_s < 5
+    f0 = parts[0]
+    assert all(torch.equal(a, b) for a, b in zip(outer.params[f0.start : f0.stop], before[f0.start : f0.stop]))

@@ -7,8 +7,9 @@ One cycle (H inner steps, one outer step of every fragment), as `Streaming.cycle
                background, keyed by the outer step, f and the hash of the fragment's outer state
         train: the fragment period's inner steps (H/F), the round running meanwhile
         apply: once the period is over and the round is done (`when_to_apply`; waiting only for
-               a round over its deadline): the fragment's outer Nesterov step, then its local
-               parameters move by what its outer parameters moved (below)
+               a round over its deadline, and giving it up OVERDUE_S past its join window): the
+               fragment's outer Nesterov step, then its local parameters move by what its outer
+               parameters moved (below)
 
 Merging the new outer parameters into the local ones: θ_local,f ← θ_outer,f(new) +
 (θ_local,f(now) − θ_local,f(at send)). The fragment period's inner steps were taken on top of the
@@ -39,6 +40,8 @@ from ..models.diloco import OuterOptimizer, state_hash
 from .fragments import Outcome, Schedule, when_to_apply
 
 log = logging.getLogger(__name__)
+
+OVERDUE_S = 120.0  # longest training waits on a round past its fragment period and its join window: then it is given up
 
 Average = Callable[[str, list[torch.Tensor], str, float], Awaitable[tuple[list[torch.Tensor] | None, AverageReport, bool]]]
 
@@ -108,9 +111,12 @@ class Streaming:
                 if decision.action == "wait":
                     log.debug("%s: %s", key, decision.reason)
                     t0 = time.monotonic()
-                    await asyncio.wait({task})
+                    await asyncio.wait({task}, timeout=window + OVERDUE_S)
                     cycle.wait_s += time.monotonic() - t0
-                avg, report, moved_on = task.result()
+                if task.done():
+                    avg, report, moved_on = task.result()
+                else:  # (the finally below cancels it)
+                    avg, report, moved_on = None, AverageReport(key=key, reason=f"still running {window + OVERDUE_S:.0f} s after its fragment period: given up"), False
             finally:
                 if not task.done():
                     task.cancel()
