@@ -55,6 +55,7 @@ def build_parser():
     run.add_argument("--seed", type=int, help=f"init and data seed (default {d.seed})")
     run.add_argument("--join-timeout-s", type=float, help=f"how long a round waits for late replicas (default {d.join_timeout_s})")
     run.add_argument("--min-replicas", type=int, help=f"replicas to wait for before training starts, and the fewest that take an outer step (1: a lone replica trains on its own; default {d.min_replicas})")
+    run.add_argument("--fragments", type=int, help=f"replicas average the model in this many fragments, one at a time, each while the inner steps go on (at most --inner-steps; 1: all at once, training paused meanwhile; default {d.fragments})")
     pipe = p.add_argument_group("the pipeline (--mode pipeline)")
     pipe.add_argument("--num-stages", type=int, help="stages the model is cut into; each holds at least one block")
     pipe.add_argument("--stage-blocks", metavar="N,N,...", help="blocks per stage, e.g. 2,1,1 (default: spread evenly)")

@@ -68,6 +68,10 @@ class RunConfig:
     seed: int = 0  # seed of the model's initialisation and of data sampling
     join_timeout_s: float = 15.0  # seconds an averaging round waits for late replicas
     min_replicas: int = 1  # training starts once this many replicas are registered; fewer never take an outer step (1: a lone replica trains on its own)
+    # the model's parameters cut into this many fragments, each averaged in its own round while the
+    # inner steps go on (Streaming DiLoCo, node/roles/streaming.py); 1: the whole model at once,
+    # training paused while it is averaged. At most inner_steps
+    fragments: int = 1
     # pipeline mode (the coordinator's --mode pipeline): the model cut into stages
     num_stages: int = 0  # stages the model is cut into (each holds at least one block)
     stage_blocks: str = ""  # blocks per stage, in order, e.g. "2,1,1" (they add up to the model's); empty: even
@@ -94,6 +98,8 @@ class RunConfig:
         check_fields(self, _CHECKS, RunConfigError)
         if self.warmup_steps > self.total_steps:
             raise RunConfigError(f"warmup_steps ({self.warmup_steps}) must not exceed total_steps ({self.total_steps}): the learning rate would still be warming up when its decay ends", "warmup_steps")
+        if self.fragments > self.inner_steps:
+            raise RunConfigError(f"fragments ({self.fragments}) must not exceed inner_steps ({self.inner_steps}): each fragment's round runs alongside at least one inner step", "fragments")
         if self.synchronous_steps and self.stage_step_samples % self.batch_size:
             raise RunConfigError(f"synchronous_steps needs stage_step_samples ({self.stage_step_samples}) to be a multiple of batch_size ({self.batch_size})", "stage_step_samples")
 
@@ -206,6 +212,7 @@ _CHECKS: dict[str, Check] = {
     "block_size": between(*INT8_BLOCK_SIZES), "sparse_density": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
     "sparse_bits": between(*SPARSE_BITS), "sparse_chunk": between(*SPARSE_CHUNKS), "max_outer_steps": at_least(0), "checkpoint_every": at_least(1),
     "eval_batches": at_least(1), "seed": at_least(0), "join_timeout_s": positive, "min_replicas": at_least(1),
+    "fragments": at_least(1),
     "num_stages": at_least(0), "stage_blocks": lambda v: None if re.fullmatch(r"(\d+(,\d+)*)?", v.replace(" ", "")) else "must be block counts separated by commas, e.g. 2,1,1",
     "activation_codec": one_of(*ACTIVATION_CODECS), "stage_step_samples": at_least(1), "micro_batches_in_flight": at_least(1),
     "stage_routing": one_of(*STAGE_ROUTINGS), "stage_clip": one_of(*STAGE_CLIPS), "synchronous_steps": lambda v: None,  # (a bool: its type is all there is to check)

@@ -183,37 +183,46 @@ class OuterOptimizer:
         self.buffers = [torch.zeros_like(p) for p in self.params]
         self.step_count = 0  # outer steps applied
 
-    def _check(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        tensors = list(tensors)
-        if len(tensors) != len(self.params):
-            raise ValueError(f"{what}: expected {len(self.params)} tensors, got {len(tensors)}")
-        for i, (t, p) in enumerate(zip(tensors, self.params)):
+    def _check(self, tensors: Sequence[torch.Tensor], what: str, like: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        tensors, like = list(tensors), self.params if like is None else like
+        if len(tensors) != len(like):
+            raise ValueError(f"{what}: expected {len(like)} tensors, got {len(tensors)}")
+        for i, (t, p) in enumerate(zip(tensors, like)):
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"{what}: tensor {i} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
         return tensors
 
-    def pseudo_gradient(self, local_params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        """θ_outer − θ_local per tensor (fp32, CPU): how far the local steps moved, sign as a gradient."""
-        local = self._check([p.detach() for p in local_params], "pseudo_gradient")
-        return [o - p.to("cpu", torch.float32) for o, p in zip(self.params, local)]
+    def pseudo_gradient(self, local_params: Iterable[torch.Tensor], part: range | None = None) -> list[torch.Tensor]:
+        """θ_outer − θ_local per tensor (fp32, CPU): how far the local steps moved, sign as a gradient.
+        `part`: only those tensors (a fragment; `local_params` are then the fragment's)."""
+        outer = self.params if part is None else self.params[part.start : part.stop]
+        local = self._check([p.detach() for p in local_params], "pseudo_gradient", outer)
+        return [o - p.to("cpu", torch.float32) for o, p in zip(outer, local)]
 
     @torch.no_grad()
-    def apply(self, avg_pseudo_grad: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def apply(self, avg_pseudo_grad: Sequence[torch.Tensor], part: range | None = None) -> list[torch.Tensor]:
         """One Nesterov SGD step with the averaged pseudo-gradient; returns θ_outer (these very
         tensors: copy them into the model, do not modify them). Non-finite input is refused
-        before any state changes, so a bad round cannot poison the replica."""
-        grads = self._check(avg_pseudo_grad, "apply")
+        before any state changes, so a bad round cannot poison the replica.
+
+        `part`: the step of one fragment (the tensors in that range; `avg_pseudo_grad` is theirs,
+        and so is what it returns). It is the same math per tensor, so stepping every fragment
+        once gives the bits of one whole step; `step_count` counts whole steps, so it is left to
+        the caller (`load_state_dict`) there."""
+        params, buffers = (self.params, self.buffers) if part is None else (self.params[part.start : part.stop], self.buffers[part.start : part.stop])
+        grads = self._check(avg_pseudo_grad, "apply", params)
         grads = [g.to("cpu", torch.float32) for g in grads]
         for i, g in enumerate(grads):
             if not torch.isfinite(g).all():
                 raise ValueError(f"apply: averaged pseudo-gradient {i} has NaN or Inf values")
         mu = self.momentum
-        for p, b, g in zip(self.params, self.buffers, grads):
+        for p, b, g in zip(params, buffers, grads):
             b.mul_(mu).add_(g)  # add with alpha=1 is exact-rounded, fused or not
             update = g + b * mu if self.nesterov else b
             p.sub_(update * self.lr)
-        self.step_count += 1
-        return self.params
+        if part is None:
+            self.step_count += 1
+        return params
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of θ_outer, momentum and step: everything a joiner needs to continue bit-exactly."""
