@@ -18,8 +18,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m node.demo $(DEMO_ARGS)
 
+# two workers, a module at a time each (the swarm tests mostly wait on the network and on deadlines)
+TEST_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
+
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(TEST_WORKERS) $(PYTEST_ARGS)
 
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
