@@ -53,6 +53,7 @@ Files:
     expert_model.py      `ExpertModel`: an experts run's model as its roles make it (a MoE preset, or a
                          Hugging Face Mixtral fetched by pin): layout, shards, dense parts, forward
     replica.py           `Replica`: the DiLoCo round, state taken from peers or the coordinator
+    replica_peers.py     `ReplicaPeers`: the other replicas, as a replica sees them, and their states
     streaming.py         `Streaming`: a replica's outer step in fragments, each round overlapped with
                          inner steps and applied a fragment period later (run setting `fragments`)
     fragments.py         pure: the fragments (`split`), their `Schedule`, `when_to_apply`, `after_cycle`

@@ -52,6 +52,7 @@ from .pause import PauseWatch
 from .role import Role, RoleContext, RoleError
 from .run_model import RunModel, model_meta, run_model
 from .fragments import after_cycle, split
+from .replica_peers import ReplicaPeers
 from .slot_state import Offer, SlotState, State, choose_state
 from .stats import StatsFile
 from .streaming import Streaming
@@ -60,7 +61,6 @@ from .weights import ComputeThread
 
 log = logging.getLogger(__name__)
 
-ASK_S = 3.0  # longest a replica peer may take to say which state it holds
 COORDINATOR_S = 5.0  # ... the coordinator
 WATCH_S = 2.0  # how often a replica that may have fallen behind looks at the others' states while it matchmakes
 _PEER_ERRORS = (*NETWORK_ERRORS, CheckpointDirError, ValueError)
@@ -123,6 +123,7 @@ class Replica(Role):
         self._compute = ComputeThread(self.threads, "train")  # everything that trains, evaluates or loads a model's state
         self.state = SlotState(ctx.transport, data / "state", data / "downloads", "replica", model_meta(run), replica_hash, self._compute, unhashed_ok=True)
         self.view = SwarmView(ctx.host, c.swarm_id, c.record_ttl_s)
+        self.peers = ReplicaPeers(ctx.host.peer_id, self.view, self.averager, self.state)
         self.stats = StatsFile(data, "replica", keep=1000)
         self.model: torch.nn.Module | None = None
         self.outer: OuterOptimizer | None = None
@@ -186,7 +187,8 @@ class Replica(Role):
             except ValueError as e:
                 raise RoleError(f"the run's fragments do not fit the model: {e}") from None
             self.streaming = Streaming(parts, self.run_config.inner_steps, self._compute, self._inner_steps, self._average)
-        await self._wait_for_replicas()
+        while not self._stop and self.run_config.min_replicas > 1 and len(await self.peers.ids()) < self.run_config.min_replicas:
+            await asyncio.sleep(1.0)
         await self._obtain_state()
         batches = Batches(self.corpus.train, shard, c.num_shards, self.train_config.batch_size, self.spec.context, self.train_config.seed + shard)
         # in a thread: the first AdamW of a process imports torch._dynamo, seconds of work
@@ -256,7 +258,7 @@ class Replica(Role):
             self.ctx.activity.round("outer", "ok" if o.ok else "failed")
         if await self._woke_up(t0):
             return
-        if any(o.moved_on for o in cycle.outcomes) and await self._catch_up(wait_s=window + 5):
+        if any(o.moved_on for o in cycle.outcomes) and await self._catch_up(wait_s=window + 5) == "taken":
             return  # the others were ahead: theirs, not the half-averaged state of our cycle
         self.round += 1
         self.hash = self._hash()
@@ -266,7 +268,7 @@ class Replica(Role):
         if look_s:
             log.warning("outer step %d: %s", self.round, decision.reason)
             self.ctx.membership.progress.note(f"outer step {self.round}: {decision.reason}")  # for the coordinator's events
-            settled = await self._settle(look_s)
+            settled = await self._catch_up(look_s, ours_ends_it=True)
             if settled == "taken":
                 return
             self._out_of_step = settled != "in step"  # nobody seen holding ours: we may be the one behind
@@ -316,7 +318,7 @@ class Replica(Role):
         """One averaging round of `key` with the other replicas: (the average, or None when the
         round failed; its report; whether we gave it up because the others are ahead). The
         swarm's only replica takes its own pseudo-gradient as the average."""
-        expected = await self._replica_ids()
+        expected = await self.peers.ids()
         if await self._alone(expected):  # nobody to wait for
             me = self.ctx.host.peer_id
             return pseudo, AverageReport(key=key, ok=True, reason="alone", leader=me, members=[me], survivors=[me]), False
@@ -337,7 +339,7 @@ class Replica(Role):
         self.ctx.membership.progress.note(f"outer step {self.round}: averaging failed ({report.reason})")  # for the coordinator's events
         # late: the others may be averaging without us right now; wait for their result.
         # Otherwise the round failed for everyone: a quick look, then move on together.
-        if not await self._catch_up(wait_s=wait_s if report.late or moved_on else 3.0):
+        if await self._catch_up(wait_s=wait_s if report.late or moved_on else 3.0) != "taken":
             # nobody got further: the round failed for everyone; keep our local progress and
             # move on together (the next pseudo-gradient covers both rounds' steps)
             self.round += 1
@@ -453,19 +455,20 @@ class Replica(Role):
         the round up (we would wait alone for the whole join window) and catch up instead."""
         while True:
             await asyncio.sleep(WATCH_S)
-            best = choose_state((self.round, self.hash), {p: o.held for p, o in (await self._peer_states()).items()})
+            best = choose_state((self.round, self.hash), {p: o.held for p, o in (await self.peers.states()).items()})
             if best is not None and best[0] > self.round and self.averager.abandon(key, f"the others are at outer step {best[0]}"):
                 return True
 
-    async def _settle(self, wait_s: float) -> str:
-        """After a cycle whose rounds failed, its state saved: take the other replicas' state when
-        they hold another at this outer step or a later one (`choose_state`), looking for up to
-        `wait_s`: "taken"; stop looking once one of them holds ours: "in step"; else "unseen"."""
+    async def _catch_up(self, wait_s: float, ours_ends_it: bool = False) -> str:
+        """After failed rounds: take the other replicas' state when they hold another at our
+        outer step or a later one (`choose_state`), looking for up to `wait_s`: "taken". With
+        `ours_ends_it` (our state of the step saved: a cycle's end), stop looking once one of
+        them holds ours: "in step". Else "unseen"."""
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not self._stop:
-            offers = await self._peer_states()
+            offers = await self.peers.states()
             best = choose_state((self.round, self.hash), {p: o.held for p, o in offers.items()})
-            if best is None and any(o.held == (self.round, self.hash) for o in offers.values()):
+            if ours_ends_it and best is None and any(o.held == (self.round, self.hash) for o in offers.values()):
                 return "in step"
             for offer in offers.values():
                 if offer.held == best and await self._take(offer):
@@ -473,31 +476,14 @@ class Replica(Role):
             await asyncio.sleep(1.0)
         return "unseen"
 
-    async def _catch_up(self, wait_s: float) -> bool:
-        """After a failed round: if the other replicas got further, take their state."""
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and not self._stop:
-            if await self._adopt_from_peers(mine=(self.round, self.hash)):
-                return True
-            await asyncio.sleep(1.0)
-        return False
-
     async def _adopt_from_peers(self, mine: tuple[int, str] | None) -> bool:
         """Take the state `choose_state` picks among the other replicas' (None: we hold none)."""
-        offers = await self._peer_states()
+        offers = await self.peers.states()
         best = choose_state(mine, {p: o.held for p, o in offers.items()})
         for offer in offers.values():
             if offer.held == best and await self._take(offer):
                 return True
         return False
-
-    async def _peer_states(self) -> dict[str, Offer]:
-        """The latest state of every other replica that answers: those the member records name
-        and those of our last round (our DHT may have lost its neighbours, a link that was
-        down, while those peers are still where they were)."""
-        members = await self.view.read()
-        peers = (set(members.peers("replica")) | set(self.averager.last_members)) - {self.ctx.host.peer_id}
-        return await self.state.ask(sorted(peers), ASK_S)
 
     async def _alone(self, recorded: set[str]) -> bool:
         """Whether this is the swarm's only replica (`lone_replica`): `recorded`, the replicas of
@@ -505,18 +491,8 @@ class Replica(Role):
         me = self.ctx.host.peer_id
         if recorded - {me}:  # (the common case: no question to ask anyone)
             return False
-        last = sorted(set(self.averager.last_members) - {me})
-        answered = set(await self.state.ask(last, ASK_S)) if last else set()
-        lone, why = lone_replica(me, recorded, answered, self.run_config.min_replicas)
+        lone, why = lone_replica(me, recorded, await self.peers.last_round_answering(), self.run_config.min_replicas)
         if lone != self._lone:
             log.info("outer step %d: %s", self.round, why)
             self._lone = lone
         return lone
-
-    async def _replica_ids(self) -> set[str]:
-        """The replicas alive as far as the member records show, this one included."""
-        return set((await self.view.read()).peers("replica")) | {self.ctx.host.peer_id}
-
-    async def _wait_for_replicas(self) -> None:
-        while not self._stop and self.run_config.min_replicas > 1 and len(await self._replica_ids()) < self.run_config.min_replicas:
-            await asyncio.sleep(1.0)
