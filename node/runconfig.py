@@ -68,6 +68,9 @@ class RunConfig:
     seed: int = 0  # seed of the model's initialisation and of data sampling
     join_timeout_s: float = 15.0  # seconds an averaging round waits for late replicas
     min_replicas: int = 1  # training starts once this many replicas are registered; fewer never take an outer step (1: a lone replica trains on its own)
+    # steps: every replica takes inner_steps per outer step (a round waits for the slowest); time: a
+    # replica stops early once half of the replicas wait to average, weighed by its samples (node/roles/budget.py)
+    inner_phase: str = "steps"
     # the model's parameters cut into this many fragments, each averaged in its own round while the
     # inner steps go on (Streaming DiLoCo, node/roles/streaming.py); 1: the whole model at once,
     # training paused while it is averaged. At most inner_steps
@@ -98,6 +101,8 @@ class RunConfig:
         check_fields(self, _CHECKS, RunConfigError)
         if self.warmup_steps > self.total_steps:
             raise RunConfigError(f"warmup_steps ({self.warmup_steps}) must not exceed total_steps ({self.total_steps}): the learning rate would still be warming up when its decay ends", "warmup_steps")
+        if self.inner_phase == "time" and self.fragments > 1:
+            raise RunConfigError("inner_phase \"time\" needs fragments 1: with fragments every replica's rounds run alongside its inner steps", "inner_phase")
         if self.fragments > self.inner_steps:
             raise RunConfigError(f"fragments ({self.fragments}) must not exceed inner_steps ({self.inner_steps}): each fragment's round runs alongside at least one inner step", "fragments")
         if self.synchronous_steps and self.stage_step_samples % self.batch_size:
@@ -212,6 +217,7 @@ _CHECKS: dict[str, Check] = {
     "block_size": between(*INT8_BLOCK_SIZES), "sparse_density": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
     "sparse_bits": between(*SPARSE_BITS), "sparse_chunk": between(*SPARSE_CHUNKS), "max_outer_steps": at_least(0), "checkpoint_every": at_least(1),
     "eval_batches": at_least(1), "seed": at_least(0), "join_timeout_s": positive, "min_replicas": at_least(1),
+    "inner_phase": one_of("steps", "time"),
     "fragments": at_least(1),
     "num_stages": at_least(0), "stage_blocks": lambda v: None if re.fullmatch(r"(\d+(,\d+)*)?", v.replace(" ", "")) else "must be block counts separated by commas, e.g. 2,1,1",
     "activation_codec": one_of(*ACTIVATION_CODECS), "stage_step_samples": at_least(1), "micro_batches_in_flight": at_least(1),

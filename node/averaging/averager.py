@@ -137,6 +137,10 @@ class Averager:
         self.buffers.last_own[numel] = tuple((group.bounds[j], group.bounds[j + 1]) for j in range(group.n_slices) if group.first_owner(j) == self.peer_id)
         return unflatten(result, tensors), report
 
+    async def waiting(self, key: str) -> set[str]:
+        """The peers whose records say they wait to average `key` now (a DHT read)."""
+        return await self.matchmaker.candidates(key)
+
     @property
     def last_members(self) -> tuple[str, ...]:
         """The peers of the last round that committed here (us included)."""

@@ -44,10 +44,12 @@ from ..averaging.faults import Faults
 from ..config import averager_config
 from ..models.data import EVAL_SEED, Batches, DataError, evaluate, shard_of
 from ..models.diloco import InnerTrainer, OuterOptimizer, copy_into, state_hash
+from ..net.host import DHTError
 from ..net.transport import NETWORK_ERRORS, HandlerTaken, RemoteError
 from ..runconfig import RunConfig
 from ..state.checkpoint_client import fetch_manifest, upload_checkpoint
 from ..state.checkpoint_dir import CheckpointDirError
+from .budget import MedianWatch, keep_stepping
 from .pause import PauseWatch
 from .role import Role, RoleContext, RoleError
 from .run_model import RunModel, model_meta, run_model
@@ -56,7 +58,7 @@ from .replica_peers import ReplicaPeers
 from .slot_state import Offer, SlotState, State, choose_state
 from .stats import StatsFile
 from .streaming import Streaming
-from .view import SwarmView
+from .view import READ_TIMEOUT_S, SwarmView
 from .weights import ComputeThread
 
 log = logging.getLogger(__name__)
@@ -124,6 +126,7 @@ class Replica(Role):
         self.state = SlotState(ctx.transport, data / "state", data / "downloads", "replica", model_meta(run), replica_hash, self._compute, unhashed_ok=True)
         self.view = SwarmView(ctx.host, c.swarm_id, c.record_ttl_s)
         self.peers = ReplicaPeers(ctx.host.peer_id, self.view, self.averager, self.state)
+        self.median = MedianWatch(READ_TIMEOUT_S, (DHTError,))  # inner_phase "time": when the median replica waits to average
         self.stats = StatsFile(data, "replica", keep=1000)
         self.model: torch.nn.Module | None = None
         self.outer: OuterOptimizer | None = None
@@ -213,8 +216,17 @@ class Replica(Role):
     async def _one_round(self) -> None:
         if self.streaming is not None:
             return await self._one_cycle()
+        key = f"outer-{self.round}-{self.hash[:8]}"
+        self.median.stop = False
+        if self.run_config.inner_phase == "time":  # stop early once the median replica waits to average
+            watch = asyncio.create_task(self.median.run(self.round, lambda: self.peers.waiting(key), len(await self.peers.ids())))
+        else:
+            watch = None
         t0 = time.monotonic()
-        losses = await self._compute(self._inner_steps, self.run_config.inner_steps)
+        try:
+            losses = await self._compute(self._inner_steps, self.run_config.inner_steps)
+        finally:
+            await _finish(watch)
         if self._stop:
             return
         t_inner = time.monotonic() - t0
@@ -222,12 +234,12 @@ class Replica(Role):
         if await self._woke_up(t0):
             return
         pseudo = self.outer.pseudo_gradient(self.model.parameters())
-        key = f"outer-{self.round}-{self.hash[:8]}"
         t1 = time.monotonic()
         # wait for slower replicas up to one inner phase: replicas differ in speed, and a
         # window shorter than that difference would leave the fast and the slow ones alone
         window = max(self.run_config.join_timeout_s, t_inner)
-        avg, report, moved_on = await self._average(key, pseudo, "outer", window)
+        # weighed by the samples behind it (inner_phase "time": a slower replica's fewer steps count for less)
+        avg, report, moved_on = await self._average(key, pseudo, "outer", window, float(len(losses) * self.train_config.batch_size))
         if avg is None:
             self.ctx.activity.round("outer", "failed")
             await self._round_failed(report, moved_on, wait_s=window + t_inner + 5)
@@ -289,7 +301,7 @@ class Replica(Role):
         self.eval_s += time.monotonic() - t0
         tokens = len(losses) * self.train_config.batch_size * self.spec.context
         entry = {
-            "outer_step": self.round, "val_loss": val, "train_loss": sum(losses) / len(losses), "state_hash": self.hash,
+            "outer_step": self.round, "val_loss": val, "train_loss": sum(losses) / len(losses), "state_hash": self.hash, "inner_steps": len(losses),
             "bytes_sent": self.bytes_sent, "sync_bytes": self.sync_bytes, "members": members, "round_s": round(round_s, 3),
             "tokens_per_s": round(tokens / t_inner, 1), "threads": self._inner_threads, "inner_s": round(self.inner_s, 3), "eval_s": round(self.eval_s, 3), "time": time.time(), **extra,
         }  # fmt: skip
@@ -314,7 +326,7 @@ class Replica(Role):
         self._out_of_step = True
         return False
 
-    async def _average(self, key: str, pseudo: list[torch.Tensor], state_key: str, window: float) -> tuple[list[torch.Tensor] | None, AverageReport, bool]:
+    async def _average(self, key: str, pseudo: list[torch.Tensor], state_key: str, window: float, weight: float = 1.0) -> tuple[list[torch.Tensor] | None, AverageReport, bool]:
         """One averaging round of `key` with the other replicas: (the average, or None when the
         round failed; its report; whether we gave it up because the others are ahead). The
         swarm's only replica takes its own pseudo-gradient as the average."""
@@ -326,7 +338,7 @@ class Replica(Role):
         # clocks did not show): while we wait alone for others, look whether the swarm moved on
         watch = asyncio.create_task(self._watch_swarm(key)) if self._out_of_step else None
         try:
-            avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=expected, state_key=state_key, join_timeout_s=window)
+            avg, report = await self.averager.average(key, pseudo, weight=weight, expected_peers=expected, state_key=state_key, join_timeout_s=window)
         except AveragingFailed as e:
             avg, report = None, e.report
         finally:
@@ -347,10 +359,10 @@ class Replica(Role):
 
     def _inner_steps(self, n: int) -> list[float]:
         self._inner_threads = torch.get_num_threads()  # this thread's: what the steps ran with
-        losses = []
+        losses: list[float] = []
         activity, samples = self.ctx.activity, self.train_config.batch_size
         activity.inner_phase(self.round + 1, n)
-        for _ in range(n):
+        while keep_stepping(len(losses), n, self.median.stop):  # (inner_phase "time": MedianWatch may stop them early)
             if self._stop:
                 break
             t0 = time.monotonic()

@@ -27,6 +27,10 @@ class ReplicaPeers:
         peers = (set(members.peers("replica")) | set(self.averager.last_members)) - {self.me}
         return await self.state.ask(sorted(peers), ASK_S)
 
+    async def waiting(self, key: str) -> set[str]:
+        """The other replicas whose records say they wait to average `key` now (a DHT read)."""
+        return await self.averager.waiting(key) - {self.me}
+
     async def last_round_answering(self) -> set[str]:
         """The other replicas of our last round that answer a question about their state."""
         last = sorted(set(self.averager.last_members) - {self.me})
