@@ -5,7 +5,7 @@ while sending far fewer bytes?
     python -m bench.convergence --quick --arms a,c      # seconds: tiny preset, 40 + 40 steps, H=10, 2 replicas
     python -m bench.convergence --arms b --out DIR      # one arm; arms already in DIR with equal settings join the summary
 
-Four arms, the same model, data shards, seeds and samples per replica, all starting from one
+Arms on the same model, data shards, seeds and samples per replica, all starting from one
 shared warm-start checkpoint (`--warmup-steps` of plain synchronous AdamW on one stream; the
 DiLoCo paper also starts from a pretrained model), then `--steps` steps each:
 
@@ -18,6 +18,10 @@ DiLoCo paper also starts from a pretrained model), then `--steps` steps each:
   (s) DiLoCo with the sparse codec (chunked top-k, low-bit values), simulated in one process
       through the averager's all-reduce as arithmetic (node/models/sim_allreduce.py: sender and
       owner error feedback, the gather sparse too), with its own H and outer step (--sparse-*).
+  (u) (b) with the run's `--inner-phase time` (node/roles/budget.py): a replica stops its inner
+      steps once half of the replicas wait to average, weighed by its samples. With
+      `--slow-replica X` (the last replica of (b) and (u) X times slower) the summary gives the
+      seconds each swarm arm took to reach (a)'s final loss, and their ratio.
 
 Every arm uses a fresh AdamW with the same schedule (linear warmup over `--lr-warmup-steps`,
 cosine decay over `--steps`, node.models.diloco.lr_at) and is evaluated every H = `--inner-steps` steps
@@ -57,8 +61,8 @@ from bench.convergence_settings import (
     write_json,
 )
 
-ARMS = ("a", "b", "c", "s")
-ARM_NAMES = {"a": "sync DP (gloo)", "b": "swarmtrain", "c": "DiLoCo sim", "s": "sparse sim"}
+ARMS = ("a", "b", "c", "s", "u")
+ARM_NAMES = {"a": "sync DP (gloo)", "b": "swarmtrain", "c": "DiLoCo sim", "s": "sparse sim", "u": "swarm, time"}
 QUICK = {"preset": "tiny", "warmup_steps": 40, "steps": 40, "inner_steps": 10, "sparse_inner_steps": 10, "replicas": 2, "eval_batches": 4, "lr_warmup": 5}
 TARGETS = {"b_vs_c": 0.01, "b_vs_a": 0.05, "bytes_a_over_b": 150.0, "s_vs_a": 0.01, "bytes_a_over_s": 1000.0}  # from the issues
 
@@ -179,14 +183,15 @@ def run_arm(arm: str, settings: Settings, corpus, warm: dict, out_dir: Path, tim
             from bench.convergence_sync import run_sync_arm
 
             result = run_sync_arm(settings, Path(warm["path"]), out_dir / "sync", timeout, log=log)
-        elif arm == "b":
+        elif arm in ("b", "u"):
             from bench.convergence_swarm import run_swarm_arm, unavailable
 
             why = unavailable()
             if why:
-                log(f"[b] skipped: {why}")
-                return {"arm": "b", "status": "skipped", "reason": why}
-            result = run_swarm_arm(settings, warm["state"], warm["val_loss"], out_dir / "swarm", timeout, log=log)
+                log(f"[{arm}] skipped: {why}")
+                return {"arm": arm, "status": "skipped", "reason": why}
+            phase = "time" if arm == "u" else "steps"
+            result = run_swarm_arm(settings, warm["state"], warm["val_loss"], out_dir / f"swarm-{phase}", timeout, log=log, inner_phase=phase)
         elif arm == "s":
             result = run_sparse_arm(settings, corpus, warm["state"])
         else:
@@ -222,6 +227,29 @@ def _rel(x: float, y: float) -> float:
     return round((x - y) / y, 5)
 
 
+def _seconds_to(curve: list[dict], loss: float) -> float | None:
+    """Seconds from a swarm arm's first outer step (its start-up left out) until its state first
+    reached `loss`; None: never."""
+    points = [p for p in curve[1:] if isinstance(p.get("seconds"), (int, float))]
+    return next((round(p["seconds"] - points[0]["seconds"], 2) for p in points if p["val_loss"] <= loss), None) if points else None
+
+
+def time_to_loss(ok: dict[str, dict]) -> dict:
+    """How soon the swarm arms (b: H steps each; u: --inner-phase time) reach (a)'s final loss,
+    and the loss both of them reach (the higher of their final losses): seconds, and b over u."""
+    out = {}
+    swarm = [arm for arm in ("b", "u") if arm in ok]
+    levels = {"a_final_loss": ok["a"]["final_val_loss"]} if "a" in ok else {}
+    if len(swarm) == 2:
+        levels["both_final_loss"] = max(ok["b"]["final_val_loss"], ok["u"]["final_val_loss"])
+    for level, loss in levels.items():
+        seconds = {arm: _seconds_to(ok[arm]["curve"], loss) for arm in swarm}
+        out.update({f"{arm}_seconds_to_{level}": s for arm, s in seconds.items()})
+        if seconds.get("b") and seconds.get("u"):
+            out[f"seconds_to_{level}_b_over_u"] = round(seconds["b"] / seconds["u"], 3)
+    return out
+
+
 def summarize(arms: dict[str, dict], warm: dict) -> dict:
     ok = {k: r for k, r in arms.items() if r.get("status") == "ok"}
     final = {k: round(r["final_val_loss"], 5) for k, r in ok.items()}
@@ -234,6 +262,7 @@ def summarize(arms: dict[str, dict], warm: dict) -> dict:
         if "a" in nbytes and nbytes.get(y):
             s[f"bytes_ratio_a_over_{y}"] = round(nbytes["a"] / nbytes[y], 2)
     s["bytes_ratio"] = s.get("bytes_ratio_a_over_b", s.get("bytes_ratio_a_over_c"))
+    s.update(time_to_loss(ok))
     targets = {}
     if "b_vs_c_rel_diff" in s:
         targets["b_within_1pct_of_c"] = abs(s["b_vs_c_rel_diff"]) <= TARGETS["b_vs_c"]
@@ -290,7 +319,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="smoke-test size: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
-    p.add_argument("--arms", default="a,b,c", help="comma-separated subset of a (sync DP), b (swarm), c (simulation), s (sparse simulation)")
+    p.add_argument("--arms", default="a,b,c", help="comma-separated subset of a (sync DP), b (swarm), c (simulation), s (sparse simulation), u (swarm, --inner-phase time)")
     p.add_argument("--preset", help=f"model preset (default {d.preset})")
     p.add_argument("--warmup-steps", type=int, help=f"steps of the shared synchronous warm start (default {d.warmup_steps})")
     p.add_argument("--steps", type=int, help=f"steps per replica after the warm start (default {d.steps})")
@@ -313,6 +342,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     p.add_argument("--eval-batches", type=int, help=f"validation batches per evaluation (default {d.eval_batches})")
     p.add_argument("--seed", type=int, help=f"data seed (default {d.seed})")
     p.add_argument("--threads", type=int, help=f"torch threads per process (default {d.threads})")
+    p.add_argument("--slow-replica", type=float, metavar="X", help=f"(b), (u): the last replica's inner steps take X times as long (default {d.slow_replica})")
     p.add_argument("--join-timeout-s", type=float, help=f"(b): seconds a round waits for late replicas (default {d.join_timeout_s})")
     p.add_argument("--timeout", type=float, help="seconds an arm may take before it is failed (default 300 with --quick, else 7200)")
     p.add_argument("--out", metavar="DIR", help="keep artifacts here (default: a temporary directory, removed)")
@@ -320,7 +350,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     args = p.parse_args(argv)
     names = ("preset", "warmup_steps", "steps", "inner_steps", "replicas", "batch_size", "inner_lr", "warm_lr", "lr_warmup", "outer_lr",
              "outer_momentum", "codec", "block_size", "sparse_inner_steps", "sparse_outer_lr", "sparse_outer_momentum", "sparse_density",
-             "sparse_bits", "sparse_chunk", "eval_batches", "seed", "threads", "join_timeout_s")  # fmt: skip
+             "sparse_bits", "sparse_chunk", "eval_batches", "seed", "threads", "join_timeout_s", "slow_replica")  # fmt: skip
     values = dict(QUICK) if args.quick else {}
     values.update({k: getattr(args, k) for k in names if getattr(args, k) is not None})
     try:

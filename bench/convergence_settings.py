@@ -39,6 +39,7 @@ class Settings:
     # start, 0.9 -> 1.2896, 0.85 -> 1.2815, 0.8 -> 1.2741, 0.7 -> 1.2803 (arm c, H=50)
     outer_momentum: float = 0.8
     codec: str = "int8"  # pseudo-gradient codec of (b)/(c): int8 | fp16 | none
+    slow_replica: float = 1.0  # (b)/(u): the last replica's inner steps take this many times as long (a slower machine)
     block_size: int = 1024  # int8 codec: elements per absmax block
     # arm (s), DiLoCo with the sparse codec through the all-reduce's arithmetic: its own H and
     # outer step, and the codec's params (protocol/sparse.py)
@@ -75,6 +76,8 @@ class Settings:
             make_codec("sparse", **self.sparse_params())  # a bad param is named now, not after the warm start
         except LocalProtocolError as e:
             raise ValueError(str(e)) from None
+        if not 1.0 <= self.slow_replica <= 100.0:
+            raise ValueError(f"slow_replica must be in [1, 100], got {self.slow_replica}")
         if not self.join_timeout_s > 0:
             raise ValueError(f"join_timeout_s must be > 0, got {self.join_timeout_s}")
         if self.codec not in ("int8", "fp16", "none"):
@@ -115,9 +118,11 @@ class Settings:
         ignored = {"threads", "join_timeout_s"}
         diloco, sparse = {"outer_lr", "outer_momentum", "codec", "block_size"}, {k for k in d if k.startswith("sparse_")}
         if arm == "a":
-            ignored |= diloco | sparse
+            ignored |= diloco | sparse | {"slow_replica"}
         elif arm == "s":
-            ignored |= diloco
+            ignored |= diloco | {"slow_replica"}
+        elif arm == "c":
+            ignored |= sparse | {"slow_replica"}
         elif arm is not None:
             ignored |= sparse
         return {k: v for k, v in d.items() if k not in ignored}

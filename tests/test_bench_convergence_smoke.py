@@ -112,3 +112,25 @@ def test_the_sparse_arm_runs_and_reports_its_bytes(tmp_path):
     # 4 rounds of the tiny model (136,960 values) among 2: per round, one half scattered and
     # one half gathered, at 81 bytes per chunk of 4096 (41 values: scales, 12-bit indices, 2-bit codes)
     assert 4 * 136_960 * 81 / 4096 * 0.95 < min(s["bytes_sent_per_node"]) <= max(s["bytes_sent_per_node"]) < 4 * 136_960 * 81 / 4096 * 1.1
+
+
+def test_the_uneven_arms_slow_the_last_replica_and_time_the_swarm_to_a_loss(tmp_path):
+    from bench.convergence import time_to_loss
+    from bench.convergence_settings import Settings
+    from bench.convergence_swarm import coordinator_args, node_args
+    from coordinator.cli import build_parser
+
+    s = Settings(preset="tiny", steps=40, inner_steps=10, replicas=3, slow_replica=2.0)
+    assert [node_args(s, tmp_path, r, "/ip4/127.0.0.1/tcp/1", "x")[-2:] for r in range(3)][2] == ["--fault-slowdown", "2.0"]
+    assert all("--fault-slowdown" not in node_args(s, tmp_path, r, "/ip4/127.0.0.1/tcp/1", "x") for r in range(2))
+    parsed = build_parser().parse_args(coordinator_args(s, tmp_path, 1, 2, "x", "time"))  # the coordinator's own flags
+    assert parsed.inner_phase == "time"
+    with pytest.raises(ValueError, match="slow_replica"):
+        Settings(slow_replica=0.5)
+    # seconds from each arm's first outer step: (a)'s loss reached by neither; both reach 2.5,
+    # (b) 30 s after its first outer step, (u) 15 s after its own
+    curve = lambda *pts: [{"step": 0, "val_loss": 3.0}] + [{"step": 10 * i, "val_loss": v, "seconds": t} for i, (t, v) in enumerate(pts, 1)]  # noqa: E731
+    ok = {"a": {"final_val_loss": 2.0}, "b": {"final_val_loss": 2.5, "curve": curve((40, 2.9), (55, 2.7), (70, 2.5))},
+          "u": {"final_val_loss": 2.45, "curve": curve((50, 2.9), (60, 2.6), (65, 2.45))}}  # fmt: skip
+    assert time_to_loss(ok) == {"b_seconds_to_a_final_loss": None, "u_seconds_to_a_final_loss": None, "b_seconds_to_both_final_loss": 30,
+                                "u_seconds_to_both_final_loss": 15, "seconds_to_both_final_loss_b_over_u": 2.0}  # fmt: skip
