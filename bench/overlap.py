@@ -151,7 +151,7 @@ def main(argv=None) -> int:
 
     try:
         settings = Settings(preset=args.preset, steps=args.steps, warmup_steps=args.warmup_steps, inner_steps=args.inner_steps,
-                            replicas=args.replicas, eval_batches=args.eval_batches)  # fmt: skip
+                            sparse_inner_steps=args.inner_steps, replicas=args.replicas, eval_batches=args.eval_batches)  # fmt: skip (no sparse arm here)
         if not 2 <= args.fragments <= settings.inner_steps:
             raise ValueError(f"--fragments must be in 2..{settings.inner_steps} (H), got {args.fragments}")
         netns.check_available()
