@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from protocol import ErrorFeedback, decode_tensor, make_codec
+from protocol import make_codec
 
 from .adamw import FusedAdamW, fused_supported
 from .data import EVAL_SEED, Batches, Corpus, evaluate
 from .gpt import GPT, GPTConfig, init_model
-from .sim_allreduce import SimAllReduce
+from .sim_allreduce import SenderMean, SimAllReduce
 from ..runconfig import RunConfig
 
 
@@ -320,33 +320,22 @@ def simulate_diloco(
         for i, m in enumerate(models)
     ]
     outers = [OuterOptimizer(m.parameters(), cfg.outer_lr, cfg.outer_momentum) for m in models]
-    senders = [ErrorFeedback(make_codec(codec, **kwargs)) for _ in range(num_replicas)]
-    names = [name for name, _ in base.named_parameters()]
-    numel = sum(p.numel() for p in base.parameters())
-    butterfly = SimAllReduce(num_replicas, numel, make_codec(codec, **kwargs), make_codec(codec, **kwargs)) if allreduce else None
-    bytes_sent = [0] * num_replicas
+    if allreduce:
+        numel = sum(p.numel() for p in base.parameters())
+        averager = SimAllReduce(num_replicas, numel, make_codec(codec, **kwargs), make_codec(codec, **kwargs))
+    else:
+        averager = SenderMean(num_replicas, [name for name, _ in base.named_parameters()], make_codec(codec, **kwargs))
 
     def val_loss() -> float:
         return evaluate(models[0], corpus.val, cfg.batch_size, ctx, eval_batches, eval_seed)
 
     history = [{"outer_step": 0, "inner_step": 0, "val_loss": val_loss(), "train_loss": None}]
     for outer_step in range(1, outer_steps + 1):
-        train_losses, decoded, flats = [], [], []
+        train_losses, pgs = [], []
         for r in range(num_replicas):
             train_losses += [inners[r].step() for _ in range(cfg.inner_steps)]
-            pg = outers[r].pseudo_gradient(models[r].parameters())
-            if butterfly is not None:
-                flats.append(torch.cat([g.reshape(-1) for g in pg]))
-                continue
-            encoded = [senders[r].encode(n, g) for n, g in zip(names, pg)]
-            bytes_sent[r] += sum(e.nbytes for e in encoded)
-            decoded.append([decode_tensor(e) for e in encoded])
-        if butterfly is not None:
-            flat = butterfly(flats)
-            avg = [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in base.parameters()]), base.parameters())]
-            bytes_sent = list(butterfly.bytes_sent)
-        else:  # mean over replicas in a fixed order; in the swarm every replica receives these same bits
-            avg = [torch.stack(ts).sum(0) / num_replicas for ts in zip(*decoded)]
+            pgs.append(outers[r].pseudo_gradient(models[r].parameters()))
+        avg = averager.tensors(pgs)  # in the swarm every replica receives these same bits
         hashes = set()
         for m, outer in zip(models, outers):
             copy_into(m.parameters(), outer.apply(avg))
@@ -362,7 +351,7 @@ def simulate_diloco(
             })  # fmt: skip
     return {
         "history": history,
-        "bytes_sent": bytes_sent,
+        "bytes_sent": list(averager.bytes_sent),
         "state_hash": state_hash(outers[0].params),
         "state": {k: v.clone() for k, v in models[0].state_dict().items()},
         "seconds": time.perf_counter() - t0,

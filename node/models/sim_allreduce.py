@@ -1,4 +1,6 @@
-"""The averager's all-reduce (node/averaging/) as plain arithmetic, for one-process simulations.
+"""How a one-process DiLoCo simulation averages its replicas' pseudo-gradients: `SenderMean`
+(each sender's error feedback, then the plain mean) or `SimAllReduce`, the averager's all-reduce
+(node/averaging/) as plain arithmetic.
 
 What each member ends a round with, when none fails: the flat vector cut into one slice per
 member (equal shares, bounds aligned, as `slice_bounds` cuts them); member j owns slice j.
@@ -21,7 +23,26 @@ from collections.abc import Sequence
 
 import torch
 
-from protocol import Codec, decode_tensor
+from protocol import Codec, ErrorFeedback, decode_tensor
+
+
+class SenderMean:
+    """Each replica sends its tensors through its own ErrorFeedback(codec), tensor by tensor;
+    everyone averages every sender's decoded tensors, in replica order. Bytes: the encodings."""
+
+    def __init__(self, n: int, names: Sequence[str], codec: Codec):
+        self.n, self.names = n, list(names)
+        self.senders = [ErrorFeedback(codec) for _ in range(n)]
+        self.bytes_sent = [0] * n
+
+    def tensors(self, pgs: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """The mean, per tensor, of what every replica's `pgs[r]` decodes to."""
+        decoded = []
+        for r, pg in enumerate(pgs):
+            encoded = [self.senders[r].encode(name, g) for name, g in zip(self.names, pg)]
+            self.bytes_sent[r] += sum(e.nbytes for e in encoded)
+            decoded.append([decode_tensor(e) for e in encoded])
+        return [torch.stack(ts).sum(0) / self.n for ts in zip(*decoded)]
 
 
 def equal_bounds(numel: int, n: int, align: int) -> list[int]:
@@ -40,6 +61,11 @@ class SimAllReduce:
         self.residuals = [torch.zeros(numel) for _ in range(n)]  # per member, its scatter feedback
         self.gather_residual = torch.zeros(numel)  # each owner's, on its slice
         self.bytes_sent = [0] * n
+
+    def tensors(self, pgs: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """`__call__` over lists of tensors (flattened, as the averager flattens them)."""
+        flat = self([torch.cat([g.reshape(-1) for g in pg]) for pg in pgs])
+        return [t.view(g.shape) for t, g in zip(flat.split([g.numel() for g in pgs[0]]), pgs[0])]
 
     def __call__(self, flats: Sequence[torch.Tensor]) -> torch.Tensor:
         """The averaged vector every member holds after the round."""
