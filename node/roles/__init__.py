@@ -54,6 +54,7 @@ Files:
                          Hugging Face Mixtral fetched by pin): layout, shards, dense parts, forward
     replica.py           `Replica`: the DiLoCo round, state taken from peers or the coordinator
     replica_peers.py     `ReplicaPeers`: the other replicas, as a replica sees them, and their states
+    budget.py            the inner phase under inner_phase "time": `median_ready`, `keep_stepping` (pure) and `MedianWatch`
     streaming.py         `Streaming`: a replica's outer step in fragments, each round overlapped with
                          inner steps and applied a fragment period later (run setting `fragments`)
     fragments.py         pure: the fragments (`split`), their `Schedule`, `when_to_apply`, `after_cycle`
