@@ -21,9 +21,9 @@ def _slow(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow modules first (in file order; the rest after them, in file order): `make test`
-    runs the modules on two workers (pytest-xdist, --dist loadfile, no reordering), each taking
-    the next module when it is free, so the last to finish is a short one."""
+    """The slow modules first (in file order; the rest after them, in file order): on several
+    workers (the Makefile's TEST_WORKERS: pytest-xdist, --dist loadfile, no reordering) each
+    takes the next module when it is free, so the last to finish is a short one."""
     items.sort(key=lambda item: not _slow(item))
 
 
