@@ -3,6 +3,7 @@
     python -m bench.allreduce --json                       # 100 MiB fp32, 4 peers, loopback, none/fp16/int8
     python -m bench.allreduce --size-mb 8 --peers 2        # smaller, human-readable table
     python -m bench.allreduce --netns --rate 100mbit       # peers in network namespaces, shaped links (root)
+    python -m bench.allreduce --netns --slow-rate 25mbit   # ... and the last peer behind a slower link
 
 Every peer is its own OS process (`bench/allreduce_peer.py`: one p2pd and one GIL each), started
 fresh for each (implementation, codec) pair and commanded by this process over pipes. A round:
@@ -32,8 +33,21 @@ A peer whose result is far off while the others' are fine is listed under `bad_r
 (hivemind can report success with part of its vector never averaged).
 
 With --netns (root): each peer in its own namespace, links shaped to --rate in both directions
-(bench/netns.py); rows also get the bytes each peer actually put on its link and the ratio of the
-time to the bandwidth bound 2(N-1)/N·S/B. Without root or `ip netns`, prints why and exits 0.
+(bench/netns.py), the last peer's to --slow-rate if given; rows also get the bytes each peer
+actually put on its link and the ratio of the time to the bandwidth bound. Without root or
+`ip netns`, prints why and exits 0. Each peer is told its own link's rate (--declare-bandwidth).
+
+The bound: a reduce-scatter + all-gather in which member i owns the fraction s_i of the vector
+(S bytes) makes i upload its other parts, (1 - s_i)·S, and then its aggregated slice to the N-1
+others, (N-1)·s_i·S: (1 + (N-2)·s_i)·S in all, and download as much. With both phases
+overlapped, the round takes max_i (1 + (N-2)·s_i)·S / B_i; the shares that minimise it give
+
+    bound = max( S / min_i B_i , 2(N-1)·S / Σ_i B_i )
+
+(s_i ∝ B_i·bound/S - 1, none below 0). On equal links that is 2(N-1)/N·S/B. Where one link is so
+slow that S/B_min wins, that member owns nothing: it only uploads its vector and downloads the
+result, which no all-reduce can do with less (it holds data all others need, and needs theirs).
+`bound_even_seconds` is the same all-reduce with equal slices, 2(N-1)/N·S/B_min (a ring's time).
 """
 
 from __future__ import annotations
@@ -55,7 +69,7 @@ from bench import netns
 from bench.workers import Group, PeerFailed, clean_up, exit_code
 
 IMPLS = ("swarmtrain", "hivemind", "gloo")
-DEFAULT_PARAMS = {"none": {}, "fp16": {}, "int8": {"block_size": 1024}, "topk": {"ratio": 0.01}, "powersgd": {"rank": 4}}
+DEFAULT_PARAMS = {"none": {}, "fp16": {}, "int8": {"block_size": 1024}, "topk": {"ratio": 0.01}, "powersgd": {"rank": 4}, "sparse": {"density": 0.02, "bits": 2, "chunk": 4096}}
 HIVEMIND_CODECS = ("none", "fp16", "int8")
 MiB = 1 << 20
 
@@ -118,8 +132,8 @@ class Bench:
         self.n = args.peers
         self.numel = int(args.size_mb * MiB) // 4 // 1024 * 1024 or int(args.size_mb * MiB) // 4
         self.size_bytes = self.numel * 4
-        self.rate = netns.parse_rate(args.rate) if topo else None
-        self.dense_bound = 2 * (self.n - 1) / self.n * self.size_bytes * 8 / self.rate if topo else None
+        self.rates = [netns.parse_rate(topo.rate_of(i)) for i in range(self.n)] if topo else None  # bit/s
+        self.dense_bound = bound_seconds(self.size_bytes, self.rates) if topo else None
         self.threads = max(1, (os.cpu_count() or 1) // self.n)
         self.run_id = f"stb{os.getpid()}-{int(time.time())}"
         self.arm_index = 0
@@ -151,8 +165,7 @@ class Bench:
             base = {
                 "cmd": "setup", "impl": impl, "codec": codec, "codec_params": params, "n_peers": self.n,
                 "numel": self.numel, "n_tensors": self.args.tensors, "seed": self.args.seed, "threads": self.threads,
-                "timeout": timeout, "run_id": self.run_id, "averager_opts": self.averager_opts(),
-                "hivemind_bandwidth": self.declared_bandwidth(),
+                "timeout": timeout, "run_id": self.run_id,
                 "security": self.args.security, "direct": self.args.direct == "on",
                 "hivemind_min_matchmaking_time": self.args.hivemind_min_matchmaking_time,
                 "hivemind_request_timeout": self.args.hivemind_request_timeout,
@@ -161,13 +174,13 @@ class Bench:
             t0 = time.monotonic()
             if impl == "gloo":
                 port = 29500 + self.arm_index if self.topo else free_port()
-                msgs = [{**base, "rank": i, "ip": self.ip(i), "master_addr": self.ip(0), "master_port": port,
+                msgs = [{**base, **self.peer_opts(i), "rank": i, "ip": self.ip(i), "master_addr": self.ip(0), "master_port": port,
                          "ifname": "eth0" if self.topo else "lo"} for i in range(self.n)]
                 setups = group.call_all(msgs, setup_timeout)
             else:
-                first = group.call(0, {**base, "rank": 0, "ip": self.ip(0), "initial_peers": []}, setup_timeout)
+                first = group.call(0, {**base, **self.peer_opts(0), "rank": 0, "ip": self.ip(0), "initial_peers": []}, setup_timeout)
                 peers = first["maddrs"]
-                msgs = [{**base, "rank": i, "ip": self.ip(i), "initial_peers": peers} for i in range(1, self.n)]
+                msgs = [{**base, **self.peer_opts(i), "rank": i, "ip": self.ip(i), "initial_peers": peers} for i in range(1, self.n)]
                 setups = [first, *group.call_all(msgs, setup_timeout, indices=list(range(1, self.n)))]
             row["setup_seconds"] = round(time.monotonic() - t0, 3)
             rounds, attempt = [], 0
@@ -244,7 +257,9 @@ class Bench:
         if failed:
             out["failed"] = failed
         if tx0 is not None:
-            out["wire_bytes"] = statistics.mean(b - a for a, b in zip(tx0, tx1))
+            wire = [b - a for a, b in zip(tx0, tx1)]
+            out["wire_bytes"] = statistics.mean(wire)
+            out["wire_seconds"] = max(w * 8 / r for w, r in zip(wire, self.rates))  # the busiest link's own traffic at its rate
         return out
 
     def fill_row(self, row: dict, impl: str, setups: list[dict], rounds: list[dict]) -> None:
@@ -302,17 +317,21 @@ class Bench:
             row["bound_seconds"] = round(self.dense_bound, 4)
             row["ratio_to_bound"] = round(med / self.dense_bound, 3)
             row["allreduce_ratio_to_bound"] = round(row["allreduce_seconds"] / self.dense_bound, 3)
-            row["wire_seconds_at_rate"] = round(wire * 8 / self.rate, 4)  # what its own traffic costs at B
+            row["wire_seconds_at_rate"] = round(statistics.median(r["wire_seconds"] for r in rounds), 4)  # the busiest link's traffic at its rate
 
-    def declared_bandwidth(self) -> float | None:
-        """Bytes/s each peer is told its link carries (as a user would declare it), or None."""
-        return self.rate / 8 if self.topo and self.args.declare_bandwidth == "on" else None
+    def declared_bandwidth(self, i: int) -> float | None:
+        """Bytes/s peer i is told its link carries (as a user would declare it), or None."""
+        return self.rates[i] / 8 if self.topo and self.args.declare_bandwidth == "on" else None
 
-    def averager_opts(self) -> dict:
+    def averager_opts(self, i: int) -> dict:
         opts = parse_opts(self.args.averager_opt)
-        if self.declared_bandwidth() and "bandwidth" not in opts:
-            opts["bandwidth"] = self.declared_bandwidth()
+        if self.declared_bandwidth(i) and "bandwidth" not in opts:
+            opts["bandwidth"] = self.declared_bandwidth(i)
         return opts
+
+    def peer_opts(self, i: int) -> dict:
+        """What peer i's setup says about its own link: our averager's options, hivemind's bandwidth."""
+        return {"averager_opts": self.averager_opts(i), "hivemind_bandwidth": self.declared_bandwidth(i)}
 
     def config(self) -> dict:
         a = self.args
@@ -322,16 +341,32 @@ class Bench:
             "seed": a.seed, "round_timeout_s": self.round_timeout(), "threads_per_peer": self.threads,
             "cpus": os.cpu_count(), "netns": bool(self.topo), "python": sys.version.split()[0],
             "versions": {p: version(p) for p in ("torch", "hivemind", "numpy")},
-            "averager_opts": self.averager_opts(), "security": a.security, "direct": a.direct,
-            "declared_bandwidth": self.declared_bandwidth(),
+            "averager_opts": self.averager_opts(0), "security": a.security, "direct": a.direct,
+            "declared_bandwidth": self.declared_bandwidth(0),
         }
         if self.topo:
-            cfg.update(rate=a.rate, rate_bps=self.rate, shaped=a.shape, bound="2(N-1)/N·S/B",
-                       bound_seconds=round(self.dense_bound, 4))
+            cfg.update(rate=a.rate, slow_rate=a.slow_rate, rates_bps=self.rates, shaped=a.shape,
+                       bound="max(S/min B_i, 2(N-1)·S/ΣB_i)", bound_seconds=round(self.dense_bound, 4),
+                       bound_even_seconds=round(even_bound_seconds(self.size_bytes, self.rates), 4))
+            if a.slow_rate:
+                cfg["declared_bandwidth_slow"] = self.declared_bandwidth(self.n - 1)
         return cfg
 
 
-def ratios(rows: list[dict], topo: bool) -> dict:
+def bound_seconds(size_bytes: int, rates: list[float]) -> float:
+    """The least time a reduce-scatter + all-gather of `size_bytes` takes over links of `rates`
+    (bit/s, each way), slices sized to the links: max(S/min B, 2(N-1)·S/ΣB) (see the docstring)."""
+    bits, n = size_bytes * 8, len(rates)
+    return max(bits / min(rates), 2 * (n - 1) * bits / sum(rates))
+
+
+def even_bound_seconds(size_bytes: int, rates: list[float]) -> float:
+    """The same with equal slices: 2(N-1)/N·S over the slowest link."""
+    n = len(rates)
+    return 2 * (n - 1) / n * size_bytes * 8 / min(rates)
+
+
+def ratios(rows: list[dict], topo: bool, target: float = 1.1) -> dict:
     ok = {(r["impl"], r["codec"]): r for r in rows if r.get("status") == "ok"}
     out: dict = {}
 
@@ -362,7 +397,7 @@ def ratios(rows: list[dict], topo: bool) -> dict:
     if topo:
         out["ratio_to_bound"] = {f"{impl}:{codec}": r["ratio_to_bound"] for (impl, codec), r in ok.items()}
         if ours_none:
-            out["target_none_within_1.3x_bound"] = ours_none["ratio_to_bound"] <= 1.3
+            out[f"target_none_within_{target}x_bound"] = ours_none["ratio_to_bound"] <= target
         if ours_none and ours_int8:
             out["target_int8_3x_faster_than_none"] = out["swarmtrain_int8_speedup_vs_none"] >= 3.0
     return out
@@ -371,10 +406,14 @@ def ratios(rows: list[dict], topo: bool) -> dict:
 def print_table(result: dict) -> None:
     cfg = result["config"]
     where = f"netns, {cfg['rate']} per link" if cfg["netns"] else "loopback"
+    if cfg.get("slow_rate"):
+        where += f", the last peer's {cfg['slow_rate']}"
     print(f"all-reduce of {cfg['size_bytes'] / MiB:g} MiB fp32 across {cfg['peers']} peers ({where}), "
           f"median of {cfg['rounds']} rounds, {cfg['cpus']} CPUs")
     if "link_goodput_mbit" in cfg:
-        print(f"link check: {cfg['link_goodput_mbit']} Mbit/s TCP payload from peer 0 to peer 1; bound {cfg['bound_seconds']} s")
+        print(f"link check: {cfg['link_goodput_mbit']} Mbit/s TCP payload from peer 0 to peer 1")
+    if cfg["netns"]:
+        print(f"bound {cfg['bound']} = {cfg['bound_seconds']} s; with equal slices {cfg['bound_even_seconds']} s")
     head = f"{'impl':<11} {'codec':<14} {'s/round':>8} {'MiB/peer':>9} {'rel_error':>10}"
     head += f" {'wireMiB':>8} {'x bound':>8}" if cfg["netns"] else ""
     print(head + "  notes")
@@ -426,6 +465,7 @@ def parse_args(argv=None):
     p.add_argument("--hivemind-matchmaking-timeout", type=float, default=30.0)
     p.add_argument("--netns", action="store_true", help="peers in network namespaces with shaped links (root)")
     p.add_argument("--rate", default="100mbit", help="per-peer link rate with --netns (tc units: kbit, mbit, gbit)")
+    p.add_argument("--slow-rate", default=None, help="with --netns: the last peer's link at this rate instead (the others at --rate)")
     p.add_argument("--shape", choices=("both", "upload"), default="both", help="shape each peer's upload only, or both directions")
     p.add_argument(
         "--declare-bandwidth", choices=("on", "off"), default="on",
@@ -446,6 +486,13 @@ def parse_args(argv=None):
         args.size_mb = 25.0 if args.netns else 100.0
     if args.peers < 2:
         p.error("--peers must be at least 2")
+    for flag, rate in (("--rate", args.rate), ("--slow-rate", args.slow_rate)):
+        try:
+            rate is None or netns.parse_rate(rate)
+        except ValueError as e:
+            p.error(f"{flag}: {e}")
+    if args.slow_rate and not args.netns:
+        p.error("--slow-rate shapes links: it needs --netns")
     return args
 
 
@@ -477,7 +524,8 @@ def main(argv=None) -> int:
     topo = None
     try:
         if args.netns:
-            topo = netns.Topology.create(args.peers, args.rate, shape_download=args.shape == "both")
+            slow = {args.peers - 1: args.slow_rate} if args.slow_rate else None
+            topo = netns.Topology.create(args.peers, args.rate, shape_download=args.shape == "both", rates=slow)
         bench = Bench(args, topo, log_dir)
         config = bench.config()
         if topo and not args.no_link_check:
@@ -500,7 +548,9 @@ def main(argv=None) -> int:
                                  "reason": "no matching hivemind compression"})
         if args.keep_logs:
             config["logs"] = str(log_dir)
-        emit({"config": config, "rows": rows, "ratios": ratios(rows, bool(topo))}, args.json)
+        # the targets: 1.1x the bound on equal links, 1.2x with one slower link
+        target = 1.2 if args.slow_rate else 1.1
+        emit({"config": config, "rows": rows, "ratios": ratios(rows, bool(topo), target)}, args.json)
         return exit_code(rows)
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)

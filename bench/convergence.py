@@ -5,7 +5,7 @@ while sending far fewer bytes?
     python -m bench.convergence --quick --arms a,c      # seconds: tiny preset, 40 + 40 steps, H=10, 2 replicas
     python -m bench.convergence --arms b --out DIR      # one arm; arms already in DIR with equal settings join the summary
 
-Three arms, the same model, data shards, seeds and samples per replica, all starting from one
+Arms on the same model, data shards, seeds and samples per replica, all starting from one
 shared warm-start checkpoint (`--warmup-steps` of plain synchronous AdamW on one stream; the
 DiLoCo paper also starts from a pretrained model), then `--steps` steps each:
 
@@ -15,6 +15,13 @@ DiLoCo paper also starts from a pretrained model), then `--steps` steps each:
       (bench/convergence_swarm.py).
   (c) the same DiLoCo algorithm simulated in one process, no network:
       node.models.diloco.simulate_diloco, pseudo-gradients through the codec with error feedback.
+  (s) DiLoCo with the sparse codec (chunked top-k, low-bit values), simulated in one process
+      through the averager's all-reduce as arithmetic (node/models/sim_allreduce.py: sender and
+      owner error feedback, the gather sparse too), with its own H and outer step (--sparse-*).
+  (u) (b) with the run's `--inner-phase time` (node/roles/budget.py): a replica stops its inner
+      steps once half of the replicas wait to average, weighed by its samples. With
+      `--slow-replica X` (the last replica of (b) and (u) X times slower) the summary gives the
+      seconds each swarm arm took to reach (a)'s final loss, and their ratio.
 
 Every arm uses a fresh AdamW with the same schedule (linear warmup over `--lr-warmup-steps`,
 cosine decay over `--steps`, node.models.diloco.lr_at) and is evaluated every H = `--inner-steps` steps
@@ -24,12 +31,13 @@ the outer parameters.
 Bytes are what one node sends after the warm start: (a) the ring all-reduce volume
 2(N−1)/N·numel·4 per step; (b) measured by each replica's averager; (c) 2(N−1)/N × the encoded
 pseudo-gradient per outer step (what a butterfly all-reduce of it sends: each node scatters
-(N−1)/N of its vector and gathers as much back).
+(N−1)/N of its vector and gathers as much back); (s) the payload bytes each member sends in
+the simulated all-reduce (its scatter parts, its slice's gather to every other member).
 
 Every arm's processes run `--threads` torch threads each (1 by default: 4 processes on 2 cores);
 the warm start and (c) run in this process with as many. Artifacts in `--out DIR` (a temporary
 directory otherwise, removed at the end): warm_start.safetensors (+ .json), arm_a.json,
-arm_b.json, arm_c.json, result.json, the final weights of (a) and (c) (sync/final.safetensors,
+arm_b.json, arm_c.json, arm_s.json, result.json, the final weights of (a) and (c) (sync/final.safetensors,
 sim/final.safetensors; (b)'s are the coordinator's checkpoints under swarm/coordinator/) and the
 processes' logs.
 """
@@ -53,10 +61,10 @@ from bench.convergence_settings import (
     write_json,
 )
 
-ARMS = ("a", "b", "c")
-ARM_NAMES = {"a": "sync DP (gloo)", "b": "swarmtrain", "c": "DiLoCo sim"}
-QUICK = {"preset": "tiny", "warmup_steps": 40, "steps": 40, "inner_steps": 10, "replicas": 2, "eval_batches": 4, "lr_warmup": 5}
-TARGETS = {"b_vs_c": 0.01, "b_vs_a": 0.05, "bytes_a_over_b": 150.0}  # from the issue
+ARMS = ("a", "b", "c", "s", "u")
+ARM_NAMES = {"a": "sync DP (gloo)", "b": "swarmtrain", "c": "DiLoCo sim", "s": "sparse sim", "u": "swarm, time"}
+QUICK = {"preset": "tiny", "warmup_steps": 40, "steps": 40, "inner_steps": 10, "sparse_inner_steps": 10, "replicas": 2, "eval_batches": 4, "lr_warmup": 5}
+TARGETS = {"b_vs_c": 0.01, "b_vs_a": 0.05, "bytes_a_over_b": 150.0, "s_vs_a": 0.01, "bytes_a_over_s": 1000.0}  # from the issues
 
 
 def log(msg: str) -> None:
@@ -138,6 +146,32 @@ def run_sim_arm(settings: Settings, corpus, warm_state: dict, out_dir: Path) -> 
     }
 
 
+def run_sparse_arm(settings: Settings, corpus, warm_state: dict) -> dict:
+    from node.models.diloco import simulate_diloco
+
+    n, h = settings.replicas, settings.sparse_inner_steps
+    cpu0 = time.process_time()
+    res = simulate_diloco(
+        settings.model_config(), settings.sparse_train_config(), corpus, n, settings.steps // h, codec="sparse",
+        codec_params=settings.sparse_params(), warm_start_state=warm_state, eval_every=1, eval_batches=settings.eval_batches,
+        eval_seed=settings.eval_seed, allreduce=True,
+    )  # fmt: skip
+    hist = res["history"]
+    p = settings.sparse_params()
+    return {
+        "arm": "s",
+        "name": f"sparse DiLoCo simulated in one process ({n} replicas, density {p['density']}, {p['bits']} bits, chunks of {p['chunk']}, "
+                f"H={h}, outer lr {settings.sparse_outer_lr} momentum {settings.sparse_outer_momentum}; the all-reduce's arithmetic, no network)",
+        "curve": [{"step": h["inner_step"], "val_loss": h["val_loss"]} for h in hist],
+        "train_curve": [{"step": h["inner_step"], "train_loss": h["train_loss"]} for h in hist[1:]],
+        "bytes_sent_per_node": res["bytes_sent"],
+        "bytes_source": "simulated all-reduce: payload bytes each member sends (scatter parts, its slice's gather), no framing",
+        "state_hash": res["state_hash"],
+        "seconds": round(res["seconds"], 2),
+        "cpu_seconds": round(time.process_time() - cpu0, 2),
+    }  # fmt: skip
+
+
 # ---- orchestration -------------------------------------------------------------------------------
 
 
@@ -149,14 +183,17 @@ def run_arm(arm: str, settings: Settings, corpus, warm: dict, out_dir: Path, tim
             from bench.convergence_sync import run_sync_arm
 
             result = run_sync_arm(settings, Path(warm["path"]), out_dir / "sync", timeout, log=log)
-        elif arm == "b":
+        elif arm in ("b", "u"):
             from bench.convergence_swarm import run_swarm_arm, unavailable
 
             why = unavailable()
             if why:
-                log(f"[b] skipped: {why}")
-                return {"arm": "b", "status": "skipped", "reason": why}
-            result = run_swarm_arm(settings, warm["state"], warm["val_loss"], out_dir / "swarm", timeout, log=log)
+                log(f"[{arm}] skipped: {why}")
+                return {"arm": arm, "status": "skipped", "reason": why}
+            phase = "time" if arm == "u" else "steps"
+            result = run_swarm_arm(settings, warm["state"], warm["val_loss"], out_dir / f"swarm-{phase}", timeout, log=log, inner_phase=phase)
+        elif arm == "s":
+            result = run_sparse_arm(settings, corpus, warm["state"])
         else:
             result = run_sim_arm(settings, corpus, warm["state"], out_dir)
     except RuntimeError as e:  # ArmFailed, or replicas of the simulation disagreeing
@@ -190,18 +227,42 @@ def _rel(x: float, y: float) -> float:
     return round((x - y) / y, 5)
 
 
+def _seconds_to(curve: list[dict], loss: float) -> float | None:
+    """Seconds from a swarm arm's first outer step (its start-up left out) until its state first
+    reached `loss`; None: never."""
+    points = [p for p in curve[1:] if isinstance(p.get("seconds"), (int, float))]
+    return next((round(p["seconds"] - points[0]["seconds"], 2) for p in points if p["val_loss"] <= loss), None) if points else None
+
+
+def time_to_loss(ok: dict[str, dict]) -> dict:
+    """How soon the swarm arms (b: H steps each; u: --inner-phase time) reach (a)'s final loss,
+    and the loss both of them reach (the higher of their final losses): seconds, and b over u."""
+    out = {}
+    swarm = [arm for arm in ("b", "u") if arm in ok]
+    levels = {"a_final_loss": ok["a"]["final_val_loss"]} if "a" in ok else {}
+    if len(swarm) == 2:
+        levels["both_final_loss"] = max(ok["b"]["final_val_loss"], ok["u"]["final_val_loss"])
+    for level, loss in levels.items():
+        seconds = {arm: _seconds_to(ok[arm]["curve"], loss) for arm in swarm}
+        out.update({f"{arm}_seconds_to_{level}": s for arm, s in seconds.items()})
+        if seconds.get("b") and seconds.get("u"):
+            out[f"seconds_to_{level}_b_over_u"] = round(seconds["b"] / seconds["u"], 3)
+    return out
+
+
 def summarize(arms: dict[str, dict], warm: dict) -> dict:
     ok = {k: r for k, r in arms.items() if r.get("status") == "ok"}
     final = {k: round(r["final_val_loss"], 5) for k, r in ok.items()}
     nbytes = {k: r["bytes_per_node"] for k, r in ok.items()}
     s: dict = {"warm_start_val_loss": round(warm["val_loss"], 5), "final_val_loss": final, "bytes_per_node": nbytes}
-    for x, y in (("b", "c"), ("b", "a"), ("c", "a")):
+    for x, y in (("b", "c"), ("b", "a"), ("c", "a"), ("s", "a"), ("s", "c")):
         if x in final and y in final:
             s[f"{x}_vs_{y}_rel_diff"] = _rel(final[x], final[y])  # (x − y) / y; > 0: x ends worse
-    for y in ("b", "c"):
+    for y in ("b", "c", "s"):
         if "a" in nbytes and nbytes.get(y):
             s[f"bytes_ratio_a_over_{y}"] = round(nbytes["a"] / nbytes[y], 2)
     s["bytes_ratio"] = s.get("bytes_ratio_a_over_b", s.get("bytes_ratio_a_over_c"))
+    s.update(time_to_loss(ok))
     targets = {}
     if "b_vs_c_rel_diff" in s:
         targets["b_within_1pct_of_c"] = abs(s["b_vs_c_rel_diff"]) <= TARGETS["b_vs_c"]
@@ -209,6 +270,12 @@ def summarize(arms: dict[str, dict], warm: dict) -> dict:
         targets["b_within_5pct_of_a"] = s["b_vs_a_rel_diff"] <= TARGETS["b_vs_a"]
     if "bytes_ratio_a_over_b" in s:
         targets["b_150x_fewer_bytes_than_a"] = s["bytes_ratio_a_over_b"] >= TARGETS["bytes_a_over_b"]
+    if "s_vs_a_rel_diff" in s:
+        targets["s_within_1pct_of_a"] = s["s_vs_a_rel_diff"] <= TARGETS["s_vs_a"]
+    if "bytes_ratio_a_over_s" in s:
+        targets["s_1000x_fewer_bytes_than_a"] = s["bytes_ratio_a_over_s"] >= TARGETS["bytes_a_over_s"]
+    if "s_vs_c_rel_diff" in s:
+        targets["s_no_worse_than_c"] = s["s_vs_c_rel_diff"] <= 0
     if targets:
         s["targets"] = targets  # the issue's targets, meant for the reference settings (the defaults)
     return s
@@ -252,7 +319,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="smoke-test size: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
-    p.add_argument("--arms", default="a,b,c", help="comma-separated subset of a (sync DP), b (swarm), c (simulation)")
+    p.add_argument("--arms", default="a,b,c", help="comma-separated subset of a (sync DP), b (swarm), c (simulation), s (sparse simulation), u (swarm, --inner-phase time)")
     p.add_argument("--preset", help=f"model preset (default {d.preset})")
     p.add_argument("--warmup-steps", type=int, help=f"steps of the shared synchronous warm start (default {d.warmup_steps})")
     p.add_argument("--steps", type=int, help=f"steps per replica after the warm start (default {d.steps})")
@@ -266,16 +333,24 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Settings]:
     p.add_argument("--outer-momentum", type=float, help=f"outer momentum (default {d.outer_momentum})")
     p.add_argument("--codec", choices=["int8", "fp16", "none"], help=f"pseudo-gradient codec of (b) and (c) (default {d.codec})")
     p.add_argument("--block-size", type=int, help=f"int8 absmax block size (default {d.block_size})")
+    p.add_argument("--sparse-inner-steps", type=int, help=f"(s): H (default {d.sparse_inner_steps})")
+    p.add_argument("--sparse-outer-lr", type=float, help=f"(s): outer Nesterov lr (default {d.sparse_outer_lr})")
+    p.add_argument("--sparse-outer-momentum", type=float, help=f"(s): outer momentum (default {d.sparse_outer_momentum})")
+    p.add_argument("--sparse-density", type=float, help=f"(s): fraction of each chunk's values sent (default {d.sparse_density})")
+    p.add_argument("--sparse-bits", type=int, help=f"(s): bits per sent value (default {d.sparse_bits})")
+    p.add_argument("--sparse-chunk", type=int, help=f"(s): elements per chunk (default {d.sparse_chunk})")
     p.add_argument("--eval-batches", type=int, help=f"validation batches per evaluation (default {d.eval_batches})")
     p.add_argument("--seed", type=int, help=f"data seed (default {d.seed})")
     p.add_argument("--threads", type=int, help=f"torch threads per process (default {d.threads})")
+    p.add_argument("--slow-replica", type=float, metavar="X", help=f"(b), (u): the last replica's inner steps take X times as long (default {d.slow_replica})")
     p.add_argument("--join-timeout-s", type=float, help=f"(b): seconds a round waits for late replicas (default {d.join_timeout_s})")
     p.add_argument("--timeout", type=float, help="seconds an arm may take before it is failed (default 300 with --quick, else 7200)")
     p.add_argument("--out", metavar="DIR", help="keep artifacts here (default: a temporary directory, removed)")
     p.add_argument("--reuse", action="store_true", help="with --out: arms already finished there with the same settings and warm start are not run again")
     args = p.parse_args(argv)
     names = ("preset", "warmup_steps", "steps", "inner_steps", "replicas", "batch_size", "inner_lr", "warm_lr", "lr_warmup", "outer_lr",
-             "outer_momentum", "codec", "block_size", "eval_batches", "seed", "threads", "join_timeout_s")  # fmt: skip
+             "outer_momentum", "codec", "block_size", "sparse_inner_steps", "sparse_outer_lr", "sparse_outer_momentum", "sparse_density",
+             "sparse_bits", "sparse_chunk", "eval_batches", "seed", "threads", "join_timeout_s", "slow_replica")  # fmt: skip
     values = dict(QUICK) if args.quick else {}
     values.update({k: getattr(args, k) for k in names if getattr(args, k) is not None})
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,16 @@ class Settings:
     # start, 0.9 -> 1.2896, 0.85 -> 1.2815, 0.8 -> 1.2741, 0.7 -> 1.2803 (arm c, H=50)
     outer_momentum: float = 0.8
     codec: str = "int8"  # pseudo-gradient codec of (b)/(c): int8 | fp16 | none
+    slow_replica: float = 1.0  # (b)/(u): the last replica's inner steps take this many times as long (a slower machine)
     block_size: int = 1024  # int8 codec: elements per absmax block
+    # arm (s), DiLoCo with the sparse codec through the all-reduce's arithmetic: its own H and
+    # outer step, and the codec's params (protocol/sparse.py)
+    sparse_inner_steps: int = 40  # H of (s)
+    sparse_outer_lr: float = 1.0
+    sparse_outer_momentum: float = 0.8
+    sparse_density: float = 0.02  # fraction of each chunk's values sent
+    sparse_bits: int = 2  # bits per sent value
+    sparse_chunk: int = 4096  # elements per chunk
     eval_batches: int = 16  # validation batches of batch_size windows each, every evaluation
     eval_seed: int = 1234  # which validation windows: the same for every arm and every evaluation
     seed: int = 0  # data sampling seed (rank/replica r samples with seed + r)
@@ -58,8 +67,17 @@ class Settings:
             raise ValueError("warmup_steps, lr_warmup and seed must be ≥ 0")
         if self.replicas < 2:
             raise ValueError(f"replicas must be ≥ 2 (an all-reduce needs peers), got {self.replicas}")
-        if self.steps % self.inner_steps:
-            raise ValueError(f"steps ({self.steps}) must be a multiple of inner_steps ({self.inner_steps})")
+        for name in ("inner_steps", "sparse_inner_steps"):
+            if getattr(self, name) < 1 or self.steps % getattr(self, name):
+                raise ValueError(f"steps ({self.steps}) must be a multiple of {name} ({getattr(self, name)})")
+        from protocol import LocalProtocolError, make_codec
+
+        try:
+            make_codec("sparse", **self.sparse_params())  # a bad param is named now, not after the warm start
+        except LocalProtocolError as e:
+            raise ValueError(str(e)) from None
+        if not 1.0 <= self.slow_replica <= 100.0:
+            raise ValueError(f"slow_replica must be in [1, 100], got {self.slow_replica}")
         if not self.join_timeout_s > 0:
             raise ValueError(f"join_timeout_s must be > 0, got {self.join_timeout_s}")
         if self.codec not in ("int8", "fp16", "none"):
@@ -98,12 +116,26 @@ class Settings:
         arms of runs with equal comparable settings can be put side by side. The synchronous arm
         (a) has no outer optimizer and no codec, so a DiLoCo sweep can reuse one run of it."""
         ignored = {"threads", "join_timeout_s"}
+        diloco, sparse = {"outer_lr", "outer_momentum", "codec", "block_size"}, {k for k in d if k.startswith("sparse_")}
         if arm == "a":
-            ignored |= {"outer_lr", "outer_momentum", "codec", "block_size"}
+            ignored |= diloco | sparse | {"slow_replica"}
+        elif arm == "s":
+            ignored |= diloco | {"slow_replica"}
+        elif arm == "c":
+            ignored |= sparse | {"slow_replica"}
+        elif arm is not None:
+            ignored |= sparse
         return {k: v for k, v in d.items() if k not in ignored}
 
     def codec_params(self) -> dict[str, Any]:
         return {"block_size": self.block_size} if self.codec == "int8" else {}
+
+    def sparse_params(self) -> dict[str, Any]:
+        return {"density": self.sparse_density, "bits": self.sparse_bits, "chunk": self.sparse_chunk}
+
+    def sparse_train_config(self) -> TrainConfig:
+        """Arm (s)'s: `train_config` with its own H and outer step."""
+        return replace(self.train_config(), inner_steps=self.sparse_inner_steps, outer_lr=self.sparse_outer_lr, outer_momentum=self.sparse_outer_momentum)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -111,7 +111,7 @@ def write_warm_checkpoint(data_dir: Path, settings: Settings, warm_state: dict) 
     CheckpointStore(data_dir / "checkpoints").save(0, {"model": warm_state}, model_config=settings.model_config().to_dict())
 
 
-def coordinator_args(settings: Settings, data_dir: Path, port: int, http_port: int, swarm_id: str) -> list[str]:
+def coordinator_args(settings: Settings, data_dir: Path, port: int, http_port: int, swarm_id: str, inner_phase: str = "steps") -> list[str]:
     s = settings
     return [
         "--data-dir", str(data_dir), "--swarm-id", swarm_id, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
@@ -121,7 +121,7 @@ def coordinator_args(settings: Settings, data_dir: Path, port: int, http_port: i
         "--outer-lr", repr(s.outer_lr), "--outer-momentum", repr(s.outer_momentum), "--codec", s.codec,
         "--block-size", str(s.block_size), "--max-outer-steps", str(s.outer_steps),
         "--checkpoint-every", str(CHECKPOINT_EVERY), "--eval-batches", str(s.eval_batches), "--seed", str(s.seed),
-        "--min-replicas", str(s.replicas), "--join-timeout-s", repr(s.join_timeout_s),
+        "--min-replicas", str(s.replicas), "--join-timeout-s", repr(s.join_timeout_s), "--inner-phase", inner_phase,
     ]  # fmt: skip
 
 
@@ -130,12 +130,13 @@ def node_args(settings: Settings, data_dir: Path, rank: int, coordinator_maddr: 
         "--data-dir", str(data_dir), "--swarm-id", swarm_id, "--initial-peers", coordinator_maddr,
         "--shard-index", str(rank), "--num-shards", str(settings.replicas), "--threads", str(settings.threads),
         "--bandwidth-mbps", "1000", "--wanted-role", "replica",
+        *(["--fault-slowdown", repr(settings.slow_replica)] if rank == settings.replicas - 1 and settings.slow_replica > 1 else []),
     ]  # fmt: skip
 
 
-def run_swarm_arm(settings: Settings, warm_state: dict, warm_val_loss: float, work_dir: Path, timeout: float, log=print) -> dict:
+def run_swarm_arm(settings: Settings, warm_state: dict, warm_val_loss: float, work_dir: Path, timeout: float, log=print, inner_phase: str = "steps") -> dict:
     """Run the swarm until every replica has done settings.outer_steps outer steps (or fail
-    within `timeout` s); leaves no process behind."""
+    within `timeout` s); leaves no process behind. `inner_phase`: the run's (arm u: "time")."""
     if settings.eval_seed != EVAL_SEED:
         raise ArmFailed(f"replicas evaluate with seed {EVAL_SEED}; eval_seed {settings.eval_seed} would compare other windows")
     n, last = settings.replicas, settings.outer_steps
@@ -149,12 +150,12 @@ def run_swarm_arm(settings: Settings, warm_state: dict, warm_val_loss: float, wo
     procs: list[_Proc] = []
     seen: list[dict[int, dict]] = [{} for _ in range(n)]  # replica -> outer step -> its history entry
     latest: list[dict] = [{} for _ in range(n)]  # replica -> its last stats file
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
     deadline = t0 + timeout
     clean = True
     progress: list = []
     try:
-        coord = _Proc("coordinator", [_script("swarmtrain-coordinator"), *coordinator_args(settings, coord_dir, port, http_port, swarm_id)],
+        coord = _Proc("coordinator", [_script("swarmtrain-coordinator"), *coordinator_args(settings, coord_dir, port, http_port, swarm_id, inner_phase)],
                       work_dir / "coordinator.log", env)  # fmt: skip
         procs.append(coord)
         maddr = None
@@ -206,7 +207,14 @@ def run_swarm_arm(settings: Settings, warm_state: dict, warm_val_loss: float, wo
         if procs:
             clean &= procs[0].stop(15)
 
-    return _result(settings, seen, latest, warm_val_loss, progress, seconds, clean)
+    result = _result(settings, seen, latest, warm_val_loss, progress, seconds, clean)
+    for point in result["curve"][1:]:  # when each outer step was reached, from the start of the arm
+        entry = next((sn[point["step"] // settings.inner_steps] for sn in seen if point["step"] // settings.inner_steps in sn), {})
+        if isinstance(entry.get("time"), (int, float)):
+            point["seconds"] = round(entry["time"] - started, 2)
+    if inner_phase != "steps":
+        result.update(arm="u", name=result["name"] + f", inner phase {inner_phase}")
+    return result
 
 
 def _val_at(seen: list[dict[int, dict]], k: int) -> float | None:

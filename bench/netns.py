@@ -6,6 +6,8 @@
         topo.tx_bytes()                                         # bytes each peer has sent so far
         topo.cut(i); topo.restore(i)                            # peer i's link down / up again
 
+    Topology.create(n_peers=4, rate="100mbit", rates={3: "25mbit"})  # peer 3 behind a slower link
+
 Layout (nothing is added to the root namespace, so the host's own networking is untouched):
 
     <run>-p0 (eth0 10.77.0.1/24) ──veth── vp0 ┐
@@ -18,7 +20,8 @@ peer's private subnet (192.168.<i>.2, gateway .1) behind it; nothing is forwarde
 peer has no inbound path at all (`topo.ip(i)` is its private address, `topo.public_ip(i)` the
 router's).
 
-Each peer's link is shaped in both directions with a token bucket (tbf) at `rate`: its upload on
+Each peer's link is shaped in both directions with a token bucket (tbf) at `rate` (or its own
+rate in `rates`): its upload on
 eth0 inside its namespace, its download on vp<i> in the bridge namespace. The all-reduce bandwidth
 bound 2(N-1)/N·S/B assumes each peer uploads at B; shaping the download too makes the link a
 symmetric access link (what a volunteer has, give or take asymmetry) and stops the bridge from
@@ -143,6 +146,7 @@ def _nat_rules(i: int) -> list[list[str]]:
 class Topology:
     n_peers: int
     rate: str  # tc rate, e.g. "100mbit"
+    rates: dict[int, str] = field(default_factory=dict)  # peers whose link has another rate
     natted: frozenset[int] = frozenset()  # peers behind a masquerading router (no inbound path)
     run: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
     created: list[str] = field(default_factory=list)
@@ -162,16 +166,27 @@ class Topology:
         """Where peer i's packets come from on the bridge (its router's, behind a NAT)."""
         return f"{SUBNET}.{i + 1}"
 
+    def rate_of(self, i: int) -> str:
+        """Peer i's link rate (tc units), each way."""
+        return self.rates.get(i, self.rate)
+
     def wrap(self, i: int, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns(i), *argv]
 
     @classmethod
-    def create(cls, n_peers: int, rate: str, shape_download: bool = True, natted: frozenset[int] = frozenset()) -> Topology:
+    def create(
+        cls, n_peers: int, rate: str, shape_download: bool = True, natted: frozenset[int] = frozenset(), rates: dict[int, str] | None = None
+    ) -> Topology:
         if not 1 <= n_peers <= 250:
             raise ValueError(f"n_peers must be in 1..250, got {n_peers}")
+        rates = dict(rates or {})
+        if bad := [i for i in rates if not 0 <= i < n_peers]:
+            raise ValueError(f"rates name peers {bad} of a topology of {n_peers}")
+        for r in (rate, *rates.values()):
+            parse_rate(r)  # a bad rate is named here, not by tc half-way through building
         if missing := missing_tool(nat=bool(natted)):  # before anything is built
             raise missing
-        topo = cls(n_peers, rate, frozenset(natted))
+        topo = cls(n_peers, rate, rates, frozenset(natted))
         try:
             topo._build(shape_download)
         except BaseException:
@@ -185,12 +200,12 @@ class Topology:
         _ip("-n", name, "link", "set", "lo", "up")
 
     def _build(self, shape_download: bool) -> None:
-        tbf = ["root", "tbf", "rate", self.rate, "burst", "32kbit", "latency", "50ms"]
         br = self.bridge_ns
         self._add_ns(br)
         _ip("-n", br, "link", "add", "br0", "type", "bridge")
         _ip("-n", br, "link", "set", "br0", "up")
         for i in range(self.n_peers):
+            tbf = ["root", "tbf", "rate", self.rate_of(i), "burst", "32kbit", "latency", "50ms"]
             ns = self.ns(i)
             self._add_ns(ns)
             # on the bridge: the peer itself, or its router

@@ -25,14 +25,17 @@ if TYPE_CHECKING:
     from .models.gpt import GPTConfig
 
 # Named here without importing torch; a test keeps them equal to node/models/gpt.py PRESETS, the
-# codecs registered in protocol/codecs.py and the int8 codec's block size range.
+# codecs registered in protocol/codecs.py, the int8 codec's block size range and the sparse codec's
+# bounds (protocol/sparse.py).
 MODEL_PRESETS = ("tiny", "small", "tiny-moe", "small-moe")  # *-moe: mixture-of-experts (node/models/moe.py MOE_PRESETS)
 MOE_EXPERTS = {"tiny-moe": 4, "small-moe": 8}  # experts per layer of each MoE preset
-CODECS = ("none", "fp16", "int8", "topk", "powersgd")
+CODECS = ("none", "fp16", "int8", "topk", "powersgd", "sparse")
 STAGE_ROUTINGS = ("through", "relay")  # how a trainer's micro-batch travels between stages (node/roles/stage_server.py)
 STAGE_CLIPS = ("global", "stage")  # what a stage's step clips its gradient by (node/roles/stage_compute.py clipped_step)
 ACTIVATION_CODECS = ("none", "fp16", "int8")  # element-wise codecs: an activation's every value arrives
 INT8_BLOCK_SIZES = (16, 1 << 20)
+SPARSE_BITS = (1, 8)
+SPARSE_CHUNKS = (16, 1 << 16)
 
 
 class RunConfigError(ConfigError, ValueError):
@@ -54,14 +57,24 @@ class RunConfig:
     total_steps: int = 5000  # inner steps of cosine learning rate decay; later steps hold the floor
     outer_lr: float = 1.0  # outer Nesterov SGD learning rate
     outer_momentum: float = 0.9  # outer Nesterov momentum, in [0, 1)
-    codec: str = "int8"  # how pseudo-gradients travel: none | fp16 | int8 | topk | powersgd
+    codec: str = "int8"  # how pseudo-gradients travel: none | fp16 | int8 | topk | powersgd | sparse
     block_size: int = 1024  # int8 codec: values per absmax block
+    sparse_density: float = 0.02  # sparse codec: fraction of each chunk's values sent (the largest), in (0, 1]
+    sparse_bits: int = 2  # sparse codec: bits per sent value (a sign and bits - 1 of magnitude level)
+    sparse_chunk: int = 4096  # sparse codec: elements per chunk (each sends its own largest values)
     max_outer_steps: int = 0  # replicas stop training after this many outer steps; 0: never
     checkpoint_every: int = 5  # outer steps between two checkpoints
     eval_batches: int = 8  # validation batches after each outer step
     seed: int = 0  # seed of the model's initialisation and of data sampling
     join_timeout_s: float = 15.0  # seconds an averaging round waits for late replicas
     min_replicas: int = 1  # training starts once this many replicas are registered; fewer never take an outer step (1: a lone replica trains on its own)
+    # steps: every replica takes inner_steps per outer step (a round waits for the slowest); time: a
+    # replica stops early once half of the replicas wait to average, weighed by its samples (node/roles/budget.py)
+    inner_phase: str = "steps"
+    # the model's parameters cut into this many fragments, each averaged in its own round while the
+    # inner steps go on (Streaming DiLoCo, node/roles/streaming.py); 1: the whole model at once,
+    # training paused while it is averaged. At most inner_steps
+    fragments: int = 1
     # pipeline mode (the coordinator's --mode pipeline): the model cut into stages
     num_stages: int = 0  # stages the model is cut into (each holds at least one block)
     stage_blocks: str = ""  # blocks per stage, in order, e.g. "2,1,1" (they add up to the model's); empty: even
@@ -88,6 +101,10 @@ class RunConfig:
         check_fields(self, _CHECKS, RunConfigError)
         if self.warmup_steps > self.total_steps:
             raise RunConfigError(f"warmup_steps ({self.warmup_steps}) must not exceed total_steps ({self.total_steps}): the learning rate would still be warming up when its decay ends", "warmup_steps")
+        if self.inner_phase == "time" and self.fragments > 1:
+            raise RunConfigError("inner_phase \"time\" needs fragments 1: with fragments every replica's rounds run alongside its inner steps", "inner_phase")
+        if self.fragments > self.inner_steps:
+            raise RunConfigError(f"fragments ({self.fragments}) must not exceed inner_steps ({self.inner_steps}): each fragment's round runs alongside at least one inner step", "fragments")
         if self.synchronous_steps and self.stage_step_samples % self.batch_size:
             raise RunConfigError(f"synchronous_steps needs stage_step_samples ({self.stage_step_samples}) to be a multiple of batch_size ({self.batch_size})", "stage_step_samples")
 
@@ -115,6 +132,14 @@ class RunConfig:
             return cls.from_dict(raw)
         except RunConfigError as e:
             raise RunConfigError(f"run config: {e}", e.setting) from None
+
+    def codec_params(self) -> dict[str, Any]:
+        """The params of the run's codec, as `protocol.make_codec(self.codec, **params)` takes them."""
+        if self.codec == "int8":
+            return {"block_size": self.block_size}
+        if self.codec == "sparse":
+            return {"density": self.sparse_density, "bits": self.sparse_bits, "chunk": self.sparse_chunk}
+        return {}
 
     @property
     def is_moe(self) -> bool:
@@ -189,8 +214,11 @@ _CHECKS: dict[str, Check] = {
     "model": lambda v: _model(v),
     "inner_steps": at_least(1), "batch_size": at_least(1), "inner_lr": positive, "warmup_steps": at_least(0),
     "total_steps": at_least(1), "outer_lr": positive, "outer_momentum": below_one, "codec": one_of(*CODECS),
-    "block_size": between(*INT8_BLOCK_SIZES), "max_outer_steps": at_least(0), "checkpoint_every": at_least(1),
+    "block_size": between(*INT8_BLOCK_SIZES), "sparse_density": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
+    "sparse_bits": between(*SPARSE_BITS), "sparse_chunk": between(*SPARSE_CHUNKS), "max_outer_steps": at_least(0), "checkpoint_every": at_least(1),
     "eval_batches": at_least(1), "seed": at_least(0), "join_timeout_s": positive, "min_replicas": at_least(1),
+    "inner_phase": one_of("steps", "time"),
+    "fragments": at_least(1),
     "num_stages": at_least(0), "stage_blocks": lambda v: None if re.fullmatch(r"(\d+(,\d+)*)?", v.replace(" ", "")) else "must be block counts separated by commas, e.g. 2,1,1",
     "activation_codec": one_of(*ACTIVATION_CODECS), "stage_step_samples": at_least(1), "micro_batches_in_flight": at_least(1),
     "stage_routing": one_of(*STAGE_ROUTINGS), "stage_clip": one_of(*STAGE_CLIPS), "synchronous_steps": lambda v: None,  # (a bool: its type is all there is to check)

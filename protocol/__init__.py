@@ -11,6 +11,7 @@ Files:
     framing.py     encode(msg) -> bytes; Decoder.feed(bytes) -> [msg]; frame size cap
     tensors.py     EncodedTensor, dtype tables, chunking into TensorPart and reassembly
     codecs.py      none / fp16 / int8 / topk / powersgd codecs, decode_tensor, ErrorFeedback
+    sparse.py      the sparse codec: chunked top-k with low-bit values (registered by codecs.py)
     signatures.py  Ed25519 keys (0600 PEM files), sign/verify over a canonical tuple encoding
     tokens.py      signed join tokens for private swarms, verification with a reason
     records.py     signed DHT records: where the coordinator is, who is a member

@@ -12,6 +12,7 @@ from .schema import MAX_ID_LEN, Message, Params, _require, message
 # Averaging (all-reduce among the peers that average the same key)
 
 MAX_GROUP = 256
+MAX_SLICES = 4 * MAX_GROUP  # slices a group's vector may be cut into
 DEFAULT_NAMESPACE = "avg"  # the averager namespace of a join that names none
 AVG_PHASES = ("scatter", "gather")
 GROUP_STATUS = ("group", "redirect", "closed")
@@ -42,17 +43,23 @@ class AvgJoin(Message):
 
 @message(41)
 class AvgGroup(Message):
-    """The leader's answer: the formed group (members in order, slice bounds), a redirect to
-    another leader, or 'closed' (the group formed without you: try the next round)."""
+    """The leader's answer: the formed group (members in order, slice bounds and who owns each
+    slice), a redirect to another leader, or 'closed' (the group formed without you: try the
+    next round)."""
 
     status: str
     group_id: str = ""
     members: tuple[str, ...] = ()
     weights: tuple[float, ...] = ()
     bounds: tuple[int, ...] = ()  # slice i of the flat vector is [bounds[i], bounds[i+1])
+    # member index owning each slice; empty: one slice per member, slice i is member i's. A
+    # member may own several slices (sent in turn, its aggregated ones come back while later
+    # ones are still on their way) or none (a slow link: it only sends and receives)
+    slice_owners: tuple[int, ...] = ()
     codec: str = "none"
     codec_params: Params = dataclasses.field(default_factory=dict)
     gather_codec: str = "none"
+    gather_codec_params: Params = dataclasses.field(default_factory=dict)  # e.g. the sparse codec's density, bits, chunk
     deadline_s: float = 0.0  # seconds the scatter phase may take, derived from measured bandwidth
     redirect: str = ""
     reason: str = ""
@@ -66,9 +73,22 @@ class AvgGroup(Message):
         _require(len(set(self.members)) == n, "members", "must be distinct")
         _require(len(self.weights) == n, "weights", "one per member")
         _require(all(math.isfinite(w) and w > 0 for w in self.weights), "weights", "must be finite and > 0")
-        _require(len(self.bounds) == n + 1, "bounds", "must have len(members) + 1 entries")
+        if self.slice_owners:
+            _require(len(self.slice_owners) <= MAX_SLICES, "slice_owners", f"at most {MAX_SLICES} slices")
+            _require(all(0 <= i < n for i in self.slice_owners), "slice_owners", "must be member indices")
+            _require(len(self.bounds) == len(self.slice_owners) + 1, "bounds", "must have len(slice_owners) + 1 entries")
+        else:
+            _require(len(self.bounds) == n + 1, "bounds", "must have len(members) + 1 entries")
         _require(self.bounds[0] == 0 and all(a <= b for a, b in zip(self.bounds, self.bounds[1:])), "bounds", "must rise from 0")
         _require(math.isfinite(self.deadline_s) and self.deadline_s > 0, "deadline_s", "must be > 0")
+
+    @property
+    def n_slices(self) -> int:
+        return len(self.bounds) - 1
+
+    def first_owner(self, j: int) -> str:
+        """The member that owns slice j unless a decision re-owns it."""
+        return self.members[self.slice_owners[j] if self.slice_owners else j]
 
 
 @message(42)

@@ -7,6 +7,7 @@
 | `int8`     | `block_size`            | fp32 absmax per block, then int8 values    | yes   |
 | `topk`     | `ratio`                 | int32 indices, then fp32 values            | yes   |
 | `powersgd` | `rank`, `rows`, `cols`  | fp32 P (rows×rank), then fp32 Q (cols×rank) | yes   |
+| `sparse`   | `chunk`, `k`, `bits`    | per chunk: scales, packed indices and codes (sparse.py) | yes |
 
 `encode` runs on our own tensors (misuse raises `LocalProtocolError`); `decode_tensor` runs on
 what a peer sent and checks every size against the header before allocating
@@ -558,3 +559,6 @@ class ErrorFeedback:
         else:
             self.residuals.pop(key, None)
             self.states.pop(key, None)
+
+
+from . import sparse  # noqa: E402, F401  (registers the sparse codec; it builds on the helpers above)

@@ -29,18 +29,20 @@ def flat(ts) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in ts])
 
 
-def reference(cfg: AveragerConfig, seeds: list[int], numel: int, bounds, survivors_idx) -> torch.Tensor:
+def reference(cfg: AveragerConfig, seeds: list[int], numel: int, bounds, survivors_idx, slice_owners=()) -> torch.Tensor:
     """The first round's result, computed locally from every member's seed (in member order):
-    per slice, the mean over the surviving members of their decoded parts (member j's own part
-    of slice j exact: it never travels; a slice re-owned after a failure gets the new owner's
-    part as encoded for the old one), then through the gather codec. Equal weights."""
+    per slice, the mean over the surviving members of their decoded parts (its owner's own part
+    exact: it never travels; a slice re-owned after a failure gets the new owner's part as
+    encoded for the old one), then through the gather codec. Equal weights. `slice_owners`:
+    the member index owning each slice (empty: slice j is member j's)."""
     xs = [flat(make_tensors(s, numel)) for s in seeds]
     codec = make_codec(cfg.codec, **cfg.codec_params)
-    gather = make_codec(cfg.resolved_gather_codec)
+    gather = make_codec(cfg.resolved_gather_codec, **cfg.gather_codec_params)
     out = torch.empty(numel)
     for j in range(len(bounds) - 1):
         a, b = bounds[j], bounds[j + 1]
-        parts = [xs[i][a:b] if i == j else decode_tensor(codec.encode(xs[i][a:b], {})).reshape(-1) for i in survivors_idx]
+        owner = slice_owners[j] if slice_owners else j
+        parts = [xs[i][a:b] if i == owner else decode_tensor(codec.encode(xs[i][a:b], {})).reshape(-1) for i in survivors_idx]
         acc = torch.zeros(b - a)
         for p in parts:
             acc.add_(p, alpha=1.0 / len(parts))
@@ -144,7 +146,7 @@ async def main() -> None:
                 idx_seeds = [seeds[p] for p in survivors]
                 exact = torch.stack([flat(make_tensors(s, numel)) for s in idx_seeds]).mean(dim=0)
                 ref = reference(cfg, [seeds[p] for p in report.members], numel, report.bounds,
-                                [i for i, p in enumerate(report.members) if p in report.survivors])
+                                [i for i, p in enumerate(report.members) if p in report.survivors], report.slice_owners)
                 emit(
                     event="result", key=cmd["key"], ok=True, sha=hashlib.sha256(out.numpy().tobytes()).hexdigest(),
                     max_err=float((out - exact).abs().max()), rel_err=float((out - exact).norm() / exact.norm()),
@@ -152,6 +154,7 @@ async def main() -> None:
                     equals_reference=bool(torch.equal(out, ref)), members=report.members, survivors=report.survivors,
                     failed=report.failed, silent=report.silent, leader=report.leader, seconds=report.seconds, bytes_sent=report.bytes_sent,
                     early_used=report.early_used, early_discarded=report.early_discarded, schedule=report.schedule, pace=report.pace,
+                    slice_owners=list(report.slice_owners),
                     shapes_kept=[list(t.shape) for t in result] == [list(t.shape) for t in mine],
                 )
     finally:

@@ -6,7 +6,18 @@ import math
 import pytest
 
 from node.averaging.config import AveragerConfig
-from node.averaging.decisions import Arrivals, Liveness, choose_pace, close_reason, decide_commit, decide_scatter, form_group, learn_bandwidth, learn_flow_rate
+from node.averaging.decisions import (
+    Arrivals,
+    Liveness,
+    choose_pace,
+    close_reason,
+    decide_commit,
+    decide_scatter,
+    form_group,
+    learn_bandwidth,
+    learn_flow_rate,
+    stagger_patience,
+)
 from node.averaging.matchmaking import ASK_AGAIN_S, GAVE_UP, LOOK_AGAIN_S, MAX_REDIRECTS, RETRY_S, Lobby, Search
 from node.net.transport import RPCError
 from protocol import AvgGroup, AvgJoin, AvgReport
@@ -85,6 +96,18 @@ def test_a_group_is_sized_by_its_slowest_member_and_needs_min_group_size():
     assert g.bounds[2] - g.bounds[1] > 10 * (g.bounds[1] - g.bounds[0])
     alone, why = form_group({A: joins[A]}, 1000, cfg, {}, "gid")
     assert alone is None and "too few" in why
+
+
+def test_a_group_on_uneven_links_gives_the_slowest_member_no_slice():
+    cfg = AveragerConfig(codec="none", slice_align=1024)
+    numel = 1 << 22
+    joins = {m: AvgJoin(round_key="k", numel=numel, bandwidth=bw) for m, bw in zip((A, B, C, D), (12.5e6, 12.5e6, 3.125e6, 12.5e6))}
+    g, why = form_group(joins, numel, cfg, {}, "gid")
+    assert C not in {g.first_owner(j) for j in range(g.n_slices)} and g.n_slices > 3
+    assert {g.first_owner(j) for j in range(g.n_slices)} == {A, B, D} and "too slow to own any" in why
+    # the same group on equal links: one slice each, member i owns slice i
+    g, _ = form_group({m: AvgJoin(round_key="k", numel=numel, bandwidth=12.5e6) for m in (A, B, C, D)}, numel, cfg, {}, "gid")
+    assert g.slice_owners == () and g.n_slices == 4 and g.first_owner(2) == C
 
 
 # ---- a follower's search ----------------------------------------------------------------------
@@ -262,6 +285,16 @@ def test_sends_are_paced_only_to_a_declared_rate_over_direct_links():
     assert choose_pace(AveragerConfig(bandwidth=12.5e6), False)[0] is None
     assert choose_pace(AveragerConfig(bandwidth=12.5e6, pace=False), True)[0] is None
     assert choose_pace(AveragerConfig(bandwidth=1e9), True)[0] is None  # the CPU sets the pace
+    # slices laid out for uneven links leave in order, one at a time: not paced
+    rate, why = choose_pace(AveragerConfig(bandwidth=12.5e6), True, pipelined=True)
+    assert rate is None and "uneven links" in why
+
+
+def test_sends_in_turn_expect_the_declared_rate_not_the_one_their_overlap_measured():
+    # a 1 MB send on a declared 3 MB/s link: the next starts at 90% of its 1/3 s
+    assert stagger_patience(0.9, 1_000_000, flow_rate=2e6, bandwidth=3e6, declared=3e6) == pytest.approx(0.3)
+    assert stagger_patience(0.9, 1_000_000, flow_rate=2e6, bandwidth=3e6) == pytest.approx(0.45)  # learned
+    assert stagger_patience(0.9, 1_000_000, flow_rate=None, bandwidth=3e6) == pytest.approx(0.6)  # half the estimate
 
 
 def test_bandwidth_is_learned_from_rounds_big_enough_to_tell():

@@ -7,6 +7,7 @@ from itertools import pairwise
 import pytest
 
 from node.averaging import decide_survivors, reassign, slice_bounds, slice_shares
+from node.averaging.decisions import PIPELINE_SLICES, bound_shares, decide_scatter, slice_layout
 from protocol import AvgReport
 
 A, B, C, D = "peerA", "peerB", "peerC", "peerD"
@@ -41,6 +42,58 @@ def test_shares_tolerate_zero_and_tiny_bandwidths():
     shares = slice_shares([0.0, 1e6, 1e6])
     assert all(s > 0 for s in shares)
     assert slice_bounds(4096, shares, 1024)[-1] == 4096
+
+
+def test_equal_links_own_equal_shares_and_one_slice_each():
+    assert bound_shares([12.5e6] * 4) == pytest.approx([0.25] * 4)
+    bounds, owners, why = slice_layout(6_553_600, [11e6, 12.5e6, 12.5e6, 13e6], 1024)  # noise stays equal
+    assert owners == () and len(bounds) == 5 and "equal links" in why
+    assert [b - a for a, b in pairwise(bounds)] == [1_638_400] * 4
+
+
+def test_a_link_too_slow_for_any_share_owns_nothing():
+    # 3 x 100 Mbit/s + 25 Mbit/s: shares in proportion to bandwidth gave the slow member 1/13
+    # of the vector, so it uploaded (1 + 2/13)·S; owning nothing it uploads S (the least any
+    # all-reduce can: its data must reach the others), the others 1/3 each
+    shares = bound_shares([12.5e6, 12.5e6, 12.5e6, 3.125e6])
+    assert shares == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+    # what each member moves each way, (1 + (N-2)·s_i)·S, over its link: the slow one sets the time
+    times = [(1 + 2 * s) / bw for s, bw in zip(shares, [4, 4, 4, 1])]
+    assert max(times) == pytest.approx(1.0) and times[0] < 0.5
+
+
+def test_a_somewhat_slower_link_owns_less_so_that_every_link_takes_as_long():
+    bws = [1.0, 1.0, 1.0, 2**-0.5]
+    shares = bound_shares(bws)
+    assert 0 < shares[3] < 0.25 < shares[0] and sum(shares) == pytest.approx(1.0)
+    times = [(1 + 2 * s) / bw for s, bw in zip(shares, bws)]
+    assert max(times) == pytest.approx(min(times))  # levelled: no link waits on another
+    assert bound_shares([1.0, 3.0]) == pytest.approx([0.25, 0.75])  # two members move S whatever they own
+
+
+def test_uneven_links_cut_the_vector_into_interleaved_slices_of_the_members_that_own_any():
+    numel = 6_553_600
+    bounds, owners, why = slice_layout(numel, [12.5e6, 3.125e6, 12.5e6, 12.5e6], 1024)
+    assert owners == (0, 2, 3) * PIPELINE_SLICES  # the slow member 1 owns none; the others in turn
+    assert bounds[0] == 0 and bounds[-1] == numel and len(bounds) == len(owners) + 1
+    sizes = [b - a for a, b in pairwise(bounds)]
+    assert max(sizes) - min(sizes) <= 1024 and "too slow to own any" in why
+    # a vector too short to cut finely: one slice per owning member
+    bounds, owners, _ = slice_layout(3 * 4096, [12.5e6, 3.125e6, 12.5e6, 12.5e6], 1024)
+    assert owners == (0, 2, 3) and bounds[-1] == 3 * 4096
+
+
+def test_a_member_owning_no_slice_accuses_nobody_by_silence_and_inherits_no_slice():
+    members, owners = [A, B, C, D], (0, 1, 2) * 2  # D owns nothing: it hears no parts
+    reports = {A: _report([B, C, D]), B: _report([A, C, D]), C: _report([A, B, D]), D: _report([])}
+    d = decide_scatter("g", members, reports, 2, owners)
+    assert d.commit and d.survivors == (A, B, C, D) and d.reason == ""
+    # C died: its slices go to the surviving owners, not to D
+    reports = {A: _report([B, D]), B: _report([A, D]), D: _report([], {C: "bad scatter part: NaN"})}
+    d = decide_scatter("g", members, reports, 2, owners)
+    assert d.survivors == (A, B, D) and "no report" in d.reason
+    assert d.owners == (A, B, A, A, B, B)
+    assert reassign(members, [D], owners) == (D,) * 6  # nobody else left: the one survivor takes all
 
 
 def test_slice_bounds_are_aligned_monotone_and_cover_everything():

@@ -92,9 +92,11 @@ def test_allreduce_bench_json_loopback():
 
 
 def test_allreduce_bench_netns_or_skipped():
+    # three peers, the last behind a link a quarter as fast: the topology of --slow-rate
     marker = uuid.uuid4().hex
     impls = "gloo,swarmtrain"
-    out = bench("--json", "--netns", "--size-mb", "1", "--peers", "2", "--rounds", "1", "--impls", impls, "--codecs", "int8", "--no-link-check", marker=marker)
+    args = ("--json", "--netns", "--size-mb", "1", "--peers", "3", "--slow-rate", "25mbit", "--rounds", "1", "--impls", impls, "--codecs", "int8")
+    out = bench(*args, "--no-link-check", marker=marker)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
     result = json.loads(out.stdout)
     if "skipped" in result:  # not root, or no `ip netns` here: the bench says why and exits 0
@@ -103,14 +105,18 @@ def test_allreduce_bench_netns_or_skipped():
     rows = {r["impl"]: r for r in result["rows"]}
     gloo = rows["gloo"]
     assert gloo["status"] == "ok" and gloo["rel_error"] < 1e-6
-    # 1 MiB over two 100 Mbit links: the bound is 2(N-1)/N·S/B = 84 ms; TCP start-up costs more
-    assert gloo["bound_seconds"] == pytest.approx(2 * 1 / 2 * (1 << 20) * 8 / 100e6, rel=1e-3)
+    # 1 MiB over 100, 100 and 25 Mbit/s links: the bound is max(S/min B, 2(N-1)·S/ΣB) = S/25 Mbit/s
+    # = 336 ms (the slow peer sends its vector and receives the result); equal slices take 1.33x that
+    assert gloo["bound_seconds"] == pytest.approx((1 << 20) * 8 / 25e6, rel=1e-3)
+    assert result["config"]["bound_even_seconds"] == pytest.approx(4 / 3 * (1 << 20) * 8 / 25e6, rel=1e-3)
     assert 0.9 < gloo["ratio_to_bound"] < 20
     assert gloo["wire_bytes_per_peer"] >= gloo["bytes_per_peer"]  # headers and ACKs come on top
-    # told its link rate (the default), each peer paces its parts to 92% of it
-    assert result["config"]["declared_bandwidth"] == 100e6 / 8
+    # each peer is told its own link's rate (the default)
+    assert result["config"]["declared_bandwidth"] == 100e6 / 8 and result["config"]["declared_bandwidth_slow"] == 25e6 / 8
+    # links that differ: slices laid out for them, their parts sent in turn, in slice order
     ours = rows["swarmtrain"]
-    assert ours["status"] == "ok" and ours["rel_error"] < 0.1 and ours["schedule"] == "paced", ours
+    assert ours["status"] == "ok" and ours["rel_error"] < 0.1 and ours["schedule"] == "in turn", ours
+    assert 0.9 < ours["ratio_to_bound"] < 20
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     assert not [line for line in namespaces.splitlines() if line.startswith(f"stb{out.pid}-")]
     assert leftovers(marker) == []

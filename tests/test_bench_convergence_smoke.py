@@ -82,3 +82,55 @@ def test_an_outer_lr_sweep_reuses_the_sync_arm_but_not_the_diloco_arms():
         assert Settings.comparable(base, arm) != Settings.comparable(swept, arm)
     # the sync arm's evaluation points follow H: another H is another curve
     assert Settings.comparable(base, "a") != Settings.comparable(Settings(inner_steps=50).to_dict(), "a")
+
+
+def test_a_sparse_sweep_reuses_the_sync_and_int8_arms_but_not_the_sparse_one():
+    from bench.convergence_settings import Settings
+
+    base = Settings().to_dict()
+    sparse = Settings(sparse_density=0.01, sparse_inner_steps=20, sparse_outer_momentum=0.0).to_dict()
+    for arm in ("a", "b", "c"):
+        assert Settings.comparable(base, arm) == Settings.comparable(sparse, arm)
+    assert Settings.comparable(base, "s") != Settings.comparable(sparse, "s")
+    # an int8 sweep leaves the sparse arm as it was
+    assert Settings.comparable(base, "s") == Settings.comparable(Settings(outer_lr=1.2, codec="fp16").to_dict(), "s")
+    with pytest.raises(ValueError, match="sparse_inner_steps"):
+        Settings(sparse_inner_steps=30)  # 800 steps are not a whole number of its rounds
+    with pytest.raises(ValueError, match="sparse bits"):
+        Settings(sparse_bits=9)
+
+
+def test_the_sparse_arm_runs_and_reports_its_bytes(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.convergence", "--quick", "--arms", "s", "--json", "--out", str(tmp_path), "--sparse-density", "0.01"],
+        cwd=ROOT, capture_output=True, text=True, timeout=370, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
+    s = json.loads(out.stdout)["arms"]["s"]
+    assert s["status"] == "ok" and [p["step"] for p in s["curve"]] == [0, 10, 20, 30, 40]
+    assert s["curve"][-1]["val_loss"] < s["curve"][0]["val_loss"]
+    # 4 rounds of the tiny model (136,960 values) among 2: per round, one half scattered and
+    # one half gathered, at 81 bytes per chunk of 4096 (41 values: scales, 12-bit indices, 2-bit codes)
+    assert 4 * 136_960 * 81 / 4096 * 0.95 < min(s["bytes_sent_per_node"]) <= max(s["bytes_sent_per_node"]) < 4 * 136_960 * 81 / 4096 * 1.1
+
+
+def test_the_uneven_arms_slow_the_last_replica_and_time_the_swarm_to_a_loss(tmp_path):
+    from bench.convergence import time_to_loss
+    from bench.convergence_settings import Settings
+    from bench.convergence_swarm import coordinator_args, node_args
+    from coordinator.cli import build_parser
+
+    s = Settings(preset="tiny", steps=40, inner_steps=10, replicas=3, slow_replica=2.0)
+    assert [node_args(s, tmp_path, r, "/ip4/127.0.0.1/tcp/1", "x")[-2:] for r in range(3)][2] == ["--fault-slowdown", "2.0"]
+    assert all("--fault-slowdown" not in node_args(s, tmp_path, r, "/ip4/127.0.0.1/tcp/1", "x") for r in range(2))
+    parsed = build_parser().parse_args(coordinator_args(s, tmp_path, 1, 2, "x", "time"))  # the coordinator's own flags
+    assert parsed.inner_phase == "time"
+    with pytest.raises(ValueError, match="slow_replica"):
+        Settings(slow_replica=0.5)
+    # seconds from each arm's first outer step: (a)'s loss reached by neither; both reach 2.5,
+    # (b) 30 s after its first outer step, (u) 15 s after its own
+    curve = lambda *pts: [{"step": 0, "val_loss": 3.0}] + [{"step": 10 * i, "val_loss": v, "seconds": t} for i, (t, v) in enumerate(pts, 1)]  # noqa: E731
+    ok = {"a": {"final_val_loss": 2.0}, "b": {"final_val_loss": 2.5, "curve": curve((40, 2.9), (55, 2.7), (70, 2.5))},
+          "u": {"final_val_loss": 2.45, "curve": curve((50, 2.9), (60, 2.6), (65, 2.45))}}  # fmt: skip
+    assert time_to_loss(ok) == {"b_seconds_to_a_final_loss": None, "u_seconds_to_a_final_loss": None, "b_seconds_to_both_final_loss": 30,
+                                "u_seconds_to_both_final_loss": 15, "seconds_to_both_final_loss_b_over_u": 2.0}  # fmt: skip

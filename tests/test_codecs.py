@@ -23,7 +23,10 @@ from protocol import (
 )
 from protocol.tensors import DTYPES
 
-CODECS = [("none", {}), ("fp16", {}), ("int8", {"block_size": 64}), ("topk", {"ratio": 0.1}), ("powersgd", {"rank": 2})]
+CODECS = [
+    ("none", {}), ("fp16", {}), ("int8", {"block_size": 64}), ("topk", {"ratio": 0.1}), ("powersgd", {"rank": 2}),
+    ("sparse", {"density": 0.1, "bits": 2, "chunk": 64}),
+]  # fmt: skip
 SHAPES = [(), (1,), (7,), (1000,), (33, 17), (4, 5, 6), (0,), (3, 0)]
 
 
@@ -293,7 +296,7 @@ def test_the_bound_check_finds_a_non_finite_value_anywhere(where, bad):
         decode_tensor(make_codec("fp16").encode(x), max_abs=1e3)  # fp16 clamps ±inf to ±65504
 
 
-@pytest.mark.parametrize("name,params", [("fp16", {}), ("int8", {"block_size": 64})], ids=["fp16", "int8"])
+@pytest.mark.parametrize("name,params", [("fp16", {}), ("int8", {"block_size": 64}), ("sparse", {"density": 0.05, "chunk": 64})], ids=["fp16", "int8", "sparse"])
 def test_cut_of_a_whole_encoding_is_the_encoding_of_the_range(name, params):
     """A vector encoded whole (with error feedback) and cut at aligned bounds gives, per range,
     the bytes and the residual that encoding the range alone gives: a sender may encode before
@@ -356,3 +359,124 @@ def test_codecs_with_other_params_or_names_differ():
     assert make_codec("none") != "none"
     assert len({make_codec("int8", block_size=64), make_codec("int8", block_size=64), make_codec("int8")}) == 2
     assert repr(make_codec("int8", block_size=64)) == "Int8Codec(block_size=64)"
+
+
+# -- sparse: chunked top-k, low-bit values --
+
+
+def test_sparse_sends_each_chunks_largest_values_in_few_bytes():
+    codec = make_codec("sparse", density=0.02, bits=2, chunk=4096)
+    x = torch.randn(4096 * 3 + 100, generator=torch.Generator().manual_seed(1))
+    enc, decoded = codec.encode_with_error(x)
+    assert enc.params == {"chunk": 4096, "k": 82, "bits": 2}
+    # per full chunk: lo, hi, 82 indices of 12 bits, 82 codes of 2 bits; the 100-element tail sends 3
+    assert enc.nbytes == 3 * (8 + 123 + 21) + (8 + 5 + 1) and codec.bytes_per_element() < 0.04
+    for c in range(4):
+        chunk, got = x[c * 4096 : (c + 1) * 4096], decoded[c * 4096 : (c + 1) * 4096]
+        sent = got != 0
+        assert int(sent.sum()) == (82 if c < 3 else 3)
+        assert chunk.abs()[sent].min() >= chunk.abs()[~sent].max()  # exactly the largest
+        assert torch.equal(got[sent].sign(), chunk[sent].sign())
+        lo, hi = chunk.abs()[sent].min(), chunk.abs()[sent].max()
+        assert ((got[sent].abs() - lo).abs() < 1e-6).sum() + ((got[sent].abs() - hi).abs() < 1e-6).sum() == sent.sum()  # two levels
+        assert ((got - chunk)[sent].abs() <= (hi - lo) / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_sparse_levels_per_bit_width(bits):
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(bits))
+    enc, decoded = make_codec("sparse", density=0.1, bits=bits, chunk=256).encode_with_error(x)
+    sent = decoded != 0
+    assert torch.equal(decode_tensor(enc), decoded)
+    assert len(decoded[sent].abs().unique()) <= (1 << (bits - 1)) * math.ceil(5000 / 256)
+    err = (decoded - x)[sent].abs().mean() / x[sent].abs().mean()
+    assert err < {1: 0.5, 3: 0.1, 8: 0.01}[bits]
+
+
+def test_sparse_constructor_refuses_bad_params():
+    for params in ({"density": 0.0}, {"density": 1.5}, {"bits": 0}, {"bits": 9}, {"chunk": 8}, {"chunk": 1 << 17}, {"bits": 2.0}):
+        with pytest.raises(LocalProtocolError, match="sparse"):
+            make_codec("sparse", **params)
+
+
+def _sparse_bad(mutate) -> EncodedTensor:
+    """A valid sparse encoding (density 0.05, chunk 64: rows of k=4 values: 8 bytes of scales, 3
+    of 6-bit indices, 1 of codes; then the 10-element tail's row: 1 value, 8 + 1 + 1 bytes),
+    changed by `mutate(payload bytearray, params dict)`."""
+    enc = make_codec("sparse", density=0.05, bits=2, chunk=64).encode(torch.randn(64 * 3 + 10, generator=torch.Generator().manual_seed(2)))
+    payload, params = bytearray(enc.payload), dict(enc.params)
+    mutate(payload, params)
+    return EncodedTensor(enc.dtype, enc.shape, enc.codec, bytes(payload), params)
+
+
+def _indices(row: int, values: list[int]):
+    from protocol.sparse import _pack
+
+    def mutate(p, params):
+        p[row * 12 + 8 : row * 12 + 11] = _pack(torch.tensor([values]), 6).numpy().tobytes()
+
+    return mutate
+
+
+def _scales(row: int, lo: float, hi: float):
+    def mutate(p, params):
+        p[row * 12 : row * 12 + 8] = torch.tensor([lo, hi], dtype=torch.float32).numpy().tobytes()
+
+    return mutate
+
+
+def _set(**kw):
+    return lambda p, params: params.update(kw)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda p, params: None, None),
+        (_indices(1, [3, 9, 9, 20]), "chunk 1: indices not strictly increasing"),
+        (_indices(0, [3, 20, 9, 30]), "chunk 0: indices not strictly increasing"),
+        (lambda p, params: p.__setitem__(3 * 12 + 8, 12), "chunk 3: index 12 out of range \\[0, 10\\)"),  # the 10-element tail
+        (_scales(2, math.nan, 1.0), "chunk 2: scale is NaN or Inf"),
+        (_scales(0, 0.5, math.inf), "chunk 0: scale is NaN or Inf"),
+        (_scales(1, 2.0, 1.0), "chunk 1: scales need 0 <= lo <= hi"),
+        (_scales(1, -1.0, 1.0), "chunk 1: scales need 0 <= lo <= hi"),
+        (lambda p, params: p.pop(), "payload is 45 bytes, expected 46"),
+        (lambda p, params: p.append(0), "payload is 47 bytes, expected 46"),
+        (_set(k=5), "payload is 46 bytes, expected 52"),
+        (_set(k=0), "params.k"),
+        (_set(k=65), "params.k"),
+        (_set(bits=9), "params.bits"),
+        (_set(chunk=8), "params.chunk"),
+        (_set(chunk=64.0), "params.chunk"),
+        (lambda p, params: params.pop("bits"), "params.bits"),
+    ],
+)
+def test_sparse_decode_refuses_bad_parts_and_names_the_problem(mutate, match):
+    enc = _sparse_bad(mutate)
+    if match is None:
+        assert torch.isfinite(decode_tensor(enc, max_abs=100.0)).all()
+        return
+    with pytest.raises(RemoteProtocolError, match=match) as e:
+        decode_tensor(enc, max_abs=100.0)
+    assert e.value.field in ("payload", "params.k", "params.bits", "params.chunk")
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_sparse_decode_of_mutated_payloads_refuses_or_stays_bounded(data):
+    """Whatever bytes a peer sends under a sparse header: refused with RemoteProtocolError, or
+    decoded to finite values no larger than the row's hi, at most k per chunk."""
+    n = data.draw(st.integers(1, 400))
+    codec = make_codec("sparse", density=data.draw(st.sampled_from([0.05, 0.3, 1.0])), bits=data.draw(st.integers(1, 8)), chunk=data.draw(st.sampled_from([16, 64])))
+    enc = codec.encode(torch.randn(n, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99)))))
+    payload = bytearray(enc.payload)
+    for _ in range(data.draw(st.integers(1, 6))):
+        if payload:
+            payload[data.draw(st.integers(0, len(payload) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    try:
+        out = decode_tensor(EncodedTensor(enc.dtype, enc.shape, enc.codec, bytes(payload), enc.params), max_abs=1e30)
+    except RemoteProtocolError:
+        return
+    assert torch.isfinite(out).all()
+    for c in range(0, n, codec.chunk):
+        assert int((out[c : c + codec.chunk] != 0).sum()) <= codec.k

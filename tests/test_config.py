@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.config import CoordinatorConfig
 from node.config import AGGREGATORS, GATHER_CODECS, AveragerSettings, ConfigError, NodeConfig, TransportSettings, averager_config, load_config, transport_config
-from node.runconfig import CODECS, INT8_BLOCK_SIZES, MODEL_PRESETS, MOE_EXPERTS, RunConfig, RunConfigError
+from node.runconfig import CODECS, INT8_BLOCK_SIZES, MODEL_PRESETS, MOE_EXPERTS, SPARSE_BITS, SPARSE_CHUNKS, RunConfig, RunConfigError
 
 
 def _load(tmp_path, toml: str = "", env: dict[str, str] | None = None, cli: dict | None = None, **kw):
@@ -61,6 +61,7 @@ BAD_RUN_FIELDS = [
     ("batch_size", 0), ("inner_lr", 0.0), ("inner_lr", math.nan), ("inner_lr", math.inf), ("warmup_steps", -1),
     ("total_steps", 0), ("outer_lr", -1.0), ("outer_momentum", 1.0), ("outer_momentum", -0.1), ("codec", "zip"),
     ("block_size", INT8_BLOCK_SIZES[0] - 1), ("block_size", INT8_BLOCK_SIZES[1] + 1), ("max_outer_steps", -1),
+    ("sparse_density", 0.0), ("sparse_density", 1.5), ("sparse_bits", 0), ("sparse_bits", 9), ("sparse_chunk", 8),
     ("checkpoint_every", 0), ("eval_batches", 0), ("seed", -1), ("join_timeout_s", 0), ("join_timeout_s", None),
     ("min_replicas", 0), ("outer_lr", 10**400), ("stage_routing", "mail"), ("stage_clip", "none"), ("synchronous_steps", "yes"), ("synchronous_steps", 1),
 ]  # fmt: skip
@@ -86,12 +87,17 @@ def test_every_run_field_has_a_bounds_check():
 def test_run_config_names_match_the_registries():
     from node.models.gpt import PRESETS
     from node.models.moe import MOE_PRESETS
+    from protocol import make_codec, sparse
     from protocol.codecs import Codec, Int8Codec
 
     assert MODEL_PRESETS == (*PRESETS, *MOE_PRESETS)
     assert MOE_EXPERTS == {name: moe.num_experts for name, (_, moe) in MOE_PRESETS.items()}
     assert set(CODECS) == set(Codec.codecs)
     assert INT8_BLOCK_SIZES == (Int8Codec.MIN_BLOCK, Int8Codec.MAX_BLOCK)
+    assert SPARSE_BITS == (1, sparse.MAX_BITS) and SPARSE_CHUNKS == (sparse.MIN_CHUNK, sparse.MAX_CHUNK)
+    for codec in CODECS:  # the run's params for its codec build it
+        run = RunConfig(codec=codec)
+        assert make_codec(codec, **run.codec_params()).params() == {**make_codec(codec).params(), **run.codec_params()}
 
 
 def test_train_config_defaults_are_the_runs():

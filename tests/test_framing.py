@@ -31,6 +31,9 @@ SAMPLES = [
     m.AvgJoin(round_key="outer-1", numel=100, weight=2.0, bandwidth=1e7, codec="int8"),
     m.AvgGroup(status="group", group_id="g", members=("a", "b"), weights=(1.0, 2.0), bounds=(0, 50, 100), codec="int8",
                codec_params={"block_size": 64}, gather_codec="int8", deadline_s=3.0),
+    m.AvgGroup(status="group", group_id="g", members=("a", "b"), weights=(1.0, 1.0), bounds=(0, 4096, 8192), codec="sparse",
+               codec_params={"density": 0.02, "bits": 2, "chunk": 4096}, gather_codec="sparse",
+               gather_codec_params={"density": 0.02, "bits": 2, "chunk": 4096}, deadline_s=3.0),
     m.AvgGroup(status="redirect", redirect="b"),
     m.AvgReport(group_id="g", phase="scatter", received_from=("a",), blamed=("b",), reasons=("NaN",)),
     m.AvgDecision(group_id="g", phase="gather", commit=True, survivors=("a",), owners=("a", "a")),
@@ -273,3 +276,24 @@ def test_buffered_api_refuses_what_feed_refuses():
     bad = msgpack.packb([PROTOCOL_VERSION, m.Probe.TYPE, 0, {"data": b"x" * 300, "want": -1}], use_bin_type=True)
     with pytest.raises(RemoteProtocolError, match="want"):
         _buffered(Decoder(bulk_min=1), len(bad).to_bytes(4, "big") + bad, 64)
+
+
+def test_a_framed_sparse_part_with_repeated_indices_is_refused_naming_the_chunk():
+    """A sparse part as a peer sends it (split into frames, decoded, reassembled) whose second
+    chunk lists an index twice: the frames are fine, the tensor is refused at decode."""
+    import torch
+
+    from protocol import EncodedTensor, TensorAssembler, decode_tensor, make_codec, split
+    from protocol.sparse import _pack
+
+    enc = make_codec("sparse", density=0.05, bits=2, chunk=64).encode(torch.randn(128))  # rows of 12 bytes: 4 values
+    payload = bytearray(enc.payload)
+    payload[12 + 8 : 12 + 11] = _pack(torch.tensor([[1, 1, 2, 3]]), 6).numpy().tobytes()
+    parts = split(EncodedTensor(enc.dtype, enc.shape, enc.codec, bytes(payload), enc.params), "w", chunk_size=7)
+    asm, out = TensorAssembler(), None
+    for msg in Decoder().feed(b"".join(encode(p) for p in parts)):
+        out = asm.add(msg)
+    assert out is not None and out.codec == "sparse"
+    with pytest.raises(RemoteProtocolError, match="sparse chunk 1: indices not strictly increasing") as e:
+        decode_tensor(out)
+    assert e.value.field == "payload"

@@ -173,7 +173,7 @@ def test_a_role_that_cannot_be_made_or_started_or_fails_unexpectedly_is_a_failur
 def test_a_replicas_failed_round_is_noted_and_the_coordinator_records_it_as_an_event(tmp_path):
     from coordinator.config import CoordinatorConfig
     from coordinator.service import Coordinator
-    from node.averaging.config import AverageReport, AveragingFailed
+    from node.averaging.config import AverageReport
     from node.net.transport import CallContext, Transport
     from node.roles.replica import Replica
     from protocol import Heartbeat, Register
@@ -188,7 +188,7 @@ def test_a_replicas_failed_round_is_noted_and_the_coordinator_records_it_as_an_e
             (tmp_path / "node").mkdir()
             membership = Membership(host, transport, config, {})
             replica = Replica(RoleContext(host, transport, membership, config), RunConfig(min_replicas=1))
-            failed = AveragingFailed(AverageReport(key="outer-0-abcdef12", reason="too late or alone"))
+            failed = AverageReport(key="outer-0-abcdef12", reason="too late or alone")
             try:
                 await replica._round_failed(failed, moved_on=False, wait_s=0.0)  # alone: nobody got further
             finally:

@@ -165,6 +165,7 @@ CODECS = [
     ("int8", {"block_size": 256}),
     ("topk", {"ratio": 0.05}),
     ("powersgd", {"rank": 4}),
+    ("sparse", {"density": 0.05, "bits": 2, "chunk": 4096}),  # gathered sparse too, with the owners' feedback
 ]
 
 
@@ -200,7 +201,7 @@ def test_groups_of_every_size_and_codec(peers, size):
             # bitwise equal to the same codec pipeline computed locally from the inputs
             assert r["equals_reference"], (name, r)
             assert r["max_err"] <= bound(name, r["max_abs"]), (name, r["max_err"])
-            if name in ("topk", "powersgd"):
+            if name in ("topk", "powersgd", "sparse"):
                 assert r["rel_err"] < 1.0  # one lossy step without history; error feedback sends the rest later
 
 
@@ -212,7 +213,7 @@ def test_nan_and_wrong_shape_senders_are_excluded_and_named(peers, size):
     leader = min(group, key=lambda p: p.peer_id)
     # with a lossy codec, the owner that inherits the bad sender's slice counts its own part
     # as the bad sender would have decoded it: still the same bits everywhere
-    for kind, codec, params in (("nan", "none", {}), ("shape", "none", {}), ("nan", "int8", {"block_size": 256})):
+    for kind, codec, params in (("nan", "none", {}), ("shape", "none", {}), ("nan", "int8", {"block_size": 256}), ("nan", "sparse", {"density": 0.05})):
         # the NaN sender is the round's leader: excluded, it must still coordinate the commit
         bad = leader if kind == "nan" else next(p for p in group if p is not leader)
         for p in group:
@@ -228,6 +229,33 @@ def test_nan_and_wrong_shape_senders_are_excluded_and_named(peers, size):
             assert r["equals_reference"]  # the mean of the good peers, exactly
         assert not results[bad.name]["ok"]
         assert results[bad.name]["unchanged"]
+
+
+def test_on_uneven_links_the_slowest_owns_no_slice_and_a_failed_owners_slices_are_reowned(peers):
+    """Members that declare uneven links: the slowest owns no slice, the others several each,
+    interleaved, and parts leave in turn (slice order). Every member ends with the same bits,
+    those of the same pipeline computed locally. Then an owner sends NaN: it is excluded, its
+    slices go to the surviving owners (not to the slow member), the survivors still agree."""
+    group = peers[:4]
+    slow = group[2]
+    numel = 400_000  # long enough for two slices per owner
+    rounds = (("int8", {"block_size": 256}, None), ("none", {}, next(p for p in group if p is not slow and p is not min(group, key=lambda p: p.peer_id))))
+    for codec, params, bad in rounds:
+        for p in group:
+            p.configure(faults={"corrupt_parts": "nan"} if p is bad else {}, codec=codec, codec_params=params, join_timeout_s=10,
+                        bandwidth=12.5e6 if p is slow else 50e6)
+        results = run_round(group, f"uneven-{codec}", numel=numel)
+        good = [results[p.name] for p in group if p is not bad]
+        assert all(r["ok"] for r in good), [(r["ok"], r.get("reason"), r.get("failed")) for r in good]
+        assert len({r["sha"] for r in good}) == 1
+        for r in good:
+            owners = {r["members"][i] for i in r["slice_owners"]}
+            assert slow.peer_id not in owners and len(owners) == 3 and len(r["slice_owners"]) == 6, r["slice_owners"]
+            assert r["schedule"] == "in turn" and r["equals_reference"], r
+            assert r["max_err"] <= bound(codec, r["max_abs"])
+            assert [f[0] for f in r["failed"]] == ([bad.peer_id] if bad else [])
+        if bad:
+            assert not results[bad.name]["ok"] and results[bad.name]["unchanged"]
 
 
 def test_a_member_that_keeps_sending_nan_is_banned_and_left_out(peers):

@@ -163,3 +163,23 @@ def test_a_steadily_slower_replica_keeps_its_place_in_rounds(swarm):
     # than it in a round or two of five)
     waits = {n: {e["outer_step"]: e["round_s"] for e in averaged(history(swarm, n))} for n in NAMES}
     assert any(min(waits["a"].get(k, 0.0), waits["b"].get(k, 0.0)) > 1.0 and w < 0.5 for k, w in waits["c"].items()), waits
+
+
+def test_with_a_time_budget_a_slower_replica_trains_fewer_steps_and_nobody_waits_for_it(swarm):
+    """--inner-phase time: the slow replica stops once the two others wait to average (the
+    median replica finished), its pseudo-gradient weighed by its samples; every round keeps all
+    three and one state."""
+    coord = swarm.coordinator("coordinator", None, None, *RUN, "--inner-steps", "40", "--inner-phase", "time")
+    maddr = coord.wait_ready()["maddrs"][0]
+    procs = {n: swarm.node(n, [maddr], *NODE, "--shard-index", str(i), *(["--fault-slowdown", "3"] if n == "c" else []))
+             for i, n in enumerate(NAMES)}
+    for p in procs.values():
+        node_peer_id(p)
+    wait_for(lambda: all(step(swarm, n) >= 4 for n in NAMES), 300, "four outer steps on every replica")
+    rounds = {n: {e["outer_step"]: e for e in averaged(history(swarm, n))} for n in NAMES}
+    common = sorted(set.intersection(*(set(r) for r in rounds.values())))
+    assert len(common) >= 3, rounds
+    assert all(len({rounds[n][k]["state_hash"] for n in NAMES}) == 1 and rounds["c"][k]["members"] == 3 for k in common), rounds
+    # the fast replicas take their 40 steps; the slow one (a third of their speed) far fewer
+    assert all(rounds[n][k]["inner_steps"] == 40 for n in ("a", "b") for k in common), rounds
+    assert all(rounds["c"][k]["inner_steps"] <= 30 for k in common), [rounds["c"][k]["inner_steps"] for k in common]

@@ -6,15 +6,18 @@ One round, as each member sees it:
    round's DHT key, then join the group of the smallest peer id that wants the same key (it
    leads; a leader that sees a smaller id later hands its joiners over; a joiner follows such
    redirects). The leader closes the group when `expected_peers` have joined or its join window
-   ends, and tells everyone the members, their order, the slice bounds (sized by bandwidth, in
-   half-octave steps), the codec, and phase deadlines derived from bandwidth. A peer that
-   arrives after the group closed is told so and waits for the next round.
+   ends, and tells everyone the members, their order, the slices and their owners (sized by
+   bandwidth in half-octave steps, so that every link takes as long; on uneven links a link
+   too slow for any share owns none, and the others own several slices each, interleaved),
+   the codec, and phase deadlines derived from bandwidth. A peer that arrives after the group
+   closed is told so and waits for the next round.
 2. **Scatter** (round.py, schedule.py). The flat vector is cut into one slice per member. Every
    member sends each owner its part, compressed with error feedback (encoded while matchmaking
    still waits on the network, where the codec allows), streamed in chunks: with a declared
-   bandwidth, all parts at once, each paced to its share of it (`Sender.paced`); else one owner
-   at a time starting after its own index, so each link carries one flow at a time
-   (`Sender.in_turn`). An owner's own part never travels and counts exactly.
+   bandwidth on equal links, all parts at once, each paced to its share of it (`Sender.paced`);
+   else one owner at a time starting after its own index, so each link carries one flow at a
+   time (`Sender.in_turn`); on uneven links in slice order, so that slices fill up one after
+   another. An owner's own part never travels and counts exactly.
 3. **Decision** (decisions.py). Every member reports to the leader whose parts it received
    intact and whom it blames (dead, late, NaN, wrong shape). The leader decides who survives
    (an accuser of half the group whom nobody corroborates is the one excluded); a failed
@@ -24,7 +27,7 @@ One round, as each member sees it:
    aggregator) and send the result to every survivor, as in the scatter; the owner keeps the
    decoded copy of what it sent, so every member holds the same bits. An owner that holds every
    member's part does not wait for the decision: it aggregates over all members and sends at
-   once ("early" slices). If the decision then excludes nobody, those are the gather; if it
+   once ("early" slices), slice by slice as each fills up. If the decision then excludes nobody, those are the gather; if it
    excludes someone, they are void everywhere and sent again over the survivors (a per-slice
    lock makes the post-decision copy the one that stays in the result).
 5. **Commit**. Members report that they hold every slice; the leader commits only if all
@@ -40,8 +43,8 @@ Files:
     config.py        `AveragerConfig` (every setting, its unit and bounds), `AverageReport`,
                      `AveragingFailed`
     decisions.py     pure decisions, each with its reason: group closing and formation, slice
-                     shares and bounds, survivors and re-owned slices, commit, pacing choice,
-                     bandwidth and flow-rate learning
+                     shares, layout and bounds, survivors and re-owned slices, commit, pacing
+                     choice, bandwidth and flow-rate learning
     matchmaking.py   `Matchmaker`: the async driver of matchmaking (DHT records, calls to
                      leaders, serving joins); its docstring tells the protocol
     joins.py         `Search` and `Lobby`: the sans-IO follower / leader state machines

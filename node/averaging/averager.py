@@ -107,7 +107,7 @@ class Averager:
         # flattening, checking and snapshotting (seconds for big models) overlap matchmaking
         reuse, spare = self.buffers.take_flat(numel, tensors)
         feedback = self.buffers.feedback(state_key, numel)
-        own = self.buffers.last_own.get(numel, (0, 0))  # the slice we owned last time: likely ours again
+        own = self.buffers.last_own.get(numel, ())  # the slices we owned last time: likely ours again
         prepare = asyncio.get_running_loop().run_in_executor(None, self.buffers.prepare, key, tensors, spare, feedback, own)
         try:
             window = self.config.join_timeout_s if join_timeout_s is None else join_timeout_s
@@ -134,10 +134,12 @@ class Averager:
         report.ok, report.seconds = True, time.monotonic() - t0
         self._measured_bandwidth = learn_bandwidth(self._measured_bandwidth, report.phases, report.bytes_sent + report.bytes_received).value
         self.matchmaker.last_members, self.matchmaker.last_ok = tuple(report.survivors), True
-        if self.peer_id in report.members:
-            i = report.members.index(self.peer_id)
-            self.buffers.last_own[numel] = (report.bounds[i], report.bounds[i + 1])
+        self.buffers.last_own[numel] = tuple((group.bounds[j], group.bounds[j + 1]) for j in range(group.n_slices) if group.first_owner(j) == self.peer_id)
         return unflatten(result, tensors), report
+
+    async def waiting(self, key: str) -> set[str]:
+        """The peers whose records say they wait to average `key` now (a DHT read)."""
+        return await self.matchmaker.candidates(key)
 
     @property
     def last_members(self) -> tuple[str, ...]:
@@ -155,6 +157,7 @@ class Averager:
         rnd = Round(group=group, me=self.peer_id, leader=report.leader, report=report, state_key=state_key)
         rnd.result = torch.empty_like(prepared.flat)  # gathered slices are decoded straight into it
         report.group_id, report.members, report.bounds = group.group_id, list(group.members), group.bounds
+        report.slice_owners = group.slice_owners
         self.phase(report.key, "matched")
         self.service.add_round(self, rnd)
         driver = RoundDriver(self, rnd, prepared)

@@ -54,6 +54,18 @@ class Prepared:
     encoded: list[tuple[int, int, EncodedTensor]] = field(default_factory=list)  # (a, b, flat[a:b] + residual encoded): cut into parts
 
 
+def outside(ranges: Sequence[tuple[int, int]], numel: int) -> list[tuple[int, int]]:
+    """The stretches of [0, numel) that none of `ranges` ([a, b) each) covers, in order."""
+    out, pos = [], 0
+    for a, b in sorted(ranges):
+        if a > pos:
+            out.append((pos, a))
+        pos = max(pos, b)
+    if pos < numel:
+        out.append((pos, numel))
+    return out
+
+
 def cut_from(pieces: list[tuple[int, int, EncodedTensor]], codec, a: int, b: int) -> EncodedTensor | None:
     """The encoding of elements [a, b), cut from a piece (start, end, encoding) that covers
     them at the codec's alignment; None if none does."""
@@ -74,7 +86,7 @@ class Buffers:
         self.spare_flats: dict[int, list[torch.Tensor]] = {}  # numel -> flattened-input buffers free for reuse
         self.codec_state: dict[tuple, dict] = {}
         self.gather_residuals: dict[tuple[str, int, int], torch.Tensor] = {}  # (state_key, a, b) -> what the gather lost
-        self.last_own: dict[int, tuple[int, int]] = {}  # vector length -> the slice we owned in the last such round
+        self.last_own: dict[int, tuple[tuple[int, int], ...]] = {}  # vector length -> the slices [a, b) we owned in the last such round
 
     # ---- spares ----
 
@@ -106,13 +118,13 @@ class Buffers:
 
     # ---- a round's input ----
 
-    def prepare(self, key: str, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None, feedback=None, own=(0, 0)) -> Prepared:
+    def prepare(self, key: str, tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None, feedback=None, own=()) -> Prepared:
         """The flat fp32 vector to average (written into `out` when given and a copy is needed)
         and, with a lossy codec, its error-feedback buffers. A codec whose encoding can be cut
         (`Codec.cut`) encodes the vector here, while matchmaking waits on the network: once the
         group is known the first part can leave at once, instead of after the CPU burst of
-        every member encoding at the same moment. Except the slice `own` [a, b): the one we
-        owned last round, which never travels if we own it again."""
+        every member encoding at the same moment. Except the slices `own` ([a, b) each): the
+        ones we owned last round, which never travel if we own them again."""
         t0 = time.monotonic()
         flat = flatten(tensors, out)
         if not math.isfinite(finite_max_abs(flat)):
@@ -124,7 +136,7 @@ class Buffers:
             prepared.residual = residual if residual is not None else torch.zeros_like(flat)
             prepared.new_residual = new_residual if new_residual is not None else torch.empty_like(flat)
             if self.codec.cut_align and self.slice_align % self.codec.cut_align == 0:
-                for a, b in ((0, own[0]), (own[1], flat.numel())) if own[1] > own[0] else ((0, flat.numel()),):
+                for a, b in outside(own, flat.numel()):
                     if b > a:
                         enc = self.codec.encode_with_feedback(flat[a:b], prepared.residual[a:b], out=prepared.new_residual[a:b], keep_decoded=False)[0]
                         prepared.encoded.append((a, b, enc))

@@ -15,7 +15,16 @@ from . import aggregators
 MAX_EARLY_KEYS = 1024  # keys joins may wait on at once (see `early_join_wait_s`); beyond, they are answered at once
 NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # bytes per element each codec puts on the wire, to size deadlines before anything is sent
+# (sparse: its own, from its params)
 WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "int8": 1.01, "topk": 0.08, "powersgd": 0.05}
+SELF_GATHERING = ("none", "fp16", "int8", "sparse")  # codecs that carry averaged slices back too (the others: fp16)
+
+
+def wire_bytes(codec: str, params: dict) -> float:
+    """Bytes per element `codec` with `params` puts on the wire (an estimate for deadlines)."""
+    if codec == "sparse":
+        return make_codec(codec, **params).bytes_per_element()
+    return WIRE_BYTES.get(codec, 4.0)
 
 
 @dataclass(frozen=True)
@@ -25,9 +34,9 @@ class AveragerConfig:
     # averager per namespace in a process (e.g. "replicas", "stage-2", "expert-l1-e3"); averagers
     # of other namespaces never see its traffic
     namespace: str = DEFAULT_NAMESPACE
-    codec: str = "none"  # scatter codec: none | fp16 | int8 | topk | powersgd
+    codec: str = "none"  # scatter codec: none | fp16 | int8 | topk | powersgd | sparse
     codec_params: dict = field(default_factory=dict)  # e.g. {"block_size": 1024}
-    gather_codec: str | None = None  # codec of averaged slices; None: same as `codec` (without topk/powersgd: fp16)
+    gather_codec: str | None = None  # codec of averaged slices; None: same as `codec`, with its params (topk/powersgd: fp16)
     aggregator: str = "mean"  # mean | trimmed_mean | centered_clip
     aggregator_params: dict = field(default_factory=dict)
     join_timeout_s: float = 5.0  # how long a leader keeps its group open
@@ -81,7 +90,13 @@ class AveragerConfig:
     def resolved_gather_codec(self) -> str:
         if self.gather_codec:
             return self.gather_codec
-        return self.codec if self.codec in ("none", "fp16", "int8") else "fp16"
+        return self.codec if self.codec in SELF_GATHERING else "fp16"
+
+    @property
+    def gather_codec_params(self) -> dict:
+        """The gather codec's params: the scatter's when it is the same codec (a sparse gather
+        sends as few values as the scatter), else its defaults."""
+        return dict(self.codec_params) if self.resolved_gather_codec == self.codec else {}
 
 
 @dataclass
@@ -100,6 +115,7 @@ class AverageReport:
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
     bounds: tuple[int, ...] = ()  # slice bounds of the flat vector
+    slice_owners: tuple[int, ...] = ()  # member index that owned each slice as the group formed (empty: slice i is member i's)
     late: bool = False  # failed because the group formed without us (others may still be averaging)
     early_used: int = 0  # slices received before the decision and kept (optimistic gather)
     early_discarded: int = 0  # slices received before a decision that excluded someone: sent again

@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 
 from protocol import AvgDecision, AvgGroup, AvgJoin, AvgReport
 
-from .config import WIRE_BYTES, AveragerConfig
+from .config import AveragerConfig, wire_bytes
 
 # ---- slices ---------------------------------------------------------------------------------
+
+PIPELINE_SLICES = 16  # slices per owning member when the members' links differ (see `slice_layout`)
+MIN_PIPELINE_SLICE = 1 << 16  # elements: a vector too short for slices of this size keeps one per owner
 
 
 def slice_shares(bandwidths: Sequence[float]) -> list[float]:
@@ -26,6 +29,54 @@ def slice_shares(bandwidths: Sequence[float]) -> list[float]:
     bws = [max(float(bw), 1.0) for bw in bandwidths]
     med = statistics.median(bws)
     return [2.0 ** (round(2 * math.log2(bw / med)) / 2) for bw in bws]
+
+
+def bound_shares(bandwidths: Sequence[float]) -> list[float]:
+    """The fraction of the vector each member owns so that the round takes least time. Owning
+    s_i of a vector of S bytes, member i moves (1 + (N-2)·s_i)·S each way (its other parts
+    out, its aggregated slice to the N-1 others), so the round takes max_i (1 + (N-2)·s_i)·S/B_i
+    at best. The shares that level that out are s_i = (T·B_i - 1)/(N-2) with one T for all;
+    a member so slow that T·B_i < 1 owns nothing (it only sends its parts and receives the
+    result: less than that no all-reduce can move). Equal links: 1/N each. Two members move S
+    each whatever they own: shares in proportion to bandwidth."""
+    top = max(max(bandwidths, default=1.0), 1e-300)
+    bws = [max(float(bw) / top, 1e-9) for bw in bandwidths]  # relative: only their ratios matter
+    n = len(bws)
+    if n <= 2:
+        return [bw / sum(bws) for bw in bws]
+    owning = set(range(n))
+    while True:
+        level = (n - 2 + len(owning)) / sum(bws[i] for i in owning)
+        slowest = min(owning, key=lambda i: bws[i])
+        if level * bws[slowest] >= 1 or len(owning) == 1:
+            break
+        owning.discard(slowest)  # (one at a time: each removal raises the level for the rest)
+    return [max(0.0, (level * bws[i] - 1) / (n - 2)) if i in owning else 0.0 for i in range(n)]
+
+
+def slice_layout(numel: int, bandwidths: Sequence[float], align: int) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """(slice bounds, the member index owning each slice, why): how a group cuts its vector.
+    Bandwidths are first rounded to half-octave steps around the median (`slice_shares`), then
+    shared out by `bound_shares`. Equal links: one slice per member (owners `()`: slice i is
+    member i's). Uneven links: the slowest link is the round's bottleneck both ways, and it can
+    receive a slice's result only once its own part of that slice is in; so each owning member
+    owns PIPELINE_SLICES slices, interleaved (members a, b, c: a b c a b c ...), which every
+    member sends in order: the first results flow back to a slow member while it still sends
+    its later parts, instead of after its last."""
+    rounded = slice_shares(bandwidths)
+    shares = bound_shares(rounded)
+    n = len(shares)
+    if max(rounded) == min(rounded):
+        return slice_bounds(numel, shares, align), (), "equal links: one slice per member"
+    owning = [i for i, s in enumerate(shares) if s > 0]
+    k = max(1, min(PIPELINE_SLICES, numel // (len(owning) * max(MIN_PIPELINE_SLICE, align))))
+    if k == 1 and len(owning) == n:
+        return slice_bounds(numel, shares, align), (), "uneven links, a short vector: one slice per member, sized to its link"
+    owners = tuple(owning) * k
+    bounds = slice_bounds(numel, [shares[i] for i in owners], align)
+    idle = n - len(owning)
+    why = f"uneven links: {k} slice(s) per owning member, interleaved" + (f"; {idle} member(s) too slow to own any" if idle else "")
+    return bounds, owners, why
 
 
 def slice_bounds(numel: int, bandwidths: Sequence[float], align: int) -> tuple[int, ...]:
@@ -112,30 +163,33 @@ def form_group(
     joins: Mapping[str, AvgJoin], numel: int, config: AveragerConfig, codec_params: Mapping, group_id: str
 ) -> tuple[AvgGroup | None, str]:
     """The group a leader announces for these joins (its own included), or None and why not.
-    Members in peer id order; slices sized by declared bandwidth; phase deadlines from the
-    slowest member's expected transfer time."""
+    Members in peer id order; slices sized and laid out by bandwidth (`slice_layout`); phase
+    deadlines from the slowest member's expected transfer time."""
     members = tuple(sorted(joins))
     if len(members) < config.min_group_size:
         return None, "too few peers for a group"
     bws = [joins[m].bandwidth or config.default_bandwidth for m in members]
     gather = config.resolved_gather_codec
-    per_elem = max(WIRE_BYTES.get(config.codec, 4.0), WIRE_BYTES.get(gather, 4.0))
+    per_elem = max(wire_bytes(config.codec, dict(codec_params)), wire_bytes(gather, config.gather_codec_params))
     n = len(members)
     moved = 2 * (n - 1) / max(n, 1) * numel * per_elem  # bytes in + out per member, one phase
     expected_s = moved / min(bws)
     deadline_s = config.base_timeout_s + config.timeout_slack * expected_s
+    bounds, owners, layout = slice_layout(numel, bws, config.slice_align)
     group = AvgGroup(
         status="group",
         group_id=group_id,
         members=members,
         weights=tuple(joins[m].weight for m in members),
-        bounds=slice_bounds(numel, slice_shares(bws), config.slice_align),
+        bounds=bounds,
+        slice_owners=owners,
         codec=config.codec,
         codec_params=dict(codec_params),
         gather_codec=gather,
+        gather_codec_params=config.gather_codec_params,
         deadline_s=deadline_s,
     )
-    return group, f"{n} members; slowest {min(bws) / 1e6:.1f} MB/s: {expected_s:.2f} s per phase expected, deadline {deadline_s:.2f} s"
+    return group, f"{n} members; slowest {min(bws) / 1e6:.1f} MB/s: {expected_s:.2f} s per phase expected, deadline {deadline_s:.2f} s; {layout}"
 
 
 # ---- matchmaking: is the leader we wait on still there? ----------------------------------------
@@ -207,12 +261,16 @@ class Liveness:
 # ---- after the scatter: who survives, who owns what ------------------------------------------
 
 
-def decide_survivors(members: Sequence[str], reports: Mapping[str, AvgReport]) -> tuple[list[str], dict[str, str]]:
+def decide_survivors(
+    members: Sequence[str], reports: Mapping[str, AvgReport], owning: Collection[str] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """After scatter: who survives, and why the others failed. Members that did not report
     failed. An owner accuses the senders it blamed or never heard from; the accused fail,
     unless their accuser accused at least half of the others and some of that is corroborated
     by no other owner: then the accuser (a broken receiver, or a liar) is the likely culprit.
-    So one NaN sender among three is excluded by its two honest receivers, not the reverse."""
+    So one NaN sender among three is excluded by its two honest receivers, not the reverse.
+    `owning`: the members that own a slice (None: all); one that owns none hears no parts, so
+    its silence about a sender accuses nobody (what it blames explicitly still counts)."""
     failed: dict[str, str] = {}
     for m in members:
         if m not in reports:
@@ -223,7 +281,7 @@ def decide_survivors(members: Sequence[str], reports: Mapping[str, AvgReport]) -
         if rep is None:
             continue
         acc = {m: f"{why} (reported by {owner[-8:]})" for m, why in zip(rep.blamed, rep.reasons) if m != owner}
-        for m in members:
+        for m in members if owning is None or owner in owning else ():
             if m != owner and m not in failed and m not in rep.received_from and m not in acc:
                 acc[m] = f"its part never reached {owner[-8:]}"
         accusations[owner] = acc
@@ -240,26 +298,34 @@ def decide_survivors(members: Sequence[str], reports: Mapping[str, AvgReport]) -
     return survivors, failed
 
 
-def reassign(members: Sequence[str], survivors: Sequence[str]) -> tuple[str, ...]:
-    """Owner of each slice: its member if it survived, else survivors round-robin."""
+def reassign(members: Sequence[str], survivors: Sequence[str], slice_owners: Sequence[int] = ()) -> tuple[str, ...]:
+    """Owner of each slice: its first owner (`slice_owners`: member index per slice; empty:
+    slice i is member i's) if it survived, else the surviving owners round-robin (a member too
+    slow to own a slice gets none of a failed one's either, unless nobody else survived)."""
+    first = [members[i] for i in slice_owners] if slice_owners else list(members)
+    heirs = [m for m in survivors if m in first] or list(survivors)
     owners, k = [], 0
-    for m in members:
+    for m in first:
         if m in survivors:
             owners.append(m)
         else:
-            owners.append(survivors[k % len(survivors)])
+            owners.append(heirs[k % len(heirs)])
             k += 1
     return tuple(owners)
 
 
-def decide_scatter(group_id: str, members: Sequence[str], reports: Mapping[str, AvgReport], min_group_size: int) -> AvgDecision:
+def decide_scatter(
+    group_id: str, members: Sequence[str], reports: Mapping[str, AvgReport], min_group_size: int, slice_owners: Sequence[int] = ()
+) -> AvgDecision:
     """The leader's decision after the scatter: the survivors and the owner of every slice, or
     an abort when fewer than `min_group_size` survive. Its `reason` says who failed and why."""
-    survivors, failed = decide_survivors(members, reports)
+    owning = {members[i] for i in slice_owners} if slice_owners else None
+    survivors, failed = decide_survivors(members, reports, owning)
     reason = "; ".join(f"{m[-8:]}: {why}" for m, why in failed.items())
     if len(survivors) < min_group_size:
         return AvgDecision(group_id=group_id, phase="scatter", commit=False, reason=reason or "too few survivors")
-    return AvgDecision(group_id=group_id, phase="scatter", commit=True, survivors=tuple(survivors), owners=reassign(members, survivors), reason=reason)
+    owners = reassign(members, survivors, slice_owners)
+    return AvgDecision(group_id=group_id, phase="scatter", commit=True, survivors=tuple(survivors), owners=owners, reason=reason)
 
 
 def decide_commit(
@@ -290,16 +356,21 @@ def decide_commit(
 # ---- sending -----------------------------------------------------------------------------------
 
 
-def choose_pace(config: AveragerConfig, direct_to_all: bool) -> tuple[float | None, str]:
+def choose_pace(config: AveragerConfig, direct_to_all: bool, pipelined: bool = False) -> tuple[float | None, str]:
     """Bytes/s our paced sends share this round, or None: send in turn (`Sender.in_turn`); and
-    why. Pacing needs our upload rate declared (`bandwidth`), below `pace_max_rate`, and direct
-    pipes to every other member. Not measured: a paced flow cannot see how much faster the
+    why. Pacing needs our upload rate declared (`bandwidth`), below `pace_max_rate`, direct
+    pipes to every other member, and a group of equal links (`pipelined`: the group's slices
+    are laid out for uneven links, `slice_layout`; their parts must leave in order, one at a
+    time, for the first results to come back while the last parts are on their way, and
+    pacing to our own rate would flood a slower receiver). Not measured: a paced flow cannot see how much faster the
     link could go, and a flow sent in turn rarely has the link to itself long enough to tell
     (TCP's acknowledged bytes arrive in bursts). And pacing a few % above a link costs more than
     pacing below it: its queue overflows and TCP backs off."""
     rate = config.bandwidth * config.pace_share
     if not config.pace:
         return None, "pacing is off"
+    if pipelined:
+        return None, "uneven links: parts leave in slice order, one at a time"
     if not rate:
         return None, "no bandwidth declared"
     if rate > config.pace_max_rate:
@@ -309,11 +380,14 @@ def choose_pace(config: AveragerConfig, direct_to_all: bool) -> tuple[float | No
     return rate, f"{config.pace_share:.0%} of the declared {config.bandwidth / 1e6:.2f} MB/s"
 
 
-def stagger_patience(overlap: float, prev_bytes: int, flow_rate: float | None, bandwidth: float) -> float:
+def stagger_patience(overlap: float, prev_bytes: int, flow_rate: float | None, bandwidth: float, declared: float = 0.0) -> float:
     """Seconds after the previous send (in turn) began that the next may start, though the
     previous is still going: `overlap` of its expected time (opening a stream and waiting for
-    the receiver's ack leave the link idle otherwise)."""
-    return overlap * prev_bytes / (flow_rate or bandwidth / 2)
+    the receiver's ack leave the link idle otherwise). Expected at the `declared` upload rate
+    where there is one: the rate a send in turn measures is no guide then, since the next
+    send overlapping its end makes it look slower, and the next patience longer, round after
+    round (a 25 Mbit/s link's parts left at 18 Mbit/s so)."""
+    return overlap * prev_bytes / (declared or flow_rate or bandwidth / 2)
 
 
 # ---- learning from finished rounds -------------------------------------------------------------

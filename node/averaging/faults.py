@@ -67,6 +67,12 @@ class Faults:
             payload = bytearray(enc.payload)
             payload[:4] = value
             return replace(enc, payload=payload)
+        if kind in ("nan", "huge") and enc.codec == "sparse" and enc.nbytes >= 8:
+            # the first chunk's scales: a NaN lo, or a hi (its top level) of 1e30
+            payload = bytearray(enc.payload)
+            at = 0 if kind == "nan" else 4
+            payload[at : at + 4] = struct.pack("<f", math.nan if kind == "nan" else 1e30)
+            return replace(enc, payload=payload)
         if kind in ("nan", "huge") and enc.codec == "fp16":
             value = b"\x00\x7e" if kind == "nan" else b"\xff\x7b"  # fp16 NaN / 65504
             payload = bytearray(enc.payload)

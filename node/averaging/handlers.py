@@ -43,9 +43,9 @@ class RoundHandlers:
             raise RPCError("unauthorized", "not a member of this group")
         if rnd.done:
             raise RPCError("not_found", f"round {g.group_id} is over here")
-        if phase not in ("scatter", "gather", "early") or not 0 <= j < len(g.members):
+        if phase not in ("scatter", "gather", "early") or not 0 <= j < g.n_slices:
             raise RemoteProtocolError(f"no slice {phase} {j} in this group", "key")
-        if phase == "early" and sender != g.members[j]:
+        if phase == "early" and sender != g.first_owner(j):
             raise RPCError("unauthorized", f"slice {j} is not this sender's to send")
         n = rnd.slice_len(j)
         expected_codec = g.codec if phase == "scatter" else g.gather_codec

@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Collection
 
-from protocol import AvgGroup, AvgJoin, RemoteProtocolError
+from protocol import AvgGroup, AvgJoin, LocalProtocolError, RemoteProtocolError, make_codec
 from protocol.records import MemberRecord
 
 from ..net.transport import NETWORK_ERRORS, CallContext, CallTimeout, PeerUnreachable
@@ -218,6 +218,11 @@ class Matchmaker:
             raise RemoteProtocolError(f"bounds cover {g.bounds[-1]} elements, we have {numel}", "bounds")
         if g.codec != self.config.codec:
             raise RemoteProtocolError(f"group codec {g.codec} differs from ours ({self.config.codec})", "codec")
+        for name, params in ((g.codec, g.codec_params), (g.gather_codec, g.gather_codec_params)):
+            try:
+                make_codec(name, **params)
+            except LocalProtocolError as e:
+                raise RemoteProtocolError(f"the group's codec cannot be built: {e}", "codec_params") from None
 
     async def on_join(self, ctx: CallContext) -> AvgGroup:
         req: AvgJoin = ctx.request

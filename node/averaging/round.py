@@ -86,12 +86,16 @@ class RoundDriver:
         self.config, self.sender, self.buffers = avg.config, avg.sender, avg.buffers
         g = rnd.group
         self.codec = make_codec(g.codec, **g.codec_params)
-        self.gather_codec = make_codec(g.gather_codec)
+        self.gather_codec = make_codec(g.gather_codec, **g.gather_codec_params)
         self.my_index = g.members.index(rnd.me)
         self.weights = dict(zip(g.members, g.weights))
         self.encoded: dict[int, EncodedTensor] = {}
-        self.early: asyncio.Task | None = None
-        self.mine: list[int] = []
+        self.early: dict[int, asyncio.Task] = {}  # slice -> its early aggregation (and send)
+        self.first_mine = [j for j in range(g.n_slices) if g.first_owner(j) == rnd.me]  # the slices the group gave us
+        self.mine: list[int] = []  # the slices we own after the decision
+        self.owned = dict.fromkeys(g.members, 0)  # elements each member owns, as the group was formed
+        for j in range(g.n_slices):
+            self.owned[g.first_owner(j)] += g.bounds[j + 1] - g.bounds[j]
         self.probes = avg.matchmaker.probes()  # the peers we wait on: silent ones are not waited for
 
     async def wait_on(self, event: asyncio.Event, missing, deadline: float, what: str) -> None:
@@ -139,17 +143,20 @@ class RoundDriver:
     async def scatter(self) -> None:
         """Every part encoded with error feedback (what earlier rounds' compression lost, per
         element), mostly before the group was known; each sent to its owner. Then wait for the
-        parts of our own slice; start aggregating it early if every member's part is in."""
+        parts of our own slices; start aggregating each early once every member's part is in."""
         rnd, g, prepared = self.rnd, self.rnd.group, self.prepared
         loop = asyncio.get_running_loop()
         report, me = rnd.report, rnd.me
         pieces = prepared.encoded if self.codec == self.buffers.codec else []  # encoded before the group was known
         sends, prev = [], None
         n = len(g.members)
-        rnd.pace, why = choose_pace(self.config, all(self.avg.transport.paces(m) for m in g.members if m != me))
+        rnd.pace, why = choose_pace(self.config, all(self.avg.transport.paces(m) for m in g.members if m != me), bool(g.slice_owners))
         report.schedule, report.pace = ("paced", rnd.pace) if rnd.pace is not None else ("in turn", 0.0)
         log.debug("scatter %s (%s)", report.schedule, why)
-        order = [(self.my_index + 1 + k) % n for k in range(n - 1)]  # each member starts with a different owner
+        if g.slice_owners:  # laid out for uneven links: in slice order, so slices fill up one after another
+            order = [j for j in range(g.n_slices) if g.first_owner(j) != me]
+        else:  # one slice each: each member starts with a different owner
+            order = [(self.my_index + 1 + k) % n for k in range(n - 1)]
         for j in order:
             t_enc = time.monotonic()
             self.encoded[j] = cut_from(pieces, self.codec, g.bounds[j], g.bounds[j + 1])
@@ -157,23 +164,51 @@ class RoundDriver:
                 self.encoded[j] = await loop.run_in_executor(None, self.buffers.encode_part, self.codec, prepared, rnd.state_key, g.bounds[j], g.bounds[j + 1])
             log.debug("encoded scatter %d in %.3f s", j, time.monotonic() - t_enc)
             if rnd.pace is None:  # staggered: sending starts while the next part is being encoded
-                prev = self.sender.in_turn(rnd, prev, "scatter", j, self.encoded[j], g.members[j])
+                prev = self.sender.in_turn(rnd, prev, "scatter", j, self.encoded[j], g.first_owner(j))
                 sends.append(prev.task)
         if rnd.pace is not None:
-            prev = self.sender.paced(rnd, None, "scatter", [(j, self.encoded[j], g.members[j], None) for j in order])
+            prev = self.sender.paced(rnd, None, "scatter", [(j, self.encoded[j], g.first_owner(j), None) for j in order])
             sends += prev.tasks
-        # our own part never travels (the decision never moves a survivor's slice), so it counts
-        # exactly, without the codec's error
-        a, b = g.bounds[self.my_index], g.bounds[self.my_index + 1]
-        own = await loop.run_in_executor(None, self.buffers.own_part, prepared, a, b)
-        rnd.received.setdefault(("scatter", self.my_index), {})[me] = own
-        rnd.tail = prev  # our gather sends queue up behind these, not beside them
+        # our own parts never travel (the decision never moves a survivor's slice), so they
+        # count exactly, without the codec's error
+        for j in self.first_mine:
+            own = await loop.run_in_executor(None, self.buffers.own_part, prepared, g.bounds[j], g.bounds[j + 1])
+            rnd.received.setdefault(("scatter", j), {})[me] = own
+        # our gather sends queue up behind these, not beside them; except on uneven links, where
+        # a slice's result is what the slowest member waits for, and our scatter sends would
+        # hold it up until the last of them (a fast member's link has room for both)
+        rnd.tail = None if g.slice_owners else prev
         rnd.sends += sends  # they finish in the background; the owners report what arrived
-        await self.wait_parts([("scatter", self.my_index)], g.members, rnd.started + g.deadline_s)
-        # while the leader decides, aggregate our slice assuming nobody failed (the usual case)
-        # and start sending it: the decision costs a round trip and the slowest member's scatter
-        if all(m in rnd.received.get(("scatter", self.my_index), {}) for m in g.members):
-            self.early = asyncio.create_task(self.early_gather(self.my_index))
+        await self.early_gathers(rnd.started + g.deadline_s)
+
+    async def early_gathers(self, deadline: float) -> None:
+        """Until every member's parts of our slices are in (or the deadline, or the missing
+        senders went silent). While the leader decides, each slice whose parts are all in is
+        aggregated assuming nobody failed (the usual case) and starts on its way at once: the
+        decision costs a round trip and the slowest member's scatter, and with several slices
+        each one's result leaves while the parts of the next are still coming."""
+        rnd, g = self.rnd, self.rnd.group
+
+        def complete(j: int) -> bool:
+            got = rnd.received.get(("scatter", j), {})
+            return all(m in got for m in g.members)
+
+        pending = list(self.first_mine)
+        while True:
+            for j in [j for j in pending if complete(j)]:
+                self.early[j] = asyncio.create_task(self.early_gather(j))
+                pending.remove(j)
+            if not pending:
+                return
+
+            def missing() -> set[str]:
+                if any(complete(j) for j in pending):
+                    return set()  # one more slice to start on
+                return {m for j in pending for m in g.members if m not in rnd.received.get(("scatter", j), {}) and m not in rnd.blamed}
+
+            await self.wait_on(rnd.arrived, missing, deadline, "parts")
+            if not any(complete(j) for j in pending):
+                return  # the deadline, or the rest blamed or silent: the decision says
 
     async def wait_parts(self, slots: list[tuple[str, int]], senders: Sequence[str] | None, deadline: float) -> None:
         """Until every slot has a part from every sender (None: from the slot's owner) or the deadline."""
@@ -195,11 +230,11 @@ class RoundDriver:
         """Who survives and who owns what; re-send our parts of re-owned slices and wait for
         the parts of slices we now own."""
         rnd, g, me, report = self.rnd, self.rnd.group, self.rnd.me, self.rnd.report
-        got = rnd.received.get(("scatter", self.my_index), {})
+        got = [rnd.received.get(("scatter", j), {}) for j in self.first_mine]
         scatter_report = AvgReport(
             group_id=g.group_id,
             phase="scatter",
-            received_from=tuple(m for m in g.members if m in got and m != me),
+            received_from=tuple(m for m in g.members if m != me and all(m in parts for parts in got)),
             blamed=tuple(rnd.blamed),
             reasons=tuple(rnd.blamed.values()),
         )
@@ -208,8 +243,7 @@ class RoundDriver:
                 await self.avg.faults.before_report()
             decision = await self.decide("scatter", scatter_report, rnd.started + g.deadline_s)
         except BaseException:
-            if self.early is not None:
-                await asyncio.gather(self.early, return_exceptions=True)
+            await asyncio.gather(*self.early.values(), return_exceptions=True)
             raise
         self.avg.phase(report.key, "decided")
         if decision.commit and tuple(decision.survivors) == g.members:
@@ -228,13 +262,13 @@ class RoundDriver:
         # re-send our parts of slices whose owner failed to their new owners
         resend = [
             asyncio.create_task(self.sender.send_part(rnd, "scatter", j, self.encoded[j], rnd.owners[j]))
-            for j in range(len(g.members))
-            if rnd.owners[j] != g.members[j] and rnd.owners[j] != me
+            for j in range(g.n_slices)
+            if rnd.owners[j] != g.first_owner(j) and rnd.owners[j] != me
         ]
-        self.mine = [j for j in range(len(g.members)) if rnd.owners[j] == me]
+        self.mine = [j for j in range(g.n_slices) if rnd.owners[j] == me]
         loop = asyncio.get_running_loop()
         for j in self.mine:
-            if g.members[j] != me:  # re-owned: our own part counts too, as the failed owner would have decoded it
+            if g.first_owner(j) != me:  # re-owned: our own part counts too, as the failed owner would have decoded it
                 rnd.received.setdefault(("scatter", j), {})[me] = await loop.run_in_executor(None, decode_own, self.encoded[j])
         rnd.sends += resend
         await self.wait_parts([("scatter", j) for j in self.mine], rnd.survivors, time.monotonic() + g.deadline_s)
@@ -242,6 +276,16 @@ class RoundDriver:
             missing = [m for m in rnd.survivors if m not in rnd.received.get(("scatter", j), {})]
             if missing:
                 raise RoundFailed(f"slice {j}: no part from {', '.join(m[-8:] for m in missing)} after the decision")
+
+    def is_decision(self, reply, phase: str) -> bool:
+        """Whether a reply is this round's decision of `phase`: survivors among the members and,
+        after the scatter, one owner (a survivor) per slice; anything else is not taken."""
+        g = self.rnd.group
+        if not (isinstance(reply, AvgDecision) and reply.group_id == g.group_id and reply.phase == phase):
+            return False
+        if not reply.commit or phase != "scatter":
+            return True
+        return set(reply.survivors) <= set(g.members) and len(reply.owners) == g.n_slices and set(reply.owners) <= set(reply.survivors)
 
     async def decide(self, phase: str, mine: AvgReport | None, phase_deadline: float) -> AvgDecision:
         """Report to the leader and get its decision (leading: collect reports and decide;
@@ -263,7 +307,7 @@ class RoundDriver:
             await self.wait_on(rnd.reported[phase], missing, wait_until, f"{phase} reports")
             g = rnd.group
             if phase == "scatter":
-                decision = decide_scatter(g.group_id, g.members, rnd.reports[phase], self.config.min_group_size)
+                decision = decide_scatter(g.group_id, g.members, rnd.reports[phase], self.config.min_group_size, g.slice_owners)
             else:
                 decision = decide_commit(g.group_id, rnd.survivors, rnd.owners, expected, rnd.reports[phase], rnd.report.silent)
             rnd.decisions[phase] = decision
@@ -275,7 +319,7 @@ class RoundDriver:
                 raise CallTimeout(f"{rnd.leader[-8:]} went silent during the round")
             # probed while we wait: a leader that went silent is not waited for to the deadline
             reply = await self.avg.matchmaker.call_alive(rnd.leader, mine, timeout=max(phase_deadline - time.monotonic(), 0) + 3 * grace)
-            if isinstance(reply, AvgDecision) and reply.group_id == rnd.group.group_id and reply.phase == phase:
+            if self.is_decision(reply, phase):
                 rnd.decisions[phase] = reply
                 rnd.decided[phase].set()
                 return reply
@@ -289,7 +333,7 @@ class RoundDriver:
                 reply = await transport.call(peer, AvgDecisionQuery(group_id=rnd.group.group_id, phase=phase), timeout=grace)
             except NETWORK_ERRORS:
                 continue
-            if isinstance(reply, AvgDecision) and reply.group_id == rnd.group.group_id and reply.phase == phase:
+            if self.is_decision(reply, phase):
                 rnd.decisions[phase] = reply
                 rnd.decided[phase].set()
                 return reply
@@ -302,8 +346,8 @@ class RoundDriver:
         rnd = self.rnd
         loop = asyncio.get_running_loop()
         for j in self.mine:
-            if j == self.my_index and self.early is not None:
-                enc, sent = await self.early
+            if j in self.early:
+                enc, sent = await self.early[j]
                 if sent:
                     continue  # on its way since before the decision
             else:
@@ -315,7 +359,7 @@ class RoundDriver:
     async def gather(self) -> list[int]:
         """Wait for every slice we do not own; the ones still missing at the deadline."""
         rnd = self.rnd
-        others = [j for j in range(len(rnd.members)) if rnd.owners[j] != rnd.me]
+        others = [j for j in range(rnd.group.n_slices) if rnd.owners[j] != rnd.me]
         self.gather_deadline = time.monotonic() + rnd.group.deadline_s
         await self.wait_parts([("gather", j) for j in others], None, self.gather_deadline)
         return [j for j in others if rnd.owners[j] not in rnd.received.get(("gather", j), {})]
@@ -336,9 +380,8 @@ class RoundDriver:
         decoded holds its lock, so whatever is written after it is the right one."""
         rnd = self.rnd
         rnd.early_ok = False
-        if self.early is not None:
-            await asyncio.gather(self.early, return_exceptions=True)
-            self.early = None
+        await asyncio.gather(*self.early.values(), return_exceptions=True)
+        self.early = {}
         for task in rnd.early_sends:
             task.cancel()
         for j, sender in rnd.early_got:
@@ -352,10 +395,12 @@ class RoundDriver:
         the scatter), after our sends before it."""
         rnd = self.rnd
         parts = self.sender.parts(rnd.group.group_id, phase, j, enc)
-        n, owner = len(members), rnd.group.members[j]
+        n, owner = len(members), rnd.group.first_owner(j)
         start = members.index(owner) if owner in members else 0
         prev, tasks = rnd.tail, []  # after our scatter sends: an early gather must not race them
         receivers = [m for m in (members[(start + k) % n] for k in range(1, n + 1)) if m != rnd.me]
+        if rnd.group.slice_owners:  # uneven links: the slowest first (it owns least), its download is the round's bottleneck
+            receivers.sort(key=self.owned.__getitem__)
         if rnd.pace is not None:
             prev = self.sender.paced(rnd, prev, phase, [(j, enc, m, parts) for m in receivers])
             tasks = prev.tasks

@@ -18,6 +18,8 @@ from .decisions import learn_flow_rate, stagger_patience
 
 log = logging.getLogger(__name__)
 
+MAX_IN_FLIGHT = 3  # sends in turn under way at once (see `Sender.in_turn`)
+
 
 @dataclass
 class Batch:
@@ -35,6 +37,7 @@ class InTurn:
     task: asyncio.Task
     nbytes: int
     started: asyncio.Future  # loop time it began
+    earlier: tuple[asyncio.Task, ...] = ()  # the sends before it that may still be under way (up to MAX_IN_FLIGHT - 1)
 
 
 class Sender:
@@ -101,18 +104,25 @@ class Sender:
         should have. Every member sends its parts in the order of member indices starting after
         its own, so at any moment each peer uploads to one receiver and each receiver downloads
         from one sender: on a shaped link, N-1 concurrent flows per peer fight in both
-        bottlenecks. A receiver that stalls holds the next send up for less than one part's time."""
+        bottlenecks. A receiver that stalls holds the next send up for less than one part's time.
+        At most MAX_IN_FLIGHT sends are under way at once: patience alone is a clock, and on a
+        link a little slower than expected sends would pile up and finish out of order (a part
+        that fills a slice last would arrive with the last); one at a time, the link would idle
+        while each receiver acknowledges."""
         loop = asyncio.get_running_loop()
         started = loop.create_future()  # when this send began (for the patience of the next)
+        chain = (*prev.earlier, prev.task) if prev is not None else ()
 
         async def go() -> None:
             try:
+                if len(chain) >= MAX_IN_FLIGHT and self.config.staggered:
+                    await asyncio.wait([chain[-MAX_IN_FLIGHT]])
                 if prev is not None and self.config.staggered:
                     # the next send starts a little before the previous should end.
                     # Patience counts from when the previous send began, not from now.
                     await asyncio.wait([prev.started, prev.task], return_when=asyncio.FIRST_COMPLETED)
                     since = prev.started.result() if prev.started.done() and not prev.started.cancelled() else loop.time()
-                    patience = stagger_patience(self.config.stagger_overlap, prev.nbytes, self.flow_rate, self.bandwidth())
+                    patience = stagger_patience(self.config.stagger_overlap, prev.nbytes, self.flow_rate, self.bandwidth(), self.config.bandwidth)
                     left = since + patience - loop.time()
                     if left > 0 and not prev.task.done():
                         await asyncio.wait([prev.task], timeout=left)
@@ -121,7 +131,7 @@ class Sender:
                     started.set_result(loop.time())
             await self.send_part(rnd, phase, j, enc, peer, parts)
 
-        return InTurn(asyncio.create_task(go()), enc.nbytes, started)
+        return InTurn(asyncio.create_task(go()), enc.nbytes, started, chain[len(chain) - MAX_IN_FLIGHT + 1 :] if MAX_IN_FLIGHT > 1 else ())
 
 
 async def settle(tasks: Iterable[asyncio.Task], deadline: float) -> None:

@@ -6,6 +6,7 @@
     OuterOptimizer   θ_outer and Nesterov momentum: pseudo_gradient(local), apply(averaged)
     state_hash       short hex of tensors' exact bits; replicas compare it after every outer step
     simulate_diloco  N replicas in one process, pseudo-gradients through a real codec + error feedback
+                     (optionally through the all-reduce's arithmetic, sim_allreduce.py)
     train_sync       plain single-stream AdamW training, to make a shared warm-start checkpoint
 
 One outer round, as a replica runs it (the averaging is the network's job, elsewhere):
@@ -24,16 +25,17 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
-from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from protocol import ErrorFeedback, decode_tensor, make_codec
+from protocol import make_codec
 
+from .adamw import FusedAdamW, fused_supported
 from .data import EVAL_SEED, Batches, Corpus, evaluate
 from .gpt import GPT, GPTConfig, init_model
+from .sim_allreduce import SenderMean, SimAllReduce
 from ..runconfig import RunConfig
 
 
@@ -103,7 +105,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.inner_lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
+def adamw(params, cfg: TrainConfig) -> FusedAdamW | torch.optim.AdamW:
     """The run's AdamW over `params`: decay on matrices (weights, embeddings) only, since
     decaying biases and LayerNorm gains toward 0 hurts; the schedule's first learning rate."""
     params = [p for p in params if p.requires_grad]
@@ -111,11 +113,9 @@ def adamw(params, cfg: TrainConfig) -> torch.optim.AdamW:
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    make = partial(torch.optim.AdamW, groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
-    try:  # one kernel per parameter group, not ~10 per tensor (a stage's step is on the pipeline's critical path)
-        return make(fused=True)
-    except (RuntimeError, TypeError, ValueError):  # a device (or torch) without the fused kernel
-        return make()
+    if fused_supported(params):  # one kernel per parameter group, not ~10 per tensor (a stage's step is on the pipeline's critical path)
+        return FusedAdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
+    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))  # a device (or torch) without the fused kernel
 
 
 class InnerTrainer:
@@ -183,37 +183,46 @@ class OuterOptimizer:
         self.buffers = [torch.zeros_like(p) for p in self.params]
         self.step_count = 0  # outer steps applied
 
-    def _check(self, tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        tensors = list(tensors)
-        if len(tensors) != len(self.params):
-            raise ValueError(f"{what}: expected {len(self.params)} tensors, got {len(tensors)}")
-        for i, (t, p) in enumerate(zip(tensors, self.params)):
+    def _check(self, tensors: Sequence[torch.Tensor], what: str, like: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        tensors, like = list(tensors), self.params if like is None else like
+        if len(tensors) != len(like):
+            raise ValueError(f"{what}: expected {len(like)} tensors, got {len(tensors)}")
+        for i, (t, p) in enumerate(zip(tensors, like)):
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"{what}: tensor {i} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
         return tensors
 
-    def pseudo_gradient(self, local_params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        """θ_outer − θ_local per tensor (fp32, CPU): how far the local steps moved, sign as a gradient."""
-        local = self._check([p.detach() for p in local_params], "pseudo_gradient")
-        return [o - p.to("cpu", torch.float32) for o, p in zip(self.params, local)]
+    def pseudo_gradient(self, local_params: Iterable[torch.Tensor], part: range | None = None) -> list[torch.Tensor]:
+        """θ_outer − θ_local per tensor (fp32, CPU): how far the local steps moved, sign as a gradient.
+        `part`: only those tensors (a fragment; `local_params` are then the fragment's)."""
+        outer = self.params if part is None else self.params[part.start : part.stop]
+        local = self._check([p.detach() for p in local_params], "pseudo_gradient", outer)
+        return [o - p.to("cpu", torch.float32) for o, p in zip(outer, local)]
 
     @torch.no_grad()
-    def apply(self, avg_pseudo_grad: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def apply(self, avg_pseudo_grad: Sequence[torch.Tensor], part: range | None = None) -> list[torch.Tensor]:
         """One Nesterov SGD step with the averaged pseudo-gradient; returns θ_outer (these very
         tensors: copy them into the model, do not modify them). Non-finite input is refused
-        before any state changes, so a bad round cannot poison the replica."""
-        grads = self._check(avg_pseudo_grad, "apply")
+        before any state changes, so a bad round cannot poison the replica.
+
+        `part`: the step of one fragment (the tensors in that range; `avg_pseudo_grad` is theirs,
+        and so is what it returns). It is the same math per tensor, so stepping every fragment
+        once gives the bits of one whole step; `step_count` counts whole steps, so it is left to
+        the caller (`load_state_dict`) there."""
+        params, buffers = (self.params, self.buffers) if part is None else (self.params[part.start : part.stop], self.buffers[part.start : part.stop])
+        grads = self._check(avg_pseudo_grad, "apply", params)
         grads = [g.to("cpu", torch.float32) for g in grads]
         for i, g in enumerate(grads):
             if not torch.isfinite(g).all():
                 raise ValueError(f"apply: averaged pseudo-gradient {i} has NaN or Inf values")
         mu = self.momentum
-        for p, b, g in zip(self.params, self.buffers, grads):
+        for p, b, g in zip(params, buffers, grads):
             b.mul_(mu).add_(g)  # add with alpha=1 is exact-rounded, fused or not
             update = g + b * mu if self.nesterov else b
             p.sub_(update * self.lr)
-        self.step_count += 1
-        return self.params
+        if part is None:
+            self.step_count += 1
+        return params
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of θ_outer, momentum and step: everything a joiner needs to continue bit-exactly."""
@@ -280,10 +289,14 @@ def simulate_diloco(
     eval_every: int = 1,
     eval_batches: int = 8,
     eval_seed: int = EVAL_SEED,
+    allreduce: bool = False,
 ) -> dict[str, Any]:
     """N DiLoCo replicas in this process, no network. Each replica trains on its own shard, sends
     its pseudo-gradient through ErrorFeedback(codec) as a real sender would, the decoded tensors
     are averaged, and every replica applies the same outer step with its own OuterOptimizer.
+    With `allreduce`, the averaging is the averager's all-reduce instead (sim_allreduce.py: each
+    owner's slice exact from itself, and sent back through the same codec with the owner's error
+    feedback, as a sparse run's gather is); bytes are then what each replica sends in it.
 
     Returns {"history": [{"outer_step", "inner_step", "val_loss", "train_loss"}...],
     "bytes_sent": [per replica], "state_hash": θ_outer hash, "state": final model state_dict,
@@ -307,24 +320,22 @@ def simulate_diloco(
         for i, m in enumerate(models)
     ]
     outers = [OuterOptimizer(m.parameters(), cfg.outer_lr, cfg.outer_momentum) for m in models]
-    senders = [ErrorFeedback(make_codec(codec, **kwargs)) for _ in range(num_replicas)]
-    names = [name for name, _ in base.named_parameters()]
-    bytes_sent = [0] * num_replicas
+    if allreduce:
+        numel = sum(p.numel() for p in base.parameters())
+        averager = SimAllReduce(num_replicas, numel, make_codec(codec, **kwargs), make_codec(codec, **kwargs))
+    else:
+        averager = SenderMean(num_replicas, [name for name, _ in base.named_parameters()], make_codec(codec, **kwargs))
 
     def val_loss() -> float:
         return evaluate(models[0], corpus.val, cfg.batch_size, ctx, eval_batches, eval_seed)
 
     history = [{"outer_step": 0, "inner_step": 0, "val_loss": val_loss(), "train_loss": None}]
     for outer_step in range(1, outer_steps + 1):
-        train_losses, decoded = [], []
+        train_losses, pgs = [], []
         for r in range(num_replicas):
             train_losses += [inners[r].step() for _ in range(cfg.inner_steps)]
-            pg = outers[r].pseudo_gradient(models[r].parameters())
-            encoded = [senders[r].encode(n, g) for n, g in zip(names, pg)]
-            bytes_sent[r] += sum(e.nbytes for e in encoded)
-            decoded.append([decode_tensor(e) for e in encoded])
-        # Mean over replicas in a fixed order; in the swarm every replica receives these same bits.
-        avg = [torch.stack(ts).sum(0) / num_replicas for ts in zip(*decoded)]
+            pgs.append(outers[r].pseudo_gradient(models[r].parameters()))
+        avg = averager.tensors(pgs)  # in the swarm every replica receives these same bits
         hashes = set()
         for m, outer in zip(models, outers):
             copy_into(m.parameters(), outer.apply(avg))
@@ -340,7 +351,7 @@ def simulate_diloco(
             })  # fmt: skip
     return {
         "history": history,
-        "bytes_sent": bytes_sent,
+        "bytes_sent": list(averager.bytes_sent),
         "state_hash": state_hash(outers[0].params),
         "state": {k: v.clone() for k, v in models[0].state_dict().items()},
         "seconds": time.perf_counter() - t0,

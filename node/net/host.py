@@ -327,7 +327,11 @@ class Host:
         """The value (bytes) or {subkey: bytes} stored under key, None if absent or expired;
         DHTError if the read failed."""
         try:
-            found = await self.dht.get(key, latest=True, return_future=True)
+            # shielded: a caller that stops waiting (a timeout, a cancelled watch) must not drop
+            # the DHT's future while its reply is on the way. Dropped there, its last reference
+            # goes with the reply on the DHT's reader thread, whose clean-up touches this event
+            # loop from that thread (a replica polling the DHT every half second crashed so)
+            found = await asyncio.shield(self.dht.get(key, latest=True, return_future=True))
         except Exception as e:  # whatever hivemind's DHT process raised: one named error for every caller
             raise DHTError(f"DHT get failed: {e or type(e).__name__}") from e
         if found is None:

@@ -4,7 +4,8 @@ A role is one object with `start()`, `run()` and `stop(planned)` (role.py). The 
 assignment from the coordinator to the runner, which stops the old role before it starts the new
 one; the registry says which class an assignment makes. The roles and the parts they share:
 
-    replica         DiLoCo: inner steps, then the all-reduce of the pseudo-gradient; catch-up
+    replica         DiLoCo: inner steps, then the all-reduce of the pseudo-gradient (or of its
+                    fragments, each while the inner steps go on); catch-up
     stage server    one stage of a pipeline cut, served to trainers; synced with its stage's peers
     expert host     one shard of a MoE model's experts, served to trainers; synced with its shard's
     trainers        hold the data: push micro-batches through the stages, or call the experts
@@ -52,6 +53,11 @@ Files:
     expert_model.py      `ExpertModel`: an experts run's model as its roles make it (a MoE preset, or a
                          Hugging Face Mixtral fetched by pin): layout, shards, dense parts, forward
     replica.py           `Replica`: the DiLoCo round, state taken from peers or the coordinator
+    replica_peers.py     `ReplicaPeers`: the other replicas, as a replica sees them, and their states
+    budget.py            the inner phase under inner_phase "time": `median_ready`, `keep_stepping` (pure) and `MedianWatch`
+    streaming.py         `Streaming`: a replica's outer step in fragments, each round overlapped with
+                         inner steps and applied a fragment period later (run setting `fragments`)
+    fragments.py         pure: the fragments (`split`), their `Schedule`, `when_to_apply`, `after_cycle`
     run_model.py         `RunModel`: the run's model as a role makes it (a preset, or a Hugging Face
                          model whose files are fetched from the coordinator by pin) and its data
     stats.py             `StatsFile`, `ComputeRate`, `LossLog`

@@ -16,6 +16,14 @@ checkpoint 0 so everyone starts from the same bits (seeded init differs between 
 is never re-created per node). Every `checkpoint_every` rounds, and at the run's last round, the
 round's leader uploads the state to the coordinator, which keeps it once enough replicas
 reported the same hash.
+
+With `fragments` > 1 the outer step is streamed (streaming.py, decisions in fragments.py): the
+parameters are cut into F fragments, each averaged in its own round while the inner steps go on
+and applied one fragment period later; the key of a fragment's round carries the outer step, the
+fragment and the hash of its outer state. After a cycle (H inner steps, every fragment stepped)
+the state is whole: saved, hashed (the hash of the whole outer state, as above), checked against
+the others' when a fragment's round failed, checkpointed. A failed fragment round leaves that
+fragment's outer state as it was.
 """
 
 from __future__ import annotations
@@ -36,21 +44,25 @@ from ..averaging.faults import Faults
 from ..config import averager_config
 from ..models.data import EVAL_SEED, Batches, DataError, evaluate, shard_of
 from ..models.diloco import InnerTrainer, OuterOptimizer, copy_into, state_hash
+from ..net.host import DHTError
 from ..net.transport import NETWORK_ERRORS, HandlerTaken, RemoteError
 from ..runconfig import RunConfig
 from ..state.checkpoint_client import fetch_manifest, upload_checkpoint
 from ..state.checkpoint_dir import CheckpointDirError
+from .budget import MedianWatch, keep_stepping
 from .pause import PauseWatch
 from .role import Role, RoleContext, RoleError
 from .run_model import RunModel, model_meta, run_model
+from .fragments import after_cycle, split
+from .replica_peers import ReplicaPeers
 from .slot_state import Offer, SlotState, State, choose_state
 from .stats import StatsFile
-from .view import SwarmView
+from .streaming import Streaming
+from .view import READ_TIMEOUT_S, SwarmView
 from .weights import ComputeThread
 
 log = logging.getLogger(__name__)
 
-ASK_S = 3.0  # longest a replica peer may take to say which state it holds
 COORDINATOR_S = 5.0  # ... the coordinator
 WATCH_S = 2.0  # how often a replica that may have fallen behind looks at the others' states while it matchmakes
 _PEER_ERRORS = (*NETWORK_ERRORS, CheckpointDirError, ValueError)
@@ -103,7 +115,7 @@ class Replica(Role):
         self.ctx, self.run_config = ctx, run
         self.train_config = run.train_config()
         self.spec: RunModel | None = None  # the model and its data (a Hugging Face model's files are fetched first)
-        codec_params = {"block_size": run.block_size} if run.codec == "int8" else {}
+        codec_params = run.codec_params()
         config = averager_config(  # the [averager] settings; the run's codec and join window win
             c, swarm_id=c.swarm_id, namespace="replicas", codec=run.codec, codec_params=codec_params, join_timeout_s=run.join_timeout_s,
             bandwidth=c.bandwidth_mbps * 1e6 / 8,  # declared: slices sized by it, sends paced to it
@@ -113,6 +125,8 @@ class Replica(Role):
         self._compute = ComputeThread(self.threads, "train")  # everything that trains, evaluates or loads a model's state
         self.state = SlotState(ctx.transport, data / "state", data / "downloads", "replica", model_meta(run), replica_hash, self._compute, unhashed_ok=True)
         self.view = SwarmView(ctx.host, c.swarm_id, c.record_ttl_s)
+        self.peers = ReplicaPeers(ctx.host.peer_id, self.view, self.averager, self.state)
+        self.median = MedianWatch(READ_TIMEOUT_S, (DHTError,))  # inner_phase "time": when the median replica waits to average
         self.stats = StatsFile(data, "replica", keep=1000)
         self.model: torch.nn.Module | None = None
         self.outer: OuterOptimizer | None = None
@@ -126,6 +140,12 @@ class Replica(Role):
         self.slowdown = c.fault_slowdown
         self._out_of_step = False  # the last round failed: we may have been left behind
         self._lone = False  # the last round found us the swarm's only replica (logged when that changes)
+        self.streaming: Streaming | None = None  # the outer step in fragments (run.fragments > 1), made with the model
+        self.inner_s = 0.0  # seconds spent in inner steps (this process)
+        self.wait_s = 0.0  # seconds training waited on fragments' rounds (over their period)
+        self.eval_s = 0.0  # seconds spent evaluating after outer steps
+        self.sync_bytes = 0  # bytes the last outer step's largest round sent
+        self._cycle_inner_s = 0.0  # the last cycle's inner steps' time: the join window of the next one's rounds
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -164,7 +184,14 @@ class Replica(Role):
             raise
         shard = c.shard_index if c.shard_index >= 0 else shard_of(self.ctx.host.peer_id, c.num_shards)
         self.model = await asyncio.to_thread(self.spec.make, None)
-        await self._wait_for_replicas()
+        if self.run_config.fragments > 1:
+            try:
+                parts = split([p.numel() for p in self.model.parameters()], self.run_config.fragments)
+            except ValueError as e:
+                raise RoleError(f"the run's fragments do not fit the model: {e}") from None
+            self.streaming = Streaming(parts, self.run_config.inner_steps, self._compute, self._inner_steps, self._average)
+        while not self._stop and self.run_config.min_replicas > 1 and len(await self.peers.ids()) < self.run_config.min_replicas:
+            await asyncio.sleep(1.0)
         await self._obtain_state()
         batches = Batches(self.corpus.train, shard, c.num_shards, self.train_config.batch_size, self.spec.context, self.train_config.seed + shard)
         # in a thread: the first AdamW of a process imports torch._dynamo, seconds of work
@@ -187,75 +214,144 @@ class Replica(Role):
     # ---- one outer round -------------------------------------------------------------------------
 
     async def _one_round(self) -> None:
+        if self.streaming is not None:
+            return await self._one_cycle()
+        key = f"outer-{self.round}-{self.hash[:8]}"
+        self.median.stop = False
+        if self.run_config.inner_phase == "time":  # stop early once the median replica waits to average
+            watch = asyncio.create_task(self.median.run(self.round, lambda: self.peers.waiting(key), len(await self.peers.ids())))
+        else:
+            watch = None
         t0 = time.monotonic()
-        losses = await self._compute(self._inner_steps, self.run_config.inner_steps)
+        try:
+            losses = await self._compute(self._inner_steps, self.run_config.inner_steps)
+        finally:
+            await _finish(watch)
         if self._stop:
             return
         t_inner = time.monotonic() - t0
-        paused = self.pauses.paused_since(t0)
-        if paused:
-            # frozen (SIGSTOP, a suspended machine): the swarm has most likely moved on. Its
-            # state, hash-verified, instead of a round nobody else is in; and the pause is no
-            # measure of how long our inner phase takes (it sizes the join window below)
-            t_inner = max(t_inner - paused, 0.0)
-            log.warning("outer step %d: woke up after a pause of %.0f s; looking for the swarm's state", self.round, paused)
-            if await self._adopt_from_peers(mine=(self.round, self.hash)):
-                return
-            self._out_of_step = True  # not reachable yet, maybe: keep looking while we matchmake
+        self.inner_s += t_inner
+        if await self._woke_up(t0):
+            return
         pseudo = self.outer.pseudo_gradient(self.model.parameters())
-        expected = await self._replica_ids()
-        key = f"outer-{self.round}-{self.hash[:8]}"
         t1 = time.monotonic()
-        if await self._alone(expected):
-            # the swarm's only replica: its own pseudo-gradient is the average (nobody to wait for)
-            avg, report = pseudo, AverageReport(key=key, ok=True, reason="alone", leader=self.ctx.host.peer_id, members=[self.ctx.host.peer_id], survivors=[self.ctx.host.peer_id])
-        else:
-            # wait for slower replicas up to one inner phase: replicas differ in speed, and a
-            # window shorter than that difference would leave the fast and the slow ones alone
-            window = max(self.run_config.join_timeout_s, t_inner)
-            # after a failed round we may be the one left behind (cut off, or back from a pause the
-            # clocks did not show): while we wait alone for others, look whether the swarm moved on
-            watch = asyncio.create_task(self._watch_swarm(key)) if self._out_of_step else None
-            failed: AveragingFailed | None = None
-            try:
-                avg, report = await self.averager.average(key, pseudo, weight=1.0, expected_peers=expected, state_key="outer", join_timeout_s=window)
-            except AveragingFailed as e:
-                failed = e
-            finally:
-                moved_on = await _finish(watch)
-            if failed is not None:
-                self.ctx.activity.round("outer", "failed")
-                await self._round_failed(failed, moved_on, wait_s=window + t_inner + 5)
-                return
+        # wait for slower replicas up to one inner phase: replicas differ in speed, and a
+        # window shorter than that difference would leave the fast and the slow ones alone
+        window = max(self.run_config.join_timeout_s, t_inner)
+        # weighed by the samples behind it (inner_phase "time": a slower replica's fewer steps count for less)
+        avg, report, moved_on = await self._average(key, pseudo, "outer", window, float(len(losses) * self.train_config.batch_size))
+        if avg is None:
+            self.ctx.activity.round("outer", "failed")
+            await self._round_failed(report, moved_on, wait_s=window + t_inner + 5)
+            return
         self.ctx.activity.round("outer", "ok")
         self._out_of_step = False
         copy_into(self.model.parameters(), self.outer.apply(avg))
         self.round += 1
         self.hash = self._hash()
+        await self._save()
         self.bytes_sent += report.bytes_sent
+        self.sync_bytes = report.bytes_sent
+        await self._outer_step_done(losses, t_inner, len(report.survivors), time.monotonic() - t1, report.leader, {})
+
+    async def _one_cycle(self) -> None:
+        """An outer step of every fragment, each fragment's round overlapped with inner steps
+        (streaming.py); at its end the state is whole again: saved, checked against the others'
+        where a round failed, evaluated, checkpointed."""
+        t0 = time.monotonic()
+        window = max(self.run_config.join_timeout_s, self._cycle_inner_s)
+        cycle = await self.streaming.cycle(self.model, self.outer, self.round, window, lambda: self._stop)
+        if self._stop:
+            return
+        self._cycle_inner_s = cycle.inner_s
+        self.inner_s += cycle.inner_s
+        self.wait_s += cycle.wait_s
+        for o in cycle.outcomes:
+            self.ctx.activity.round("outer", "ok" if o.ok else "failed")
+        if await self._woke_up(t0):
+            return
+        if any(o.moved_on for o in cycle.outcomes) and await self._catch_up(wait_s=window + 5) == "taken":
+            return  # the others were ahead: theirs, not the half-averaged state of our cycle
+        self.round += 1
+        self.hash = self._hash()
+        await self._save()
+        look_s, decision = after_cycle(cycle.outcomes, wait_s=window + cycle.inner_s + 5)
+        self._out_of_step = False
+        if look_s:
+            log.warning("outer step %d: %s", self.round, decision.reason)
+            self.ctx.membership.progress.note(f"outer step {self.round}: {decision.reason}")  # for the coordinator's events
+            settled = await self._catch_up(look_s, ours_ends_it=True)
+            if settled == "taken":
+                return
+            self._out_of_step = settled != "in step"  # nobody seen holding ours: we may be the one behind
+        if not cycle.applied:  # nothing averaged: the state is the one we started the cycle from
+            self._publish_progress(None)
+            return
+        self.bytes_sent += cycle.bytes_sent
+        self.sync_bytes = max(r.bytes_sent for r in cycle.reports)
+        extra = {"fragments": len(cycle.outcomes), "failed_fragments": [o.fragment for o in cycle.outcomes if not o.ok], "wait_s": round(self.wait_s, 3)}
+        # what the outer step cost training: the cycle's time outside inner steps (sends, applies, waits)
+        await self._outer_step_done(cycle.losses, cycle.inner_s, cycle.members, time.monotonic() - t0 - cycle.inner_s, cycle.leader, extra)
+
+    async def _outer_step_done(self, losses: list[float], t_inner: float, members: int, round_s: float, leader: str, extra: dict) -> None:
+        """After an outer step (the state saved): evaluate, record, report; the round's leader
+        hands the state to the coordinator every `checkpoint_every` steps and at the last."""
+        t0 = time.monotonic()
         val = await self._compute(self._evaluate)
-        tokens = self.run_config.inner_steps * self.train_config.batch_size * self.spec.context
+        self.eval_s += time.monotonic() - t0
+        tokens = len(losses) * self.train_config.batch_size * self.spec.context
         entry = {
-            "outer_step": self.round, "val_loss": val, "train_loss": sum(losses) / len(losses), "state_hash": self.hash,
-            "bytes_sent": self.bytes_sent, "members": len(report.survivors), "round_s": round(time.monotonic() - t1, 3),
-            "tokens_per_s": round(tokens / t_inner, 1), "threads": self._inner_threads, "time": time.time(),
+            "outer_step": self.round, "val_loss": val, "train_loss": sum(losses) / len(losses), "state_hash": self.hash, "inner_steps": len(losses),
+            "bytes_sent": self.bytes_sent, "sync_bytes": self.sync_bytes, "members": members, "round_s": round(round_s, 3),
+            "tokens_per_s": round(tokens / t_inner, 1), "threads": self._inner_threads, "inner_s": round(self.inner_s, 3), "eval_s": round(self.eval_s, 3), "time": time.time(), **extra,
         }  # fmt: skip
         self.stats.remember(entry)
         log.info("outer %d | train %.3f | val %.4f | %d replicas | %.0f tok/s | round %.2f s | %.1f KB sent | hash %s", self.round, entry["train_loss"], val,
-                 len(report.survivors), entry["tokens_per_s"], entry["round_s"], report.bytes_sent / 1e3, self.hash)  # fmt: skip
-        await self._save()
+                 members, entry["tokens_per_s"], entry["round_s"], self.sync_bytes / 1e3, self.hash)  # fmt: skip
         self._publish_progress(val, tokens / t_inner / self.spec.context)
         final = bool(self.run_config.max_outer_steps) and self.round >= self.run_config.max_outer_steps
-        if (final or self.round % self.run_config.checkpoint_every == 0) and report.leader == self.ctx.host.peer_id:
+        if (final or self.round % self.run_config.checkpoint_every == 0) and leader == self.ctx.host.peer_id:
             self.state.upload(self.ctx.membership.coordinator, self.round, self.hash, final)
 
-    async def _round_failed(self, e: AveragingFailed, moved_on: bool, wait_s: float) -> None:
+    async def _woke_up(self, t0: float) -> bool:
+        """Whether we were frozen since `t0` (SIGSTOP, a suspended machine) and took the swarm's
+        state since: it has most likely moved on, so its state, hash-verified, instead of a round
+        nobody else is in. Not reachable yet, maybe: then we look again while we matchmake."""
+        paused = self.pauses.paused_since(t0)
+        if not paused:
+            return False
+        log.warning("outer step %d: woke up after a pause of %.0f s; looking for the swarm's state", self.round, paused)
+        if await self._adopt_from_peers(mine=(self.round, self.hash)):
+            return True
         self._out_of_step = True
-        log.warning("outer step %d: averaging failed (%s)", self.round, e.report.reason)
-        self.ctx.membership.progress.note(f"outer step {self.round}: averaging failed ({e.report.reason})")  # for the coordinator's events
+        return False
+
+    async def _average(self, key: str, pseudo: list[torch.Tensor], state_key: str, window: float, weight: float = 1.0) -> tuple[list[torch.Tensor] | None, AverageReport, bool]:
+        """One averaging round of `key` with the other replicas: (the average, or None when the
+        round failed; its report; whether we gave it up because the others are ahead). The
+        swarm's only replica takes its own pseudo-gradient as the average."""
+        expected = await self.peers.ids()
+        if await self._alone(expected):  # nobody to wait for
+            me = self.ctx.host.peer_id
+            return pseudo, AverageReport(key=key, ok=True, reason="alone", leader=me, members=[me], survivors=[me]), False
+        # after a failed round we may be the one left behind (cut off, or back from a pause the
+        # clocks did not show): while we wait alone for others, look whether the swarm moved on
+        watch = asyncio.create_task(self._watch_swarm(key)) if self._out_of_step else None
+        try:
+            avg, report = await self.averager.average(key, pseudo, weight=weight, expected_peers=expected, state_key=state_key, join_timeout_s=window)
+        except AveragingFailed as e:
+            avg, report = None, e.report
+        finally:
+            moved_on = await _finish(watch)
+        return avg, report, moved_on
+
+    async def _round_failed(self, report: AverageReport, moved_on: bool, wait_s: float) -> None:
+        self._out_of_step = True
+        log.warning("outer step %d: averaging failed (%s)", self.round, report.reason)
+        self.ctx.membership.progress.note(f"outer step {self.round}: averaging failed ({report.reason})")  # for the coordinator's events
         # late: the others may be averaging without us right now; wait for their result.
         # Otherwise the round failed for everyone: a quick look, then move on together.
-        if not await self._catch_up(wait_s=wait_s if e.report.late or moved_on else 3.0):
+        if await self._catch_up(wait_s=wait_s if report.late or moved_on else 3.0) != "taken":
             # nobody got further: the round failed for everyone; keep our local progress and
             # move on together (the next pseudo-gradient covers both rounds' steps)
             self.round += 1
@@ -263,10 +359,10 @@ class Replica(Role):
 
     def _inner_steps(self, n: int) -> list[float]:
         self._inner_threads = torch.get_num_threads()  # this thread's: what the steps ran with
-        losses = []
+        losses: list[float] = []
         activity, samples = self.ctx.activity, self.train_config.batch_size
         activity.inner_phase(self.round + 1, n)
-        for _ in range(n):
+        while keep_stepping(len(losses), n, self.median.stop):  # (inner_phase "time": MedianWatch may stop them early)
             if self._stop:
                 break
             t0 = time.monotonic()
@@ -320,7 +416,10 @@ class Replica(Role):
         if state is None:
             return False
         await self._compute(self._adopt, state, offer.step)
+        await self.state.drop(offer.step)  # ours of that step, if any: the others' replaces it
         await self._save()
+        if self.streaming is not None and offer.from_peer:
+            self._out_of_step = True  # the others are somewhere in their cycle: our first rounds may find nobody
         if self.stats.history:  # a catch-up mid-run (the starting point is recorded by _train)
             self.stats.remember({"outer_step": self.round, "state_hash": self.hash, "caught_up_from": offer.peer, "time": time.time()})
         self._publish_progress(None)
@@ -368,35 +467,35 @@ class Replica(Role):
         the round up (we would wait alone for the whole join window) and catch up instead."""
         while True:
             await asyncio.sleep(WATCH_S)
-            best = choose_state((self.round, self.hash), {p: o.held for p, o in (await self._peer_states()).items()})
+            best = choose_state((self.round, self.hash), {p: o.held for p, o in (await self.peers.states()).items()})
             if best is not None and best[0] > self.round and self.averager.abandon(key, f"the others are at outer step {best[0]}"):
                 return True
 
-    async def _catch_up(self, wait_s: float) -> bool:
-        """After a failed round: if the other replicas got further, take their state."""
+    async def _catch_up(self, wait_s: float, ours_ends_it: bool = False) -> str:
+        """After failed rounds: take the other replicas' state when they hold another at our
+        outer step or a later one (`choose_state`), looking for up to `wait_s`: "taken". With
+        `ours_ends_it` (our state of the step saved: a cycle's end), stop looking once one of
+        them holds ours: "in step". Else "unseen"."""
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not self._stop:
-            if await self._adopt_from_peers(mine=(self.round, self.hash)):
-                return True
+            offers = await self.peers.states()
+            best = choose_state((self.round, self.hash), {p: o.held for p, o in offers.items()})
+            if ours_ends_it and best is None and any(o.held == (self.round, self.hash) for o in offers.values()):
+                return "in step"
+            for offer in offers.values():
+                if offer.held == best and await self._take(offer):
+                    return "taken"
             await asyncio.sleep(1.0)
-        return False
+        return "unseen"
 
     async def _adopt_from_peers(self, mine: tuple[int, str] | None) -> bool:
         """Take the state `choose_state` picks among the other replicas' (None: we hold none)."""
-        offers = await self._peer_states()
+        offers = await self.peers.states()
         best = choose_state(mine, {p: o.held for p, o in offers.items()})
         for offer in offers.values():
             if offer.held == best and await self._take(offer):
                 return True
         return False
-
-    async def _peer_states(self) -> dict[str, Offer]:
-        """The latest state of every other replica that answers: those the member records name
-        and those of our last round (our DHT may have lost its neighbours, a link that was
-        down, while those peers are still where they were)."""
-        members = await self.view.read()
-        peers = (set(members.peers("replica")) | set(self.averager.last_members)) - {self.ctx.host.peer_id}
-        return await self.state.ask(sorted(peers), ASK_S)
 
     async def _alone(self, recorded: set[str]) -> bool:
         """Whether this is the swarm's only replica (`lone_replica`): `recorded`, the replicas of
@@ -404,18 +503,8 @@ class Replica(Role):
         me = self.ctx.host.peer_id
         if recorded - {me}:  # (the common case: no question to ask anyone)
             return False
-        last = sorted(set(self.averager.last_members) - {me})
-        answered = set(await self.state.ask(last, ASK_S)) if last else set()
-        lone, why = lone_replica(me, recorded, answered, self.run_config.min_replicas)
+        lone, why = lone_replica(me, recorded, await self.peers.last_round_answering(), self.run_config.min_replicas)
         if lone != self._lone:
             log.info("outer step %d: %s", self.round, why)
             self._lone = lone
         return lone
-
-    async def _replica_ids(self) -> set[str]:
-        """The replicas alive as far as the member records show, this one included."""
-        return set((await self.view.read()).peers("replica")) | {self.ctx.host.peer_id}
-
-    async def _wait_for_replicas(self) -> None:
-        while not self._stop and self.run_config.min_replicas > 1 and len(await self._replica_ids()) < self.run_config.min_replicas:
-            await asyncio.sleep(1.0)

@@ -119,6 +119,12 @@ class SlotState:
                 await asyncio.to_thread(shutil.rmtree, old, True)
         return path
 
+    async def drop(self, step: int) -> None:
+        """Remove our state of round `step`, unless an upload reads it: a state taken from a
+        peer for the same round replaces it (ours diverged from the others')."""
+        if step_dir_name(step) != self._uploading:
+            await asyncio.to_thread(shutil.rmtree, self.dir / step_dir_name(step), True)
+
     def fits(self, manifest: dict[str, Any]) -> bool:
         return manifest.get("model_config") == self.meta
 

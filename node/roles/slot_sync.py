@@ -47,7 +47,7 @@ def sync_averager(ctx: RoleContext, run: RunConfig, namespace: str) -> Averager:
     """The averager of peers that synchronise every `stage_sync_every_s` (a stage's, an expert
     shard's, the trainers' dense parts): the run's codec, a join window of half the period."""
     c = ctx.node_config
-    codec_params = {"block_size": run.block_size} if run.codec == "int8" else {}
+    codec_params = run.codec_params()
     config = averager_config(
         c, swarm_id=c.swarm_id, namespace=namespace, codec=run.codec, codec_params=codec_params,
         join_timeout_s=min(run.join_timeout_s, run.stage_sync_every_s / 2), bandwidth=c.bandwidth_mbps * 1e6 / 8,
