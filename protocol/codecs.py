@@ -137,6 +137,12 @@ class Codec:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params().items())})"
 
 
+def decode_through_into(cls: type[Codec], enc: EncodedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """`_decode` of a codec that decodes into fp32 memory (`_decode_into`): a new buffer, then `dtype`."""
+    out = cls._decode_into(enc, torch.empty(enc.numel, dtype=torch.float32))
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
 def _expect_size(enc: EncodedTensor, expected: int) -> None:
     if enc.nbytes != expected:
         raise RemoteProtocolError(
@@ -312,8 +318,7 @@ class Int8Codec(Codec):
 
     @classmethod
     def _decode(cls, enc, dtype):
-        out = cls._decode_into(enc, torch.empty(enc.numel, dtype=torch.float32))
-        return out if dtype == torch.float32 else out.to(dtype)
+        return decode_through_into(cls, enc, dtype)
 
     @classmethod
     def _decode_into(cls, enc, out):

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from .codecs import _SLICE, Codec, _expect_size, _int_param
+from .codecs import _SLICE, Codec, _expect_size, _int_param, decode_through_into
 from .errors import LocalProtocolError, RemoteProtocolError
 from .tensors import FLOAT_DTYPES, EncodedTensor, dtype_name, tensor_bytes, tensor_from_bytes
 
@@ -164,8 +164,7 @@ class SparseCodec(Codec):
 
     @classmethod
     def _decode(cls, enc, dtype):
-        out = cls._decode_into(enc, torch.empty(enc.numel, dtype=torch.float32))
-        return out if dtype == torch.float32 else out.to(dtype)
+        return decode_through_into(cls, enc, dtype)
 
     @classmethod
     def _decode_into(cls, enc, out):
