@@ -4,15 +4,17 @@ gradients), to pair with error feedback.
 The flat vector is cut into chunks of `chunk` elements. From each, the k = ⌈density·chunk⌉
 values of largest magnitude travel (a last, shorter chunk of m elements sends ⌈k·m/chunk⌉), as
 chunk-local indices of w bits (w counts to chunk − 1: 12 for 4096) and `bits`-bit codes: a sign
-bit and bits − 1 bits of level. The 2^(bits−1) levels lie evenly between the chunk's smallest
-and largest sent magnitude (lo, hi); with bits = 1 there is one level, their mean.
+bit and bits − 1 bits of level. The 2^(bits−1) levels lie evenly between lo and hi, which the
+sender fits to the row's magnitudes (`fit_levels`: the least squared error on an even grid); with
+bits = 1 there is one level, their mean. A chunk that sends all its values (density 1) sends no
+indices: every position travels, in order, and the codec is dense low-bit quantization.
 
 Payload: one row per chunk, each row
 
     | lo fp32 | hi fp32 | k indices, w bits each, packed | k codes, `bits` each, packed |
 
-(each packed field padded to whole bytes). A row's size follows from (numel, chunk, k, bits),
-so a payload's size is known before it is read, and rows can be cut apart at chunk boundaries
+(each packed field padded to whole bytes; no indices where k is the chunk's length). A row's
+size follows from (numel, chunk, k, bits), so a payload's size is known before it is read, and rows can be cut apart at chunk boundaries
 without decoding (`Codec.cut`). What a peer sends is checked row by row: lo and hi finite with
 0 ≤ lo ≤ hi, indices inside the chunk and strictly increasing (no repeats).
 
@@ -39,9 +41,14 @@ def index_bits(chunk: int) -> int:
     return max(1, (chunk - 1).bit_length())
 
 
-def row_bytes(k: int, chunk: int, bits: int) -> int:
-    """Bytes of one chunk's row carrying k values."""
-    return 8 + math.ceil(k * index_bits(chunk) / 8) + math.ceil(k * bits / 8)
+def row_bytes(k: int, chunk: int, bits: int, length: int | None = None) -> int:
+    """Bytes of one row carrying k values of a chunk of `length` elements (`chunk` unless it is
+    the last, shorter one): no indices when k is all of them."""
+    return 8 + _index_bytes(k, chunk, chunk if length is None else length) + math.ceil(k * bits / 8)
+
+
+def _index_bytes(k: int, chunk: int, length: int) -> int:
+    return 0 if k >= length else math.ceil(k * index_bits(chunk) / 8)
 
 
 def tail_k(k: int, m: int, chunk: int) -> int:
@@ -51,7 +58,7 @@ def tail_k(k: int, m: int, chunk: int) -> int:
 
 def payload_bytes(n: int, chunk: int, k: int, bits: int) -> int:
     full, m = divmod(n, chunk)
-    return full * row_bytes(k, chunk, bits) + (row_bytes(tail_k(k, m, chunk), chunk, bits) if m else 0)
+    return full * row_bytes(k, chunk, bits) + (row_bytes(tail_k(k, m, chunk), chunk, bits, m) if m else 0)
 
 
 def _pack(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -80,6 +87,37 @@ def _values(lo: torch.Tensor, hi: torch.Tensor, codes: torch.Tensor, bits: int) 
     else:
         mag = q.add_(hi.unsqueeze(1))
     return torch.where(codes >> (bits - 1) == 1, -mag, mag)
+
+
+def fit_levels(mag: torch.Tensor, levels: int, rounds: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of magnitudes [r, L], the first and last of `levels` evenly spaced levels that
+    (nearly) minimise the squared error of rounding each magnitude to its nearest level: Lloyd's
+    iteration on an even grid (assign each to its nearest level, then fit first level and spacing by
+    least squares), from the quantiles where an even grid of the same spread would sit. Only the
+    sender runs this; a receiver reads lo and hi (0 <= lo <= hi)."""
+    grid = torch.tensor([(j + 0.5) / levels for j in (0, levels - 1)])
+    lo, hi = torch.quantile(mag, grid, dim=1)
+    for _ in range(rounds):
+        j = _nearest(mag, lo, hi, levels)
+        j_mean, mag_mean = j.mean(1, keepdim=True), mag.mean(1, keepdim=True)
+        var = (j - j_mean).square().mean(1)
+        slope = torch.where(var > 0, ((j - j_mean) * (mag - mag_mean)).mean(1) / var.clamp_min(1e-30), (hi - lo) / (levels - 1))
+        lo = (mag_mean.squeeze(1) - slope * j_mean.squeeze(1)).clamp_min(0)
+        hi = torch.maximum(lo + slope * (levels - 1), lo)
+    spread = mag.amin(1), mag.amax(1)  # where the whole spread does better (few values, many levels), it is kept
+    worse = _grid_error(mag, lo, hi, levels) > _grid_error(mag, *spread, levels)
+    return torch.where(worse, spread[0], lo), torch.where(worse, spread[1], hi)
+
+
+def _nearest(mag: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int) -> torch.Tensor:
+    """Each magnitude's nearest level's number (float) on the grid lo..hi."""
+    step = ((hi - lo) / (levels - 1)).clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1)
+    return ((mag - lo.unsqueeze(1)) / step).round_().clamp_(0, levels - 1)
+
+
+def _grid_error(mag: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int) -> torch.Tensor:
+    step = (hi - lo) / (levels - 1)
+    return (_nearest(mag, lo, hi, levels) * step.unsqueeze(1) + lo.unsqueeze(1) - mag).square_().sum(1)
 
 
 class SparseCodec(Codec):
@@ -132,7 +170,11 @@ class SparseCodec(Codec):
 
     def _rows(self, v: torch.Tensor, k: int, decoded: torch.Tensor | None) -> torch.Tensor:
         """[r, L] values -> [r, row_bytes] encoded rows of k values each."""
-        idx = torch.topk(v.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+        dense = k >= v.shape[1]
+        if dense:  # every value travels, in order: no indices
+            idx = torch.arange(v.shape[1]).expand(v.shape[0], -1)
+        else:
+            idx = torch.topk(v.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
         sel = v.gather(1, idx)
         mag = sel.abs()
         levels = 1 << (self.bits - 1)
@@ -140,14 +182,15 @@ class SparseCodec(Codec):
             lo = hi = mag.mean(1)
             q = torch.zeros_like(idx)
         else:
-            lo, hi = mag.amin(1), mag.amax(1)
+            lo, hi = fit_levels(mag, levels)
             step = (hi - lo) / (levels - 1)
             q = torch.where(step.unsqueeze(1) > 0, (mag - lo.unsqueeze(1)) / step.unsqueeze(1), 0.0).round_().clamp_(0, levels - 1).to(torch.int64)
         codes = q | ((sel < 0).to(torch.int64) << (self.bits - 1))
         if decoded is not None:
             decoded.zero_().scatter_(1, idx, _values(lo, hi, codes, self.bits))
         scales = torch.stack([lo, hi], 1).contiguous().view(torch.uint8)
-        return torch.cat([scales, _pack(idx, index_bits(self.chunk)), _pack(codes, self.bits)], 1)
+        packed_idx = scales[:, :0] if dense else _pack(idx, index_bits(self.chunk))
+        return torch.cat([scales, packed_idx, _pack(codes, self.bits)], 1)
 
     # ---- cut ----
 
@@ -190,7 +233,7 @@ class SparseCodec(Codec):
     def _decode_rows(rows: torch.Tensor, k: int, chunk: int, bits: int, out: torch.Tensor, first: int) -> None:
         """Check and decode [r, row] rows (chunks first, first + 1, ...) into [r, L] `out`."""
         w = index_bits(chunk)
-        ib = math.ceil(k * w / 8)
+        ib = _index_bytes(k, chunk, out.shape[1])
         scales = rows[:, :8].reshape(-1).clone().view(torch.float32).view(-1, 2)  # (a copy: a row may start at any byte)
         lo, hi = scales[:, 0], scales[:, 1]
         bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
@@ -201,6 +244,10 @@ class SparseCodec(Codec):
         if bad.any():
             r = int(bad.nonzero()[0])
             raise RemoteProtocolError(f"sparse chunk {first + r}: scales need 0 <= lo <= hi, got lo={float(lo[r])}, hi={float(hi[r])}", "payload")
+        codes = _unpack(rows[:, 8 + ib :], k, bits)
+        if not ib:  # every value of the chunk, in order
+            out.copy_(_values(lo, hi, codes, bits))
+            return
         idx = _unpack(rows[:, 8 : 8 + ib], k, w)
         if int(idx.max()) >= out.shape[1]:
             r = int((idx.amax(1) >= out.shape[1]).nonzero()[0])
@@ -208,5 +255,4 @@ class SparseCodec(Codec):
         if k > 1 and not bool((idx[:, 1:] > idx[:, :-1]).all()):
             r = int((idx[:, 1:] <= idx[:, :-1]).any(1).nonzero()[0])
             raise RemoteProtocolError(f"sparse chunk {first + r}: indices not strictly increasing (repeated or out of order)", "payload")
-        codes = _unpack(rows[:, 8 + ib :], k, bits)
         out.zero_().scatter_(1, idx, _values(lo, hi, codes, bits))

@@ -377,9 +377,10 @@ def test_sparse_sends_each_chunks_largest_values_in_few_bytes():
         assert int(sent.sum()) == (82 if c < 3 else 3)
         assert chunk.abs()[sent].min() >= chunk.abs()[~sent].max()  # exactly the largest
         assert torch.equal(got[sent].sign(), chunk[sent].sign())
-        lo, hi = chunk.abs()[sent].min(), chunk.abs()[sent].max()
-        assert ((got[sent].abs() - lo).abs() < 1e-6).sum() + ((got[sent].abs() - hi).abs() < 1e-6).sum() == sent.sum()  # two levels
-        assert ((got - chunk)[sent].abs() <= (hi - lo) / 2 + 1e-6).all()
+        levels = got[sent].abs().unique()
+        assert len(levels) <= 2  # 2 bits: a sign and one bit of level
+        nearest = (chunk[sent].abs().unsqueeze(1) - levels).abs().min(1).values
+        assert torch.allclose((got - chunk)[sent].abs(), nearest, atol=1e-6)  # each rounded to its nearest level
 
 
 @pytest.mark.parametrize("bits", [1, 3, 8])
@@ -391,6 +392,45 @@ def test_sparse_levels_per_bit_width(bits):
     assert len(decoded[sent].abs().unique()) <= (1 << (bits - 1)) * math.ceil(5000 / 256)
     err = (decoded - x)[sent].abs().mean() / x[sent].abs().mean()
     assert err < {1: 0.5, 3: 0.1, 8: 0.01}[bits]
+
+
+@pytest.mark.parametrize("levels", [2, 4, 128])
+def test_sparse_levels_are_fitted_to_the_magnitudes(levels):
+    from protocol.sparse import fit_levels
+
+    g = torch.Generator().manual_seed(levels)
+    mag = torch.cat([torch.randn(3, 500, generator=g).abs(), torch.full((1, 500), 0.25), torch.zeros(1, 500)])
+    lo, hi = fit_levels(mag, levels)
+    assert ((0 <= lo) & (lo <= hi)).all() and torch.isfinite(hi).all()
+
+    def sq_error(lo, hi):
+        step = ((hi - lo) / (levels - 1)).clamp_min(1e-30).unsqueeze(1)
+        q = ((mag - lo.unsqueeze(1)) / step).round().clamp(0, levels - 1)
+        return (q * step + lo.unsqueeze(1) - mag).square().sum(1)
+
+    fitted, spread = sq_error(lo, hi), sq_error(mag.amin(1), mag.amax(1))
+    assert (fitted <= spread * 1.001 + 1e-9).all()  # never worse than levels over the whole spread
+    if levels == 2:
+        assert (fitted[:3] < 0.5 * spread[:3]).all()  # and much better on half-normal magnitudes
+    assert torch.allclose(lo[3:], torch.tensor([0.25, 0.0])) and torch.allclose(hi[3:], torch.tensor([0.25, 0.0]))
+
+
+def test_sparse_at_density_one_sends_every_value_in_order_and_no_indices():
+    codec = make_codec("sparse", density=1.0, bits=1, chunk=256)
+    x = torch.randn(256 * 2 + 10, generator=torch.Generator().manual_seed(4))
+    enc, decoded = codec.encode_with_error(x)
+    assert enc.nbytes == 2 * (8 + 32) + (8 + 2)  # per row: lo, hi and one bit per value
+    assert torch.equal(decode_tensor(enc), decoded) and torch.equal(decoded.sign(), x.sign())
+    for a, b in ((0, 256), (256, 512), (512, 522)):  # one bit: the sign and the chunk's mean magnitude
+        assert torch.allclose(decoded[a:b].abs(), x[a:b].abs().mean().expand(b - a))
+    # 1-bit with error feedback: what was decoded tracks what was sent, the lag bounded
+    ef, total, got = ErrorFeedback(codec), torch.zeros(522), torch.zeros(522)
+    for step in range(50):
+        g = torch.randn(522, generator=torch.Generator().manual_seed(100 + step))
+        total += g
+        got += decode_tensor(ef.encode("w", g))
+    assert torch.allclose(total - got, ef.residuals["w"], atol=1e-4)
+    assert ef.residuals["w"].norm() < 0.5 * total.norm()  # the lag stays bounded while the sum grows
 
 
 def test_sparse_constructor_refuses_bad_params():
