@@ -116,7 +116,8 @@ def test_allreduce_bench_netns_or_skipped():
     # links that differ: slices laid out for them, their parts sent in turn, in slice order
     ours = rows["swarmtrain"]
     assert ours["status"] == "ok" and ours["rel_error"] < 0.1 and ours["schedule"] == "in turn", ours
-    assert 0.9 < ours["ratio_to_bound"] < 20
+    # (the bound is fp32's; int8 sends about a quarter of those bytes, so it may finish inside it)
+    assert 0.9 * 0.25 < ours["ratio_to_bound"] < 20
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     assert not [line for line in namespaces.splitlines() if line.startswith(f"stb{out.pid}-")]
     assert leftovers(marker) == []

@@ -9,6 +9,7 @@ so does a new trainer from the dense parts'."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,26 +39,39 @@ def micro_batches(swarm: Swarm, name: str) -> int:
     return stats(swarm, name, "trainer").get("micro_batches", 0)
 
 
+def snapshot(coordinator_dir: Path, out: Path) -> Path:
+    """A copy of the coordinator's kept checkpoints and model files, taken while it goes on
+    keeping new ones (a copy that met a checkpoint being pruned is taken again)."""
+    for _ in range(5):
+        shutil.rmtree(out, ignore_errors=True)
+        try:
+            for part in ("expert-checkpoints", "model"):
+                shutil.copytree(coordinator_dir / part, out / part)
+            return out
+        except (shutil.Error, FileNotFoundError):
+            continue
+    raise AssertionError(f"no whole copy of {coordinator_dir} in 5 tries")
+
+
 def swarm_logits(coordinator_dir: Path, status: dict, x):
-    """The swarm's model, as its kept checkpoints hold it (each shard's newest, the dense parts'
-    newest), run in one process: the dense parts with every expert local."""
+    """The swarm's model, as the kept checkpoints under `coordinator_dir` hold it (each shard's
+    newest, the dense parts' newest), run in one process: the dense parts with every expert local."""
+    from node.model_source import _step_dirs
     from node.models.hf import build_causal_lm, open_model_dir
     from node.models.mixtral import MixtralExpertShard, forward_loss, local_experts, mixtral_layout, split_experts
     from node.state.checkpoint_dir import load_checkpoint_dir
-    from protocol.manifest import step_dir_name
 
     root = coordinator_dir / "expert-checkpoints"
     files = open_model_dir(coordinator_dir / "model" / status["run"]["model"][3:])
     layout = mixtral_layout(files.hf_config())
     shards = []
     for i in range(2):
-        step = status["expert_shards"][f"shard{i}"]["checkpoints"][-1]["step"]
         shard = MixtralExpertShard(build_causal_lm(files, seed=0, weights=False), layout.shard(i, 2))
-        shard.load_state_dict(load_checkpoint_dir(root / f"shard-{i}" / step_dir_name(step))["model"])
+        shard.load_state_dict(load_checkpoint_dir(_step_dirs(root / f"shard-{i}")[0])["model"])
         shards.append(shard)
     dense = build_causal_lm(files, seed=0, weights=False)
     split_experts(dense)
-    dense.load_state_dict(load_checkpoint_dir(root / "dense" / step_dir_name(status["dense"]["checkpoints"][-1]["step"]))["model"])
+    dense.load_state_dict(load_checkpoint_dir(_step_dirs(root / "dense")[0])["model"])
     return forward_loss(dense.eval(), local_experts(shards), x)[0]
 
 
@@ -98,7 +112,7 @@ def test_a_hugging_face_mixtral_trains_on_expert_hosts_and_comes_out_as_one_mode
     from tests.test_swarm_hf import model_cli
 
     out = tmp_path / "exported"
-    coordinator_dir = Path(swarm.tmp) / "coordinator"
+    coordinator_dir = snapshot(Path(swarm.tmp) / "coordinator", tmp_path / "kept")  # (training goes on beside)
     model_cli("export", "--checkpoint", str(coordinator_dir), "--out", str(out))
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     x = torch.tensor([list(b"def main(argv=None):\n    return 0\n")[:32]])
