@@ -15,9 +15,10 @@ DiLoCo paper also starts from a pretrained model), then `--steps` steps each:
       (bench/convergence_swarm.py).
   (c) the same DiLoCo algorithm simulated in one process, no network:
       node.models.diloco.simulate_diloco, pseudo-gradients through the codec with error feedback.
-  (s) DiLoCo with the sparse codec (chunked top-k, low-bit values), simulated in one process
-      through the averager's all-reduce as arithmetic (node/models/sim_allreduce.py: sender and
-      owner error feedback, the gather sparse too), with its own H and outer step (--sparse-*).
+  (s) DiLoCo with the sparse codec (chunked top-k, low-bit values; `--sparse-density 1`: every
+      value, dense low-bit), simulated in one process through the averager's all-reduce as
+      arithmetic (node/models/sim_allreduce.py: sender and owner error feedback, the gather
+      sparse too), with its own H and outer step (--sparse-*).
   (u) (b) with the run's `--inner-phase time` (node/roles/budget.py): a replica stops its inner
       steps once half of the replicas wait to average, weighed by its samples. With
       `--slow-replica X` (the last replica of (b) and (u) X times slower) the summary gives the
