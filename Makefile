@@ -18,10 +18,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m node.demo $(DEMO_ARGS)
 
-# one process by default: on 2 cores two workers (TEST_WORKERS="-n 2 --dist loadfile
-# --no-loadscope-reorder", a module at a time each) put two swarm tests side by side, and the
-# heaviest of them then misses its checks
-TEST_WORKERS ?=
+# two workers (pytest-xdist), each taking a whole module at a time, the slow ones first
+# (tests/conftest.py); TEST_WORKERS= runs the suite in one process
+TEST_WORKERS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(TEST_WORKERS) $(PYTEST_ARGS)
