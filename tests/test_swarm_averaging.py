@@ -166,6 +166,7 @@ CODECS = [
     ("topk", {"ratio": 0.05}),
     ("powersgd", {"rank": 4}),
     ("sparse", {"density": 0.05, "bits": 2, "chunk": 4096}),  # gathered sparse too, with the owners' feedback
+    ("sparse", {"density": 1.0, "bits": 2, "chunk": 1024}),  # every value, no indices: dense 2-bit
 ]
 
 
