@@ -185,10 +185,10 @@ def test_groups_of_every_size_and_codec(peers, size):
     # groups of three declare their bandwidth, so their parts leave paced, all at once; the
     # others send them in turn: both schedules with every codec
     declared = 50e6 if size == 3 else 0.0
-    for name, params in CODECS:
+    for i, (name, params) in enumerate(CODECS):
         for p in group:
             p.configure(codec=name, codec_params=params, join_timeout_s=10, bandwidth=declared)
-        results = run_round(group, f"g{size}-{name}", numel=20_000)
+        results = run_round(group, f"g{size}-{i}-{name}", numel=20_000)
         shas = {r["sha"] for r in results.values() if r["ok"]}
         assert all(r["ok"] for r in results.values()), results
         for r in results.values():
