@@ -60,14 +60,14 @@ hivemind's benchmark (min_matchmaking_time 5 s, request_timeout 1 s, matchmaking
 with hivemind's default min_group_size (2, so survivors can average without the faulty peer) and
 next_chunk_timeout = its matchmaking time, as hivemind.Optimizer derives it (without it one dead
 sender stalls an all-reduce until allreduce_timeout).
+
+Beside this file: faults_report.py (which peer a run faults, and what its row reports).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import math
 import os
 import signal
 import statistics
@@ -77,8 +77,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench import netns
+from bench import faults_report, netns
 from bench.allreduce import _raise_interrupt, have_swarmtrain_averager, version
+from bench.faults_report import LEAD_S
 from bench.workers import Group, PeerFailed, PeerRefused, clean_up, exit_code
 from node.osutil import session_pids
 
@@ -86,8 +87,6 @@ KINDS = ("sigkill", "sigstop_member", "sigstop_leader", "link_down")
 IMPLS = ("swarmtrain", "hivemind")
 MiB = 1 << 20
 TICK_S = 0.005  # how often answers, round deadlines and fault timers are looked at
-LEAD_S = 0.02  # a round starts this long after its command is sent (every peer at the same time)
-SETTLED = 3  # successful rounds in a row, each within 1.5 x healthy, that end the fault's disturbance
 
 
 @dataclass
@@ -370,142 +369,14 @@ class FaultRun:
             row["notes"] = self.notes
         return row
 
-    def pick_faulty(self, row: dict, last: Round) -> None:
-        leaders = [r.get("leader") for r in last.replies.values() if r.get("leader")]
-        leader = reported = statistics.mode(leaders) if leaders else None
-        if self.impl == "swarmtrain":
-            if leader != min(self.ids):
-                self.notes.append(f"the last healthy round's leader {str(leader)[-8:]} is not the smallest peer id")
-            leader = min(self.ids)
-        elif leader is None:
-            self.notes.append("hivemind did not tell its leader: a member chosen as for ours (smallest peer id) is stopped")
-            leader = min(self.ids)
-        else:
-            seen = {r2.get("leader") for r in self.healthy for r2 in r.replies.values() if r2.get("leader")}
-            self.notes.append(f"hivemind has no fixed leader (whoever declared first); {len(seen)} different leader(s) "
-                              f"in {len(self.healthy)} healthy rounds; the last one's is the one faulted")
-        lead = self.ids.index(leader) if leader in self.ids else 0
-        if self.kind == "sigstop_leader":
-            self.faulty = lead
-        else:
-            self.faulty = max((i for i in range(self.n) if i != lead), key=lambda i: self.ids[i])
-        row["peer_ids"] = self.ids
-        row["faulty_peer"] = {"rank": self.faulty, "peer_id": self.ids[self.faulty], "role": "leader" if self.faulty == lead else "member"}
-        row["leader"] = {"rank": lead, "peer_id": leader, "reported_by_last_healthy_round": reported}
-
-    def disturbed(self, span: list[Round], healthy: float, outage_end: float):
-        """Whether a round of `span` falls while the fault disturbs the rounds: from the fault
-        until the survivors run SETTLED successful rounds in a row, each within 1.5 x healthy;
-        and (frozen, cut off) from the outage's end until, after the faulty peer is back, they
-        do so again. Outside, a slow round is the machine's noise, not the fault's cost."""
-
-        def settled_after(t: float) -> float:
-            calm = [r for r in span if r.start >= t]
-            for i in range(len(calm) - SETTLED + 1):
-                if all(r.ok and r.end - r.start <= 1.5 * healthy for r in calm[i : i + SETTLED]):
-                    return calm[i].start
-            return math.inf
-
-        start = span[0].start if span else math.inf
-        windows = [(start, settled_after(start))]
-        if self.kind != "sigkill":
-            windows.append((outage_end, settled_after(self.back_at) if self.back_at is not None else math.inf))
-        return lambda r: any(a <= r.start < b for a, b in windows)
-
     def describe_errors(self, rnd: Round) -> str:
         return "; ".join(f"peer {i}: {e}" for i, e in sorted(rnd.errors.items()))[:1000]
 
+    def pick_faulty(self, row: dict, last: Round) -> None:
+        faults_report.pick_faulty(self, row, last)
+
     def fill(self, row: dict) -> None:
-        a, healthy = self.args, row["healthy_round_s"]
-        tol = a.tolerance
-        span_start = self.fault_round.start if self.fault_round is not None else self.fault_start
-        span = [r for r in self.rounds if r.start >= span_start and r.ok is not None]
-        outage_end = self.fault_start + a.outage_s
-        ok = [r for r in span if r.ok]
-        end = max(r.end for r in span) if span else self.fault_start
-        # failed rounds whole, successful ones beyond healthy_round_s while the fault disturbs
-        # the rounds, and time no round ran (beyond this process's usual gap between rounds). A
-        # round faster than healthy (fewer peers, a frozen peer's CPU free) earns nothing back:
-        # `time_lost_net_s` would let it.
-        gap = statistics.median(y.start - x.end for x, y in itertools.pairwise(self.healthy)) if len(self.healthy) > 1 else 0.0
-        idle = sum(max(0.0, y.start - x.end - gap) for x, y in itertools.pairwise(span))
-        failed_s = sum(r.end - r.start for r in span if not r.ok)
-        disturbed = self.disturbed(span, healthy, outage_end)
-        slow_s = sum(max(0.0, r.end - r.start - healthy) for r in ok if disturbed(r))
-        # the rest: rounds slower than healthy once the survivors were back to steady rounds, as
-        # rounds without a fault have them on a loaded machine (shown, not counted)
-        steady_s = sum(max(0.0, r.end - r.start - healthy) for r in ok if not disturbed(r))
-        lost = failed_s + slow_s + idle
-        first = self.fault_round or next((r for r in span if r.start >= self.fault_start), None)
-        after = next((r for r in span if r.start >= self.fault_start), None)
-        wrong, worst = [], 0.0
-        for r in self.rounds:
-            for i, rep in r.replies.items():
-                errs = rep.get("errors") or {}
-                err = errs["members"] if "members" in errs else min(errs.values(), default=float("nan"))
-                worst = max(worst, err)
-                if not err <= tol:
-                    when = "healthy" if r.start < span_start else "fault round" if r is self.fault_round else "after the fault's start"
-                    wrong.append({"round": r.id, "when": when, "peer": i, "max_abs_error": err, "errors": errs,
-                                  "group_size": len(rep.get("group") or ()), "blocks": rep.get("blocks")})
-            for e in r.errors.values():
-                key = e[:160]
-                self.error_counts[key] = self.error_counts.get(key, 0) + 1
-        row.update(
-            fault_offset_s=round(self.fault_start - (self.fault_round.start + LEAD_S), 3) if self.fault_round else None,
-            fault_landed=(f"in a round (planned into {self.plans} round(s))" if self.fault_round else "between rounds"),
-            outage_s=a.outage_s,
-            rounds_during_outage=sum(1 for r in ok if self.fault_start <= r.end <= outage_end),
-            rounds_started_during_outage=sum(1 for r in span if self.fault_start <= r.start < outage_end),
-            rounds_after_outage=sum(1 for r in span if r.start >= outage_end),
-            rounds_ok=len(ok),
-            rounds_failed=len(span) - len(ok),
-            time_lost_s=round(lost, 3),
-            time_lost_parts_s={"failed_rounds": round(failed_s, 3), "slow_rounds": round(slow_s, 3), "idle": round(idle, 3)},
-            slow_rounds_steady_s=round(steady_s, 3),
-            time_lost_net_s=round((end - span_start) - len(ok) * healthy, 3),
-            first_round_s=round(first.end - first.start, 3) if first else None,
-            first_round_ok=first.ok if first else None,
-            next_round_s=round(after.end - after.start, 3) if after and after is not first else None,
-            wrong_results=len(wrong),
-            max_abs_error=worst,
-            back_after_s=round(self.back_at - self.fault_end, 3) if self.back_at is not None else None,
-            target_met=lost <= 2 * healthy + 1.0,
-        )
-        if self.link_probe is not None:
-            try:
-                out = self.link_probe.communicate(timeout=35)[0].strip()
-            except Exception:  # (it stops itself within 30 s)
-                self.link_probe.kill()
-                out = ""
-            row["link_usable_after_s"] = float(out) if out else None  # the network's own recovery, see _probe_link
-        if wrong:
-            row["wrong"] = wrong[:10]
-        if self.kind == "sigkill":
-            row["back_note"] = "killed: stays dead"
-        elif self.back_at is None:
-            row["back_note"] = f"the faulty peer did not complete a round with all the others within {a.back_deadline_s:.0f} s of the fault's end"
-        faulty_answer = self.fault_round and (self.fault_round.replies.get(self.faulty) or self.fault_round.errors.get(self.faulty))
-        if faulty_answer:
-            row["faulty_peer"]["fault_round_answer"] = "ok" if isinstance(faulty_answer, dict) else faulty_answer[:300]
-        # the faulty peer's rounds from the fault round on: [round, start, answered (s after the
-        # fault's start), "ok" or the error, its group size, its result's max abs error]
-        row["faulty_rounds"] = [
-            [r.id, round(r.start - self.fault_start, 2), round(r.answered[self.faulty] - self.fault_start, 2),
-             "ok" if (rep := r.replies.get(self.faulty)) else r.errors.get(self.faulty, "")[:200],
-             len((rep or {}).get("members") or (rep or {}).get("group") or ()),
-             min(((rep or {}).get("errors") or {}).values(), default=None)]
-            for r in self.rounds if r.start >= span_start and self.faulty in r.answered
-        ]
-        row["survivors_group_sizes"] = sorted({min(len(rep.get("members") or rep.get("group") or ()) for rep in r.replies.values()) for r in ok})
-        row["errors"] = dict(sorted(self.error_counts.items(), key=lambda kv: -kv[1])[:8])
-        # the rounds from the fault round on (the first `--timeline`): [start after the fault (s),
-        # seconds, ok, smallest group]
-        row["timeline"] = [
-            [round(r.start - self.fault_start, 2), round(r.end - r.start, 2), r.ok,
-             min((len(rep.get("members") or rep.get("group") or ()) for rep in r.replies.values()), default=0)]
-            for r in span[: a.timeline]
-        ]
+        faults_report.fill(self, row)
 
 
 class Bench:
