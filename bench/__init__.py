@@ -2,7 +2,8 @@
 
     codecs.py       our tensor codecs vs hivemind compression classes
     allreduce.py    our all-reduce vs hivemind DecentralizedAverager vs torch.distributed gloo
-                    (allreduce_peer.py: one peer process; netns.py: emulated links; workers.py)
+                    (allreduce_peer.py: one peer process, its arms in allreduce_arm.py and
+                    allreduce_hivemind.py; netns.py: emulated links; workers.py)
     convergence.py  DiLoCo over the swarm vs sync data parallelism vs the one-process simulation
                     (convergence_sync.py, convergence_swarm.py, convergence_settings.py)
     models.py       GPT-2 small and a Llama-style model in each role vs one process and
