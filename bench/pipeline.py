@@ -318,127 +318,6 @@ def run_torch_pipeline_killed(s: Settings, work: Path, kill_after_s: float = 8.0
         _stop_all(procs)
 
 
-# ---- (c), (d), (e) the swarm -----------------------------------------------------------------------
-
-
-def run_swarm(s: Settings, work: Path, peers_per_stage: int, trainers: int, kill: bool, timeout: float, shaped: bool = False) -> dict:
-    from tests.swarm import Swarm, wait_for
-
-    work = _fresh(work)
-    sw = Swarm(work)
-    topo = None
-    if shaped:  # (f): every process in its own namespace, behind its own shaped link
-        from bench import netns
-
-        netns.check_available()
-        netns.remove_stale()
-        topo = netns.Topology.create(n_peers=1 + s.stages * peers_per_stage + trainers, rate=s.rate)
-
-    def where(i: int) -> tuple[list[str], list[str]]:
-        """(argv prefix, --host-maddrs) of process i (0: the coordinator)."""
-        if topo is None:
-            return [], []
-        return topo.wrap(i, []), ["--host-maddrs", f"/ip4/{topo.ip(i)}/tcp/0"]
-
-    run = [
-        "--mode", "pipeline", "--num-stages", str(s.stages), "--model", s.model, "--batch-size", str(s.batch_size),
-        "--stage-step-samples", str(s.step_samples), "--micro-batches-in-flight", str(s.in_flight), "--inner-lr", str(s.lr),
-        "--warmup-steps", str(s.warmup_steps), "--seed", str(s.seed), "--activation-codec", s.activation_codec,
-        "--stage-routing", s.routing, "--stage-clip", s.stage_clip, *(["--synchronous-steps"] if s.synchronous else []),
-        "--heartbeat-timeout-s", "10",  # (the coordinator logs at INFO: its address, its plans)
-        "--stage-outer-momentum", str(s.outer_momentum), "--stage-sync-every-s", str(s.sync_every_s),
-    ]  # fmt: skip
-    node = ["--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "1", "--log-level", "WARNING"]
-
-    def stats(name: str) -> dict:
-        try:
-            return json.loads((work / name / "trainer-stats.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    try:
-        n_servers = s.stages * peers_per_stage
-        if topo is None:
-            coord = sw.coordinator("coordinator", None, None, *run)
-            maddr = coord.wait_ready()["maddrs"][0]
-        else:  # the coordinator's status page is inside its namespace: its address comes from its log
-            import re
-
-            prefix, host = where(0)
-            coord = sw.start("coordinator", "swarmtrain-coordinator", "--data-dir", str(work / "coordinator"), *host, "--http", "", *run, prefix=prefix)
-            found = wait_for(lambda: re.search(rf"/ip4/{re.escape(topo.ip(0))}/tcp/\d+/p2p/\w+", coord.log()), 60, "the coordinator's address")
-            maddr = found.group(0)
-        servers = {f"s{i}": sw.node(f"s{i}", [maddr], *node, *where(1 + i)[1], prefix=where(1 + i)[0]) for i in range(n_servers)}
-
-        def stage_of(name: str) -> int | None:
-            try:
-                return json.loads((work / name / "stage-stats.json").read_text())["stage"]
-            except (OSError, ValueError, KeyError):
-                return None
-
-        wait_for(lambda: {stage_of(n) for n in servers} == set(range(s.stages)), 120, "every stage served")
-        names = [f"t{i}" for i in range(trainers)]
-        # one trainer reads the micro-batches (a) and (b) read, in the same order; two split the data
-        shards = ["--num-shards", str(trainers)]
-        procs = {
-            n: sw.node(n, [maddr], *node, "--wanted-role", "trainer", "--shard-index", str(i), *shards, *where(1 + n_servers + i)[1], prefix=where(1 + n_servers + i)[0])
-            for i, n in enumerate(names)
-        }
-        per_trainer = s.samples // trainers
-        kills, next_kill, victim_i = 0, time.monotonic() + s.kill_every_s, 0
-        deadline = time.monotonic() + timeout
-        while min(done := [stats(n).get("samples", 0) for n in names]) < per_trainer:
-            if time.monotonic() > deadline or not all(p.alive() for p in procs.values()):
-                raise RuntimeError(f"the swarm arm did not reach {per_trainer} samples per trainer in {timeout:.0f} s: {done}")
-            # (e): every kill_every_s, and the first by half way at the latest: a run shorter than
-            # kill_every_s (a fast machine) would otherwise see no kill at all and measure (d)
-            if kill and (time.monotonic() >= next_kill or (kills == 0 and min(done) >= per_trainer // 2)):
-                name = f"s{victim_i % len(servers)}"
-                victim_i += 1
-                servers[name].kill()
-                servers[name].wait(30)
-                k = int(name[1:])
-                servers[name] = sw.node(name, [maddr], *node, *where(1 + k)[1], prefix=where(1 + k)[0])  # the same data dir and identity: it comes back
-                kills += 1
-                next_kill = time.monotonic() + s.kill_every_s
-            time.sleep(0.5)
-        rates, losses, lost, nbytes, samples = [], [], 0, 0, 0
-        for n in names:
-            st = stats(n)
-            h = [e for e in st["history"] if e["micro_batches"] * s.batch_size <= per_trainer] or st["history"]
-            first, end = st["history"][0], h[-1]
-            span = end["time"] - first["time"]
-            rates.append((end["micro_batches"] - first["micro_batches"]) * s.batch_size / span if span > 0 else 0.0)
-            tail = h[-(WINDOW // REPORT) :]
-            losses.append(sum(e["loss"] for e in tail) / len(tail))
-            lost += st["lost"]
-            nbytes += st["bytes_sent"] + st["bytes_received"]
-            samples += st["samples"]
-        clips, stale = {"global": 0, "alone": 0}, 0
-        # through routing: what each stage's peers sent the next stage (their calls and the
-        # answers), per sample that stage trained: bytes and samples from one write of its stats
-        # file, which trails the trainers' by up to REPORT_S (a tiny run is over by then)
-        by_stage: dict[int, list[int]] = {}
-        for n in servers:
-            try:
-                st = json.loads((work / n / "stage-stats.json").read_text())
-            except (OSError, ValueError):
-                continue
-            got = by_stage.setdefault(st["stage"], [0, 0])
-            got[0] += st.get("bytes_sent", 0) + st.get("bytes_received", 0)
-            got[1] += st["samples"]
-            stale += st["calls"]["stale"]
-            for k in clips:
-                clips[k] += st["clips"][k]
-        per_sample = nbytes / max(samples, 1) + sum(b / n for b, n in by_stage.values() if n)
-        return {"samples_per_s": sum(rates), "final_loss": sum(losses) / len(losses), "bytes_per_sample": per_sample, "lost": lost, "kills": kills,
-                "stale_backwards": stale, "steps_clipped": clips}  # fmt: skip
-    finally:
-        sw.close()
-        if topo is not None:
-            topo.destroy()
-
-
 # ---- main ---------------------------------------------------------------------------------------
 
 
@@ -467,7 +346,7 @@ def _stop_all(procs) -> None:
         p.wait(10)
 
 
-def main(argv=None) -> int:
+def _parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (the default output)")
     p.add_argument("--arms", default="a,b,c,d", help="which arms to run, e.g. a,b,c,d,e,f (f: root, network namespaces)")
@@ -485,26 +364,22 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.rank is not None:
-        return rank_main(args.rank, args.port, Settings(**json.loads(args.settings)), Path(args.out))
-    s = Settings(**{k: getattr(args, k) for k in Settings.__dataclass_fields__})
-    if s.step_samples % s.batch_size or s.samples % (2 * s.step_samples):
-        print("error: --step-samples must be a multiple of --batch-size, and --samples of 2 x --step-samples", file=sys.stderr)
-        return 2
-    if args.loss_seeds < 1:
-        print("error: --loss-seeds must be at least 1", file=sys.stderr)
-        return 2
-    if args.repeat < 1:
-        print("error: --repeat must be at least 1", file=sys.stderr)
-        return 2
-    import tempfile
+    return p.parse_args(argv)
 
-    # a new directory for every run: an arm started in an earlier run's directory resumed that
-    # run's swarm from its checkpoints and read its stats files, and reported them as its own
-    if args.work_dir:
-        Path(args.work_dir).mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench-pipeline-", dir=args.work_dir or None))
+
+def _refusal(args: argparse.Namespace, s: Settings) -> str | None:
+    if s.step_samples % s.batch_size or s.samples % (2 * s.step_samples):
+        return "--step-samples must be a multiple of --batch-size, and --samples of 2 x --step-samples"
+    if args.loss_seeds < 1:
+        return "--loss-seeds must be at least 1"
+    if args.repeat < 1:
+        return "--repeat must be at least 1"
+    return None
+
+
+def _arms(s: Settings, args: argparse.Namespace, work: Path):
+    """(every arm: key -> (its name, how to run it), the arms --loss-seeds runs with settings st)."""
+    from bench.pipeline_swarm import run_swarm
 
     def seedable(st: Settings) -> dict:
         """The arms whose final losses --loss-seeds compares, run with settings `st`."""
@@ -547,6 +422,40 @@ def main(argv=None) -> int:
     )
     for codec in ("none", "fp16", "int8"):
         arms[f"f-{codec}"] = (f"swarm (c), each process behind a {s.rate} link (netns), activations {codec}", base[f"f-{codec}"])
+    return arms, seedable
+
+
+def _run_all(runs: list) -> list[dict]:
+    """Each (key, name, fn) in turn: its row (a failed arm's says why; the others go on)."""
+    rows = []
+    for key, name, fn in runs:
+        t0 = time.monotonic()
+        try:
+            row = {"arm": key, "name": name, "status": "ok", **fn()}
+        except Exception as e:  # one arm failing must not hide the others' results
+            row = {"arm": key, "name": name, "status": "failed", "error": f"{type(e).__name__}: {e}"}
+        row["wall_s"] = round(time.monotonic() - t0, 1)
+        rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.rank is not None:
+        return rank_main(args.rank, args.port, Settings(**json.loads(args.settings)), Path(args.out))
+    s = Settings(**{k: getattr(args, k) for k in Settings.__dataclass_fields__})
+    if why := _refusal(args, s):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    import tempfile
+
+    # a new directory for every run: an arm started in an earlier run's directory resumed that
+    # run's swarm from its checkpoints and read its stats files, and reported them as its own
+    if args.work_dir:
+        Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-pipeline-", dir=args.work_dir or None))
+    arms, seedable = _arms(s, args, work)
     wanted = [k for a in args.arms.split(",") for k in (["f-none", "f-fp16", "f-int8"] if a == "f" else [a])]
     unknown = [k for k in wanted if k not in arms]
     if unknown:
@@ -561,16 +470,14 @@ def main(argv=None) -> int:
     for k in range(1, args.loss_seeds):
         other = dataclasses.replace(s, seed=s.seed + k)
         runs += [(f"{key}@seed{other.seed}", f"{arms[key][0]}, seed {other.seed}", fn) for key, fn in seedable(other).items() if key in wanted]
-    rows = []
-    for key, name, fn in runs:
-        t0 = time.monotonic()
-        try:
-            row = {"arm": key, "name": name, "status": "ok", **fn()}
-        except Exception as e:  # one arm failing must not hide the others' results
-            row = {"arm": key, "name": name, "status": "failed", "error": f"{type(e).__name__}: {e}"}
-        row["wall_s"] = round(time.monotonic() - t0, 1)
-        rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-        print(json.dumps(rows[-1]), file=sys.stderr)
+    rows = _run_all(runs)
+    ratios = _ratios(rows, wanted, s, args)
+    print(json.dumps({"settings": asdict(s), "arms": rows, "ratios": ratios, "work_dir": str(work)}, indent=1))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def _ratios(rows: list[dict], wanted: list[str], s: Settings, args: argparse.Namespace) -> dict:
+    """The arms side by side: samples/s and final losses over each other."""
     ok = {r["arm"]: r for r in rows if r["status"] == "ok"}
 
     def runs_of(key: str) -> list[str]:
@@ -606,25 +513,32 @@ def main(argv=None) -> int:
         other = "c-relay" if arm == "c" else "f-relay"
         if arm in by and other in by:  # through routing against relay, the same swarm otherwise
             ratios[f"{arm.replace('-', '_')}_over_relay_samples_per_s"] = round(by[arm]["samples_per_s"] / by[other]["samples_per_s"], 3)
-    def mean_loss(arm: str) -> float | None:
-        """The arm's final loss over every seed; None unless each seed's run succeeded."""
-        got = [by[k]["final_loss"] for k in [arm, *(f"{arm}@seed{s.seed + i}" for i in range(1, args.loss_seeds))] if k in by]
-        return sum(got) / len(got) if len(got) == args.loss_seeds else None
-
-    if args.loss_seeds > 1 and (mean_a := mean_loss("a")) is not None:
-        for arm in ("c", "a-rounding"):
-            if (mean := mean_loss(arm)) is not None:
-                ratios[f"{arm.replace('-', '_')}_loss_over_a_mean_of_{args.loss_seeds}_seeds"] = round(mean / mean_a, 4)
     if "d" in by and "e" in by:
         ratios["e_over_d_samples_per_s"] = round(by["e"]["samples_per_s"] / by["d"]["samples_per_s"], 3)
+    ratios.update(_seed_ratios(by, s, args.loss_seeds))
+    return ratios
+
+
+def _seed_ratios(by: dict, s: Settings, seeds: int) -> dict:
+    """The codecs' losses over none's; with several seeds, every ratio of mean losses over seeds."""
+
+    def mean_loss(arm: str) -> float | None:
+        """The arm's final loss over every seed; None unless each seed's run succeeded."""
+        got = [by[k]["final_loss"] for k in [arm, *(f"{arm}@seed{s.seed + i}" for i in range(1, seeds))] if k in by]
+        return sum(got) / len(got) if len(got) == seeds else None
+
+    ratios = {}
+    if seeds > 1 and (mean_a := mean_loss("a")) is not None:
+        for arm in ("c", "a-rounding"):
+            if (mean := mean_loss(arm)) is not None:
+                ratios[f"{arm.replace('-', '_')}_loss_over_a_mean_of_{seeds}_seeds"] = round(mean / mean_a, 4)
     for codec in ("fp16", "int8"):
         if "f-none" in by and f"f-{codec}" in by:
             ratios[f"f_{codec}_over_none_samples_per_s"] = round(by[f"f-{codec}"]["samples_per_s"] / by["f-none"]["samples_per_s"], 3)
             ratios[f"f_{codec}_loss_over_none"] = round(by[f"f-{codec}"]["final_loss"] / by["f-none"]["final_loss"], 4)
-            if args.loss_seeds > 1 and (mean := mean_loss(f"f-{codec}")) is not None and (none := mean_loss("f-none")) is not None:
-                ratios[f"f_{codec}_loss_over_none_mean_of_{args.loss_seeds}_seeds"] = round(mean / none, 4)
-    print(json.dumps({"settings": asdict(s), "arms": rows, "ratios": ratios, "work_dir": str(work)}, indent=1))
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+            if seeds > 1 and (mean := mean_loss(f"f-{codec}")) is not None and (none := mean_loss("f-none")) is not None:
+                ratios[f"f_{codec}_loss_over_none_mean_of_{seeds}_seeds"] = round(mean / none, 4)
+    return ratios
 
 
 if __name__ == "__main__":
