@@ -353,7 +353,7 @@ ARM_NAMES = {
 }
 
 
-def main(argv=None) -> int:
+def _parse(argv) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (the default output)")
     p.add_argument("--arms", default="a,b,c,d,b-kill", help="which arms to run: a,b,c,d,b-kill")
@@ -367,18 +367,13 @@ def main(argv=None) -> int:
     p.add_argument("--settings", help=argparse.SUPPRESS)
     p.add_argument("--where", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.client:
-        return client_main(args.client, Settings(**json.loads(args.settings)), Path(args.out), json.loads(args.where))
-    if args.hm_dht:
-        return hm_dht_main(Path(args.out))
-    if args.hm_server is not None:
-        return hm_server_main(args.hm_server, Settings(**json.loads(args.settings)), json.loads(args.where)["initial_peers"], Path(args.out))
+    return p.parse_args(argv)
 
-    s = Settings(**{k: getattr(args, k) for k in Settings.__dataclass_fields__})
+
+def _problems(s: Settings, wanted: list[str]) -> list[str]:
+    """What is wrong with the settings and the arms asked for, each named."""
     from node.models.moe import MOE_PRESETS
 
-    wanted = [a for a in args.arms.split(",") if a]
     problems = []
     if s.model not in MOE_PRESETS:
         problems.append(f"--model must be one of {', '.join(MOE_PRESETS)}")
@@ -392,12 +387,52 @@ def main(argv=None) -> int:
         problems.append("--tokens and --steps must be positive")
     if unknown := [a for a in wanted if a not in ARM_NAMES]:
         problems.append(f"unknown arm(s) {', '.join(unknown)}; known: {', '.join(ARM_NAMES)}")
-    if problems:
+    return problems
+
+
+def _ratios(out: list[dict]) -> tuple[dict, dict]:
+    """The arms side by side (ratios) and the issue's targets, met or not."""
+    by = {r["arm"]: r for r in out if r["status"] == "ok"}
+    ratios = {}
+
+    def ratio(name, num, den, field="samples_per_s", digits=3):
+        if num in by and den in by and by[den].get(field):
+            ratios[name] = round(by[num][field] / by[den][field], digits)
+
+    ratio("c_over_b_samples_per_s", "c", "b")
+    ratio("d_over_c_samples_per_s", "d", "c")
+    ratio("b_kill_over_b_samples_per_s", "b-kill", "b")
+    ratio("d_over_c_token_expert_pairs_per_s", "d", "c", "token_expert_pairs_per_s")
+    ratio("c_over_a_samples_per_s", "c", "a")
+    ratio("c_loss_over_a", "c", "a", "final_loss", 4)
+    targets = {}
+    if "c_over_b_samples_per_s" in ratios:
+        targets["c_at_least_5x_b"] = ratios["c_over_b_samples_per_s"] >= 5
+    if "d_over_c_samples_per_s" in ratios:
+        targets["d_at_least_0.7x_c_no_exception"] = ratios["d_over_c_samples_per_s"] >= 0.7 and by["d"]["exceptions"] == 0
+    if "c_loss_over_a" in ratios:
+        targets["c_loss_within_2pct_of_a"] = abs(ratios["c_loss_over_a"] - 1) <= 0.02
+    return ratios, targets
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.client:
+        return client_main(args.client, Settings(**json.loads(args.settings)), Path(args.out), json.loads(args.where))
+    if args.hm_dht:
+        return hm_dht_main(Path(args.out))
+    if args.hm_server is not None:
+        return hm_server_main(args.hm_server, Settings(**json.loads(args.settings)), json.loads(args.where)["initial_peers"], Path(args.out))
+
+    s = Settings(**{k: getattr(args, k) for k in Settings.__dataclass_fields__})
+    wanted = [a for a in args.arms.split(",") if a]
+    if problems := _problems(s, wanted):
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
     import tempfile
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-experts-"))
+
     def interrupted(*_):
         raise KeyboardInterrupt  # a SIGTERM cleans up as Ctrl-C does: every arm's `finally` closes its processes
 
@@ -431,26 +466,7 @@ def main(argv=None) -> int:
             arms.close()
 
     out = [_rounded(rows[k]) for k in ARM_NAMES if k in rows]
-    by = {r["arm"]: r for r in out if r["status"] == "ok"}
-    ratios = {}
-
-    def ratio(name, num, den, field="samples_per_s", digits=3):
-        if num in by and den in by and by[den].get(field):
-            ratios[name] = round(by[num][field] / by[den][field], digits)
-
-    ratio("c_over_b_samples_per_s", "c", "b")
-    ratio("d_over_c_samples_per_s", "d", "c")
-    ratio("b_kill_over_b_samples_per_s", "b-kill", "b")
-    ratio("d_over_c_token_expert_pairs_per_s", "d", "c", "token_expert_pairs_per_s")
-    ratio("c_over_a_samples_per_s", "c", "a")
-    ratio("c_loss_over_a", "c", "a", "final_loss", 4)
-    targets = {}
-    if "c_over_b_samples_per_s" in ratios:
-        targets["c_at_least_5x_b"] = ratios["c_over_b_samples_per_s"] >= 5
-    if "d_over_c_samples_per_s" in ratios:
-        targets["d_at_least_0.7x_c_no_exception"] = ratios["d_over_c_samples_per_s"] >= 0.7 and by["d"]["exceptions"] == 0
-    if "c_loss_over_a" in ratios:
-        targets["c_loss_within_2pct_of_a"] = abs(ratios["c_loss_over_a"] - 1) <= 0.02
+    ratios, targets = _ratios(out)
     print(json.dumps({"settings": asdict(s), "arms": out, "ratios": ratios, "targets_met": targets, "work_dir": str(work)}, indent=1))
     return 0 if all(r["status"] == "ok" for r in out) else 1
 
