@@ -111,45 +111,11 @@ async def _swarm_client(s: Settings, where: dict, started: Path | None) -> dict:
     transport = Transport(host)
     await transport.start()
     client = ExpertClient(transport, asyncio.get_running_loop(), run, activation_codec(run, gpt.n_embd), MAX_CALL_TOKENS * gpt.n_embd)
+
+    fallback: dict = {}  # shard -> times its hosts came from the coordinator
     known = asyncio.Event()
-
-    fallback: dict = {}
-    t_start = time.monotonic()
-
-    def from_coordinator() -> dict[int, list[str]]:
-        import urllib.request
-
-        with urllib.request.urlopen(f"http://{where['http']}/status", timeout=5) as r:
-            status = json.loads(r.read())
-        return {int(k.removeprefix("shard")): v["peers"] for k, v in status["expert_shards"].items() if v["peers"]}
-
     view = SwarmView(host, node.swarm_id, node.record_ttl_s)
-
-    async def refresh():  # as the expert trainer follows them: the hosts of each shard from their member records
-        while True:
-            members = await view.read()
-            if not members.ok:
-                print("the member records could not be read", file=sys.stderr, flush=True)
-            shards = members.numbered("expert", "shard", below=s.hosts)
-            if len(shards) < s.hosts and (fallback or time.monotonic() - t_start > 20):
-                # the DHT named no host of some shard: ask the coordinator (said in the row)
-                try:
-                    told = await asyncio.to_thread(from_coordinator)
-                    if not fallback:
-                        seen = [(p[-6:], r.role, round(time.time() - r.issued_at, 1)) for p, r in members.records.items()] + [(p[-6:], why) for p, why in members.skipped.items()]
-                        print(f"member records after 20 s (peer, role, age s): {seen}; the coordinator: { {k: [p[-6:] for p in v] for k, v in told.items()} }", file=sys.stderr, flush=True)
-                    for sh, peers in told.items():
-                        shards.setdefault(sh, peers)
-                        fallback[sh] = fallback.get(sh, 0) + 1
-                except OSError as e:
-                    print(f"coordinator /status: {e}", file=sys.stderr, flush=True)
-            if shards:
-                client.peers.update(shards)
-            if len(shards) == s.hosts:
-                known.set()
-            await asyncio.sleep(2.0 if known.is_set() else 0.5)
-
-    task = asyncio.create_task(refresh())
+    task = asyncio.create_task(_follow_hosts(s, view, client, known, fallback, where["http"]))
     try:
         await asyncio.wait_for(known.wait(), 60)
         router = _Capturing(init_moe_model(gpt, moe, s.seed).blocks[0].moe.router)  # (a)'s
@@ -174,6 +140,44 @@ async def _swarm_client(s: Settings, where: dict, started: Path | None) -> dict:
         await asyncio.gather(task, return_exceptions=True)
         await transport.close()
         await host.shutdown()
+
+
+def _hosts_from_coordinator(http: str) -> dict[int, list[str]]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{http}/status", timeout=5) as r:
+        status = json.loads(r.read())
+    return {int(k.removeprefix("shard")): v["peers"] for k, v in status["expert_shards"].items() if v["peers"]}
+
+
+async def _follow_hosts(s: Settings, view, client, known, fallback: dict, http: str) -> None:
+    """As the expert trainer follows them: the hosts of each shard from their member records
+    (`known` set once every shard has one); where the DHT names no host of a shard for 20 s,
+    the coordinator's /status is asked (counted in `fallback`, said in the row)."""
+    import asyncio
+
+    t_start = time.monotonic()
+    while True:
+        members = await view.read()
+        if not members.ok:
+            print("the member records could not be read", file=sys.stderr, flush=True)
+        shards = members.numbered("expert", "shard", below=s.hosts)
+        if len(shards) < s.hosts and (fallback or time.monotonic() - t_start > 20):
+            try:
+                told = await asyncio.to_thread(_hosts_from_coordinator, http)
+                if not fallback:
+                    seen = [(p[-6:], r.role, round(time.time() - r.issued_at, 1)) for p, r in members.records.items()] + [(p[-6:], why) for p, why in members.skipped.items()]
+                    print(f"member records after 20 s (peer, role, age s): {seen}; the coordinator: { {k: [p[-6:] for p in v] for k, v in told.items()} }", file=sys.stderr, flush=True)
+                for sh, peers in told.items():
+                    shards.setdefault(sh, peers)
+                    fallback[sh] = fallback.get(sh, 0) + 1
+            except OSError as e:
+                print(f"coordinator /status: {e}", file=sys.stderr, flush=True)
+        if shards:
+            client.peers.update(shards)
+        if len(shards) == s.hosts:
+            known.set()
+        await asyncio.sleep(2.0 if known.is_set() else 0.5)
 
 
 class _Capturing:
