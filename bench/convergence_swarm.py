@@ -134,6 +134,20 @@ def node_args(settings: Settings, data_dir: Path, rank: int, coordinator_maddr: 
     ]  # fmt: skip
 
 
+def _coordinator_maddr(coord: _Proc, http_port: int, deadline: float) -> str:
+    """The coordinator's multiaddr, from its /status once it answers (ArmFailed: it exited, or
+    did not answer by `deadline`)."""
+    while True:
+        if not coord.alive():
+            raise ArmFailed(f"the coordinator exited with {coord.popen.returncode}:\n{_tail(coord.log_path)}")
+        if time.monotonic() > deadline:
+            raise ArmFailed(f"the coordinator's /status did not answer within 120 s:\n{_tail(coord.log_path)}")
+        try:
+            return _status(http_port)["maddrs"][0]
+        except (urllib.error.URLError, ConnectionError, OSError, ValueError, KeyError, IndexError):
+            time.sleep(0.2)
+
+
 def run_swarm_arm(settings: Settings, warm_state: dict, warm_val_loss: float, work_dir: Path, timeout: float, log=print, inner_phase: str = "steps") -> dict:
     """Run the swarm until every replica has done settings.outer_steps outer steps (or fail
     within `timeout` s); leaves no process behind. `inner_phase`: the run's (arm u: "time")."""
@@ -158,16 +172,7 @@ def run_swarm_arm(settings: Settings, warm_state: dict, warm_val_loss: float, wo
         coord = _Proc("coordinator", [_script("swarmtrain-coordinator"), *coordinator_args(settings, coord_dir, port, http_port, swarm_id, inner_phase)],
                       work_dir / "coordinator.log", env)  # fmt: skip
         procs.append(coord)
-        maddr = None
-        while maddr is None:
-            if not coord.alive():
-                raise ArmFailed(f"the coordinator exited with {coord.popen.returncode}:\n{_tail(coord.log_path)}")
-            if time.monotonic() > t0 + 120:
-                raise ArmFailed(f"the coordinator's /status did not answer within 120 s:\n{_tail(coord.log_path)}")
-            try:
-                maddr = _status(http_port)["maddrs"][0]
-            except (urllib.error.URLError, ConnectionError, OSError, ValueError, KeyError, IndexError):
-                time.sleep(0.2)
+        maddr = _coordinator_maddr(coord, http_port, t0 + 120)
         log(f"[swarm] coordinator up at {maddr}; starting {n} replicas")
         node_dirs = [work_dir / f"node{r}" for r in range(n)]
         for r in range(n):
