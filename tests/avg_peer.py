@@ -74,6 +74,58 @@ async def watch(avg: Averager, key: str) -> None:
         await asyncio.sleep(0.01)  # the poll interval
 
 
+async def repeat(avg: Averager, me: str, cmd: dict) -> None:
+    seeds, numel = cmd["seeds"], cmd["numel"]
+    mine = make_tensors(seeds[me], numel)
+    exact = torch.stack([flat(make_tensors(s, numel)) for s in seeds.values()]).mean(dim=0)
+    total, errors = torch.zeros(numel), []
+    for t in range(cmd["rounds"]):
+        try:
+            result, _ = await avg.average(f"{cmd['key']}-{t}", mine, expected_peers=len(seeds))
+        except AveragingFailed as e:
+            emit(event="result", key=cmd["key"], ok=False, reason=e.report.reason)
+            return
+        total += flat(result)
+        errors.append(float((total / (t + 1) - exact).abs().max()))
+    emit(event="result", key=cmd["key"], ok=True, errors=errors, sha=hashlib.sha256(total.numpy().tobytes()).hexdigest())
+
+
+async def average(avg: Averager, cfg: AveragerConfig, me: str, cmd: dict) -> list[torch.Tensor] | None:
+    """One round; emits its result (checked against the exact mean and the codec's reference);
+    the averaged tensors, None if it failed."""
+    seeds: dict[str, int] = cmd["seeds"]
+    numel = cmd["numel"]
+    mine = make_tensors(seeds[me], numel)
+    watcher = asyncio.create_task(watch(avg, cmd["key"])) if cmd.get("watch") else None
+    try:
+        result, report = await avg.average(cmd["key"], mine, expected_peers=cmd.get("expected"))
+    except AveragingFailed as e:
+        emit(event="result", key=cmd["key"], ok=False, reason=e.report.reason, failed=e.report.failed, silent=e.report.silent,
+             unchanged=bool(torch.equal(flat(mine), flat(make_tensors(seeds[me], numel)))))
+        return None
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+    out = flat(result)
+    survivors = [p for p in report.members if p in report.survivors]
+    idx_seeds = [seeds[p] for p in survivors]
+    exact = torch.stack([flat(make_tensors(s, numel)) for s in idx_seeds]).mean(dim=0)
+    ref = reference(cfg, [seeds[p] for p in report.members], numel, report.bounds,
+                    [i for i, p in enumerate(report.members) if p in report.survivors], report.slice_owners)
+    emit(
+        event="result", key=cmd["key"], ok=True, sha=hashlib.sha256(out.numpy().tobytes()).hexdigest(),
+        max_err=float((out - exact).abs().max()), rel_err=float((out - exact).norm() / exact.norm()),
+        max_abs=float(max(flat(make_tensors(s, numel)).abs().max() for s in idx_seeds)),
+        equals_reference=bool(torch.equal(out, ref)), members=report.members, survivors=report.survivors,
+        failed=report.failed, silent=report.silent, leader=report.leader, seconds=report.seconds, bytes_sent=report.bytes_sent,
+        early_used=report.early_used, early_discarded=report.early_discarded, schedule=report.schedule, pace=report.pace,
+        slice_owners=list(report.slice_owners),
+        shapes_kept=[list(t.shape) for t in result] == [list(t.shape) for t in mine],
+    )
+    return result  # the caller's tensors: nothing may write into them after the round
+
+
 async def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("node.averaging").setLevel(logging.DEBUG)  # the test keeps this log for diagnosis
@@ -102,21 +154,7 @@ async def main() -> None:
                 avg.on_phase = lambda key, phase: emit(event="phase", key=key, phase=phase)
                 emit(event="configured")
             elif cmd["op"] == "repeat":  # K rounds of the same inputs: how close the running mean gets
-                seeds, numel = cmd["seeds"], cmd["numel"]
-                mine = make_tensors(seeds[host.peer_id], numel)
-                exact = torch.stack([flat(make_tensors(s, numel)) for s in seeds.values()]).mean(dim=0)
-                total, errors, ok = torch.zeros(numel), [], True
-                for t in range(cmd["rounds"]):
-                    try:
-                        result, _ = await avg.average(f"{cmd['key']}-{t}", mine, expected_peers=len(seeds))
-                    except AveragingFailed as e:
-                        ok = False
-                        emit(event="result", key=cmd["key"], ok=False, reason=e.report.reason)
-                        break
-                    total += flat(result)
-                    errors.append(float((total / (t + 1) - exact).abs().max()))
-                if ok:
-                    emit(event="result", key=cmd["key"], ok=True, errors=errors, sha=hashlib.sha256(total.numpy().tobytes()).hexdigest())
+                await repeat(avg, host.peer_id, cmd)
             elif cmd["op"] == "forget":  # a new test: no reputation carried over from the last one
                 transport.scores.peers.clear()
                 emit(event="forgot")
@@ -126,37 +164,7 @@ async def main() -> None:
             elif cmd["op"] == "recheck":  # the sha of the last result's tensors, as they are now
                 emit(event="recheck", sha=hashlib.sha256(flat(last).numpy().tobytes()).hexdigest())
             elif cmd["op"] == "average":  # "watch": true adds the round's "joined" and "parts_from" events
-                seeds: dict[str, int] = cmd["seeds"]
-                numel = cmd["numel"]
-                mine = make_tensors(seeds[host.peer_id], numel)
-                watcher = asyncio.create_task(watch(avg, cmd["key"])) if cmd.get("watch") else None
-                try:
-                    result, report = await avg.average(cmd["key"], mine, expected_peers=cmd.get("expected"))
-                except AveragingFailed as e:
-                    emit(event="result", key=cmd["key"], ok=False, reason=e.report.reason, failed=e.report.failed, silent=e.report.silent,
-                         unchanged=bool(torch.equal(flat(mine), flat(make_tensors(seeds[host.peer_id], numel)))))
-                    continue
-                finally:
-                    if watcher is not None:
-                        watcher.cancel()
-                        await asyncio.gather(watcher, return_exceptions=True)
-                out = flat(result)
-                last = result  # the caller's tensors: nothing may write into them after the round
-                survivors = [p for p in report.members if p in report.survivors]
-                idx_seeds = [seeds[p] for p in survivors]
-                exact = torch.stack([flat(make_tensors(s, numel)) for s in idx_seeds]).mean(dim=0)
-                ref = reference(cfg, [seeds[p] for p in report.members], numel, report.bounds,
-                                [i for i, p in enumerate(report.members) if p in report.survivors], report.slice_owners)
-                emit(
-                    event="result", key=cmd["key"], ok=True, sha=hashlib.sha256(out.numpy().tobytes()).hexdigest(),
-                    max_err=float((out - exact).abs().max()), rel_err=float((out - exact).norm() / exact.norm()),
-                    max_abs=float(max(flat(make_tensors(s, numel)).abs().max() for s in idx_seeds)),
-                    equals_reference=bool(torch.equal(out, ref)), members=report.members, survivors=report.survivors,
-                    failed=report.failed, silent=report.silent, leader=report.leader, seconds=report.seconds, bytes_sent=report.bytes_sent,
-                    early_used=report.early_used, early_discarded=report.early_discarded, schedule=report.schedule, pace=report.pace,
-                    slice_owners=list(report.slice_owners),
-                    shapes_kept=[list(t.shape) for t in result] == [list(t.shape) for t in mine],
-                )
+                last = await average(avg, cfg, host.peer_id, cmd) or last
     finally:
         await avg.close()
         await transport.close()
