@@ -194,6 +194,37 @@ def remove_leftovers(engine: str, left: dict[str, list[str]]) -> None:
         _run([engine, "network", "rm", *left["networks"]], 60, check=False)
 
 
+def check_coordinator_restart(base, env, status, members, swarm_id, status_now, logs, timings) -> None:
+    """The coordinator restarts with the same identity and registry (its volume), the nodes stay."""
+    t0 = time.monotonic()
+    _run([*base, "restart", "coordinator"], 120, env=env)
+    try:
+        again = wait_for(lambda: (s := status_now()) and s["started_at"] != status["started_at"] and s, 180, "the restarted coordinator's /status", interval=2)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}\n--- logs ---\n{logs()}") from None
+    timings["coordinator restart"] = time.monotonic() - t0
+    assert again["peer_id"] == status["peer_id"] == swarm_id.split("@")[1]  # the owner's key, from init, in the volume
+    assert {m["peer_id"] for m in again["members"]} >= {m["peer_id"] for m in members}
+    # checkpoints survive too (the newest one, or a newer one if the swarm stored another since)
+    newest = lambda st: max((c["step"] for c in st["checkpoints"]), default=-1)  # noqa: E731
+    assert newest(again) >= newest(status), (again["checkpoints"], status["checkpoints"])
+
+
+def compose_down(compose, base, env, project, timings) -> tuple[str, dict]:
+    """`down -v`, then whatever the project's label still finds removed: (what down said if it
+    failed, what was left behind)."""
+    t0 = time.monotonic()
+    try:
+        down = subprocess.run([*base, "down", "-v", "-t", "20"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        down_error = "" if down.returncode == 0 else (down.stdout + down.stderr)[-3000:]
+    except subprocess.TimeoutExpired:
+        down_error = "`down -v` still running after 300 s"
+    timings["down"] = time.monotonic() - t0
+    left = leftovers(compose.engine, project)
+    remove_leftovers(compose.engine, left)
+    return down_error, left
+
+
 def test_compose_private_swarm():
     compose = find_compose()
     if isinstance(compose, str):
@@ -264,29 +295,9 @@ def test_compose_private_swarm():
             timings["progress advanced (since up)"] = time.monotonic() - t0
             print(f"compose swarm at step {swarm_step(status)}; last progress: {(status.get('progress') or [None])[-1]}")
 
-        # the coordinator restarts with the same identity and registry (its volume), the nodes stay
-        t0 = time.monotonic()
-        _run([*base, "restart", "coordinator"], 120, env=env)
-        try:
-            again = wait_for(lambda: (s := status_now()) and s["started_at"] != status["started_at"] and s, 180, "the restarted coordinator's /status", interval=2)
-        except TimeoutError as e:
-            raise AssertionError(f"{e}\n--- logs ---\n{logs()}") from None
-        timings["coordinator restart"] = time.monotonic() - t0
-        assert again["peer_id"] == status["peer_id"] == swarm_id.split("@")[1]  # the owner's key, from init, in the volume
-        assert {m["peer_id"] for m in again["members"]} >= {m["peer_id"] for m in members}
-        # checkpoints survive too (the newest one, or a newer one if the swarm stored another since)
-        newest = lambda st: max((c["step"] for c in st["checkpoints"]), default=-1)  # noqa: E731
-        assert newest(again) >= newest(status), (again["checkpoints"], status["checkpoints"])
+        check_coordinator_restart(base, env, status, members, swarm_id, status_now, logs, timings)
     finally:
-        t0 = time.monotonic()
-        try:
-            down = subprocess.run([*base, "down", "-v", "-t", "20"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-            down_error = "" if down.returncode == 0 else (down.stdout + down.stderr)[-3000:]
-        except subprocess.TimeoutExpired:
-            down_error = "`down -v` still running after 300 s"
-        timings["down"] = time.monotonic() - t0
-        left = leftovers(compose.engine, project)
-        remove_leftovers(compose.engine, left)
+        down_error, left = compose_down(compose, base, env, project, timings)
         print("compose timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
     assert not down_error, down_error
     assert not left, f"`down -v` left these behind (removed now): {left}"
