@@ -89,16 +89,10 @@ def by_stage(swarm, names) -> dict[int, list[str]]:
     return out
 
 
-def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_peer(swarm):
-    coord = swarm.coordinator("coordinator", None, None, *RUN)
-    maddr = coord.wait_ready()["maddrs"][0]
-    servers = {f"s{i}": swarm.node(f"s{i}", [maddr], *NODE) for i in range(6)}
-    # stage servers first: the planner spreads them over the stages (by their measured speed)
-    wait_for(lambda: len(placed(coord)) == 3 and sum(map(len, placed(coord).values())) == 6, 120, "six stage peers on three stages")
-    trainers = {f"t{i}": swarm.node(f"t{i}", [maddr], *NODE, "--wanted-role", "trainer", "--shard-index", str(i)) for i in range(2)}
-
-    # both trainers push micro-batches through; every stage server holds only its own layers
-    wait_for(lambda: min(micro_batches(swarm, t) for t in trainers) >= 32, 300, "32 micro-batches per trainer")
+def check_stage_servers(swarm, coord, servers: dict, trainers: dict) -> None:
+    """Every stage server holds only its own layers, stage 0 ran forwards on stashed weights, the
+    last stage served through calls, activations went stage to stage, /status shows the stages,
+    and the peers of each shared stage hold one hash after their syncs."""
     want = {0: {"wte", "wpe", "blocks.0", "blocks.1"}, 1: {"blocks.2"}, 2: {"blocks.3", "ln_f", "lm_head"}}
     for name in servers:
         st = stats(swarm, name, "stage")
@@ -131,6 +125,19 @@ def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_pe
     for stage, rounds in synced.items():
         for n, hashes in rounds.items():
             assert len(set(hashes)) == 1, (stage, n, hashes, by_stage(swarm, servers))
+
+
+def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_peer(swarm):
+    coord = swarm.coordinator("coordinator", None, None, *RUN)
+    maddr = coord.wait_ready()["maddrs"][0]
+    servers = {f"s{i}": swarm.node(f"s{i}", [maddr], *NODE) for i in range(6)}
+    # stage servers first: the planner spreads them over the stages (by their measured speed)
+    wait_for(lambda: len(placed(coord)) == 3 and sum(map(len, placed(coord).values())) == 6, 120, "six stage peers on three stages")
+    trainers = {f"t{i}": swarm.node(f"t{i}", [maddr], *NODE, "--wanted-role", "trainer", "--shard-index", str(i)) for i in range(2)}
+
+    # both trainers push micro-batches through; every stage server holds only its own layers
+    wait_for(lambda: min(micro_batches(swarm, t) for t in trainers) >= 32, 300, "32 micro-batches per trainer")
+    check_stage_servers(swarm, coord, servers, trainers)
 
     # SIGKILL one peer of a stage that has two: its calls go to the other one, nothing is lost
     victim = next(names for names in by_stage(swarm, servers).values() if len(names) >= 2)[0]
