@@ -71,10 +71,11 @@ def _rounds(durations: list[float], t0: float = 0.0) -> list:
 
 def _disturbed(kind: str, span: list, healthy: float, outage_end: float, back_at: float | None):
     from bench.faults import FaultRun
+    from bench.faults_report import disturbed
 
     run = object.__new__(FaultRun)  # only the fields `disturbed` reads
     run.kind, run.back_at = kind, back_at
-    return run.disturbed(span, healthy, outage_end)
+    return disturbed(run, span, healthy, outage_end)
 
 
 def test_slow_rounds_count_while_the_fault_disturbs_the_rounds_not_after_they_settle():
