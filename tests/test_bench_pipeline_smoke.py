@@ -104,3 +104,17 @@ def test_a_swarm_arm_whose_coordinator_refuses_the_cut_fails_with_its_reason_not
     (row,) = json.loads(out.stdout)["arms"]
     assert row["status"] == "failed" and "coordinator exited" in row["error"] and "exceeds the model's 2 blocks" in row["error"], row
     assert "timed out" not in row["error"], row  # it stopped waiting when the coordinator exited
+
+
+def test_codec_ratios_take_the_mean_loss_over_every_seed_and_only_when_each_seed_ran():
+    from bench.pipeline import Settings, _seed_ratios
+
+    s = Settings()
+    row = lambda loss, rate=10.0: {"final_loss": loss, "samples_per_s": rate}  # noqa: E731
+    by = {"f-none": row(2.0), "f-none@seed1": row(4.0), "f-int8": row(2.2, 8.0), "f-int8@seed1": row(3.8)}
+    ratios = _seed_ratios(by, s, 2)
+    assert ratios["f_int8_loss_over_none"] == 1.1 and ratios["f_int8_over_none_samples_per_s"] == 0.8  # the first seed's own
+    assert ratios["f_int8_loss_over_none_mean_of_2_seeds"] == 1.0  # (2.2 + 3.8) / (2.0 + 4.0)
+    del by["f-int8@seed1"]  # a seed's run failed: no mean that leaves it out
+    assert "f_int8_loss_over_none_mean_of_2_seeds" not in _seed_ratios(by, s, 2)
+    assert "f_int8_loss_over_none_mean_of_2_seeds" not in _seed_ratios({k: v for k, v in by.items() if "@" not in k}, s, 1)
