@@ -61,10 +61,8 @@ class Codec:
         """Encode a local tensor. `state` (per tensor, owned by the caller) lets a codec warm-start."""
         if not isinstance(x, torch.Tensor):
             raise LocalProtocolError(f"expected a torch.Tensor, got {type(x).__name__}")
-        name = dtype_name(x.dtype)
-        if self.lossy and name not in FLOAT_DTYPES:
-            raise LocalProtocolError(f"codec {self.name} needs a floating-point tensor, got {name}")
-        return self._encode(x.detach().cpu().contiguous(), name, state)
+        x = self._float_input(x) if self.lossy else x.detach().cpu().contiguous()
+        return self._encode(x, dtype_name(x.dtype), state)
 
     def _encode(self, x: torch.Tensor, dtype: str, state: dict[str, Any] | None) -> EncodedTensor:
         raise NotImplementedError
@@ -74,6 +72,13 @@ class Codec:
         Codecs that know it while encoding override this to save a decode pass."""
         enc = self.encode(x, state)
         return enc, decode_own(enc)
+
+    def _float_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x detached, on the CPU and contiguous, for a codec that encodes floating-point values
+        only (LocalProtocolError, naming the dtype, for any other)."""
+        if dtype_name(x.dtype) not in FLOAT_DTYPES:
+            raise LocalProtocolError(f"codec {self.name} needs a floating-point tensor, got {dtype_name(x.dtype)}")
+        return x.detach().cpu().contiguous()
 
     def encode_with_feedback(
         self,
@@ -193,9 +198,7 @@ class Fp16Codec(Codec):
     def encode_with_feedback(self, x, residual, state=None, out=None, decoded=None, keep_decoded=True):
         """One pass over memory: each slice is corrected, rounded to half, widened back and
         differenced while in cache (the generic path makes five passes and three copies)."""
-        x = x.detach().cpu().contiguous()
-        if dtype_name(x.dtype) not in FLOAT_DTYPES:
-            raise LocalProtocolError(f"codec {self.name} needs a floating-point tensor, got {dtype_name(x.dtype)}")
+        x = self._float_input(x)
         flat, n = x.reshape(-1), x.numel()
         half = torch.empty(n, dtype=torch.float16)
         decoded = _decoded_buffer(n, decoded, keep_decoded)
@@ -260,16 +263,12 @@ class Int8Codec(Codec):
         return out
 
     def encode_with_error(self, x, state=None):
-        x = x.detach().cpu().contiguous()
-        if dtype_name(x.dtype) not in FLOAT_DTYPES:
-            raise LocalProtocolError(f"codec {self.name} needs a floating-point tensor, got {dtype_name(x.dtype)}")
+        x = self._float_input(x)
         decoded = torch.empty(x.numel(), dtype=torch.float32)
         return self._encode_int8(x, dtype_name(x.dtype), decoded), decoded
 
     def encode_with_feedback(self, x, residual, state=None, out=None, decoded=None, keep_decoded=True):
-        x = x.detach().cpu().contiguous()
-        if dtype_name(x.dtype) not in FLOAT_DTYPES:
-            raise LocalProtocolError(f"codec {self.name} needs a floating-point tensor, got {dtype_name(x.dtype)}")
+        x = self._float_input(x)
         decoded = _decoded_buffer(x.numel(), decoded, keep_decoded)
         return self._encode_int8(x, dtype_name(x.dtype), decoded, residual, residual if out is None else out), decoded
 

@@ -30,7 +30,7 @@ import torch
 
 from .codecs import _SLICE, Codec, _expect_size, _int_param, decode_through_into
 from .errors import LocalProtocolError, RemoteProtocolError
-from .tensors import FLOAT_DTYPES, EncodedTensor, dtype_name, tensor_bytes, tensor_from_bytes
+from .tensors import EncodedTensor, dtype_name, tensor_bytes, tensor_from_bytes
 
 MIN_CHUNK, MAX_CHUNK = 16, 1 << 16
 MAX_BITS = 8
@@ -145,9 +145,7 @@ class SparseCodec(Codec):
         return self._encode_sparse(x, dtype, None)
 
     def encode_with_error(self, x, state=None):
-        x = x.detach().cpu().contiguous()
-        if dtype_name(x.dtype) not in FLOAT_DTYPES:
-            raise LocalProtocolError(f"codec {self.name} needs a floating-point tensor, got {dtype_name(x.dtype)}")
+        x = self._float_input(x)
         decoded = torch.empty(x.numel(), dtype=torch.float32)
         return self._encode_sparse(x, dtype_name(x.dtype), decoded), decoded
 
