@@ -7,7 +7,7 @@ import sys
 
 from node.cli import _Parser, run_daemon, setup_logging
 from node.config import LOG_LEVELS, ConfigError, load_config
-from node.runconfig import ACTIVATION_CODECS, CODECS, STAGE_CLIPS, STAGE_ROUTINGS
+from node.runconfig import ACTIVATION_CODECS, CODECS, INNER_PHASES, STAGE_CLIPS, STAGE_ROUTINGS
 
 from .config import SERVED_MODES, CoordinatorConfig
 from .tools import TOOLS, tools_help
@@ -56,7 +56,7 @@ def build_parser():
     run.add_argument("--join-timeout-s", type=float, help=f"how long a round waits for late replicas (default {d.join_timeout_s})")
     run.add_argument("--min-replicas", type=int, help=f"replicas to wait for before training starts, and the fewest that take an outer step (1: a lone replica trains on its own; default {d.min_replicas})")
     run.add_argument("--fragments", type=int, help=f"replicas average the model in this many fragments, one at a time, each while the inner steps go on (at most --inner-steps; 1: all at once, training paused meanwhile; default {d.fragments})")
-    run.add_argument("--inner-phase", choices=("steps", "time"), help=f"steps: every replica takes --inner-steps per outer step, and a round waits for the slowest; time: a replica stops early once half of the replicas wait to average (a slower one takes fewer steps, its pseudo-gradient weighed by its samples) (default {d.inner_phase})")
+    run.add_argument("--inner-phase", choices=INNER_PHASES, help=f"steps: every replica takes --inner-steps per outer step, and a round waits for the slowest; time: a replica stops early once half of the replicas wait to average (a slower one takes fewer steps, its pseudo-gradient weighed by its samples) (default {d.inner_phase})")
     pipe = p.add_argument_group("the pipeline (--mode pipeline)")
     pipe.add_argument("--num-stages", type=int, help="stages the model is cut into; each holds at least one block")
     pipe.add_argument("--stage-blocks", metavar="N,N,...", help="blocks per stage, e.g. 2,1,1 (default: spread evenly)")

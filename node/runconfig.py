@@ -31,6 +31,7 @@ MODEL_PRESETS = ("tiny", "small", "tiny-moe", "small-moe")  # *-moe: mixture-of-
 MOE_EXPERTS = {"tiny-moe": 4, "small-moe": 8}  # experts per layer of each MoE preset
 CODECS = ("none", "fp16", "int8", "topk", "powersgd", "sparse")
 STAGE_ROUTINGS = ("through", "relay")  # how a trainer's micro-batch travels between stages (node/roles/stage_server.py)
+INNER_PHASES = ("steps", "time")  # how long a replica's inner phase lasts (node/roles/budget.py)
 STAGE_CLIPS = ("global", "stage")  # what a stage's step clips its gradient by (node/roles/stage_compute.py clipped_step)
 ACTIVATION_CODECS = ("none", "fp16", "int8")  # element-wise codecs: an activation's every value arrives
 INT8_BLOCK_SIZES = (16, 1 << 20)
@@ -217,7 +218,7 @@ _CHECKS: dict[str, Check] = {
     "block_size": between(*INT8_BLOCK_SIZES), "sparse_density": lambda v: None if 0 < v <= 1 else "must be in (0, 1]",
     "sparse_bits": between(*SPARSE_BITS), "sparse_chunk": between(*SPARSE_CHUNKS), "max_outer_steps": at_least(0), "checkpoint_every": at_least(1),
     "eval_batches": at_least(1), "seed": at_least(0), "join_timeout_s": positive, "min_replicas": at_least(1),
-    "inner_phase": one_of("steps", "time"),
+    "inner_phase": one_of(*INNER_PHASES),
     "fragments": at_least(1),
     "num_stages": at_least(0), "stage_blocks": lambda v: None if re.fullmatch(r"(\d+(,\d+)*)?", v.replace(" ", "")) else "must be block counts separated by commas, e.g. 2,1,1",
     "activation_codec": one_of(*ACTIVATION_CODECS), "stage_step_samples": at_least(1), "micro_batches_in_flight": at_least(1),

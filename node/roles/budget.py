@@ -23,7 +23,6 @@ from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
 
-INNER_PHASES = ("steps", "time")
 READY_POLL_S = 0.5  # how often a replica still in its inner phase looks who waits to average
 
 

@@ -56,13 +56,6 @@ class Schedule:
         end = self.start(f + 1) if f + 1 < self.fragments else self.inner_steps
         return end - self.start(f)
 
-    def due(self, step: int) -> int | None:
-        """The fragment whose round starts at inner step `step` of the cycle, if any."""
-        for f in range(self.fragments):
-            if self.start(f) == step:
-                return f
-        return None
-
 
 @dataclass(frozen=True)
 class Decision:
