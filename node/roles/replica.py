@@ -479,18 +479,18 @@ class Replica(Role):
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not self._stop:
             offers = await self.peers.states()
-            best = choose_state((self.round, self.hash), {p: o.held for p, o in offers.items()})
-            if ours_ends_it and best is None and any(o.held == (self.round, self.hash) for o in offers.values()):
+            mine = (self.round, self.hash)
+            if ours_ends_it and choose_state(mine, {p: o.held for p, o in offers.items()}) is None and any(o.held == mine for o in offers.values()):
                 return "in step"
-            for offer in offers.values():
-                if offer.held == best and await self._take(offer):
-                    return "taken"
+            if await self._adopt_from_peers(mine, offers):
+                return "taken"
             await asyncio.sleep(1.0)
         return "unseen"
 
-    async def _adopt_from_peers(self, mine: tuple[int, str] | None) -> bool:
-        """Take the state `choose_state` picks among the other replicas' (None: we hold none)."""
-        offers = await self.peers.states()
+    async def _adopt_from_peers(self, mine: tuple[int, str] | None, offers: dict[str, Offer] | None = None) -> bool:
+        """Take the state `choose_state` picks among the other replicas' (`mine` None: we hold
+        none); `offers`: what they said they hold, if just asked."""
+        offers = await self.peers.states() if offers is None else offers
         best = choose_state(mine, {p: o.held for p, o in offers.items()})
         for offer in offers.values():
             if offer.held == best and await self._take(offer):
