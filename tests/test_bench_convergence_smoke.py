@@ -13,14 +13,20 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(400)
 
 
-@pytest.mark.swarm
-def test_convergence_quick_sync_swarm_and_simulation(tmp_path):
+def quick(out_dir, *args: str, timeout: float = 370) -> tuple[dict, str]:
+    """`python -m bench.convergence --quick --json --out out_dir *args`, which must exit 0: (its
+    JSON, its stderr)."""
     out = subprocess.run(
-        [sys.executable, "-m", "bench.convergence", "--quick", "--arms", "a,b,c", "--json", "--out", str(tmp_path), "--timeout", "240"],
-        cwd=ROOT, capture_output=True, text=True, timeout=370, check=False,
+        [sys.executable, "-m", "bench.convergence", "--quick", "--json", "--out", str(out_dir), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
-    result = json.loads(out.stdout)
+    return json.loads(out.stdout), out.stderr
+
+
+@pytest.mark.swarm
+def test_convergence_quick_sync_swarm_and_simulation(tmp_path):
+    result, _ = quick(tmp_path, "--arms", "a,b,c", "--timeout", "240")
     st = result["settings"]
     assert (st["preset"], st["replicas"], st["inner_steps"]) == ("tiny", 2, 10)
     warm = result["warm_start"]["val_loss"]
@@ -62,15 +68,10 @@ def test_convergence_quick_sync_swarm_and_simulation(tmp_path):
     assert b["bytes_per_node"] == pytest.approx(c["bytes_per_node"], rel=0.05)
 
     # --reuse: finished arms are read back, not run again (the same numbers, in no time)
-    again = subprocess.run(
-        [sys.executable, "-m", "bench.convergence", "--quick", "--arms", "a,c", "--json", "--out", str(tmp_path), "--reuse"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert again.returncode == 0, again.stderr[-3000:]
-    reused = json.loads(again.stdout)
+    reused, stderr = quick(tmp_path, "--arms", "a,c", "--reuse", timeout=120)
     for arm in ("a", "c"):
         assert reused["arms"][arm]["reused"] and reused["arms"][arm]["final_val_loss"] == result["arms"][arm]["final_val_loss"]
-    assert "reusing" in again.stderr
+    assert "reusing" in stderr
 
 
 def test_an_outer_lr_sweep_reuses_the_sync_arm_but_not_the_diloco_arms():
@@ -101,12 +102,7 @@ def test_a_sparse_sweep_reuses_the_sync_and_int8_arms_but_not_the_sparse_one():
 
 
 def test_the_sparse_arm_runs_and_reports_its_bytes(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.convergence", "--quick", "--arms", "s", "--json", "--out", str(tmp_path), "--sparse-density", "0.01"],
-        cwd=ROOT, capture_output=True, text=True, timeout=370, check=False,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-3000:]
-    s = json.loads(out.stdout)["arms"]["s"]
+    s = quick(tmp_path, "--arms", "s", "--sparse-density", "0.01")[0]["arms"]["s"]
     assert s["status"] == "ok" and [p["step"] for p in s["curve"]] == [0, 10, 20, 30, 40]
     assert s["curve"][-1]["val_loss"] < s["curve"][0]["val_loss"]
     # 4 rounds of the tiny model (136,960 values) among 2: per round, one half scattered and

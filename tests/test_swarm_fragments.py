@@ -7,32 +7,20 @@ import re
 
 import pytest
 
-from tests.swarm import Swarm, settled_leftovers, wait_for
-from tests.test_swarm_training import NODE, RUN, assert_same_hashes, hashes, history, step_of, trained_steps
+from tests.swarm import settled_leftovers, wait_for
+from tests.test_swarm_training import assert_same_hashes, first_three_steps_in_lockstep, hashes, history, replica, step_of, three_replicas, trained_steps
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 
 FRAGMENTS = ["--inner-steps", "6", "--fragments", "3"]  # (later flags win: H=6, not RUN's 5)
 
 
-def replica(swarm: Swarm, name: str, maddr: str, shard: int, *extra: str):
-    return swarm.node(name, [maddr], *NODE, "--shard-index", str(shard), *extra)
-
-
 def test_fragment_replicas_keep_one_hash_through_a_kill_mid_fragment_and_a_joiner(swarm):
-    coord = swarm.coordinator("coordinator", None, None, *RUN, *FRAGMENTS, "--min-replicas", "3")
-    maddr = coord.wait_ready()["maddrs"][0]
+    coord, maddr, procs = three_replicas(swarm, *FRAGMENTS)
     names = ["a", "b", "c"]
-    procs = {n: replica(swarm, n, maddr, i, *(["--fault-delay-parts-s", "2", "--log-level", "DEBUG"] if n == "c" else [])) for i, n in enumerate(names)}
-
     # three replicas train in fragments: one hash after every outer step, validation loss falls,
     # and every outer step is three rounds, each a third of the model
-    wait_for(lambda: min(step_of(swarm, n) for n in names) >= 3, 240, "3 outer steps on every replica")
-    common = set.intersection(*(trained_steps(swarm, n) for n in names))
-    assert {1, 2, 3} <= common
-    assert_same_hashes(swarm, names, common)
-    h = history(swarm, "a")
-    assert h[0].get("start") and h[-1]["val_loss"] < h[0]["val_loss"] - 0.2, [(e["outer_step"], e.get("val_loss")) for e in h]
+    common, h = first_three_steps_in_lockstep(swarm, names, drop=0.2)
     trained = [e for e in h if e["outer_step"] in common]
     assert all(e["fragments"] == 3 and not e["failed_fragments"] for e in trained), trained
     assert all(e["sync_bytes"] < 0.5 * (e["bytes_sent"] - prev["bytes_sent"]) for prev, e in zip(trained, trained[1:])), trained

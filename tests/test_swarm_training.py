@@ -95,19 +95,34 @@ def assert_same_hashes(swarm, names, steps):
         assert len(set(seen.values())) == 1 and None not in seen.values(), f"step {k}: {seen}"
 
 
-def test_replicas_train_in_lockstep_survive_a_kill_and_take_a_joiner(swarm):
-    coord = swarm.coordinator("coordinator", None, None, *RUN, "--min-replicas", "3")
+def three_replicas(swarm, *run: str):
+    """A coordinator of RUN (then `run`) that waits for three replicas, and replicas a, b and c
+    (c holds its parts 2 s, so a kill at its "matched" lands mid-round, and logs at DEBUG):
+    (the coordinator, its multiaddr, the replicas' processes by name)."""
+    coord = swarm.coordinator("coordinator", None, None, *RUN, *run, "--min-replicas", "3")
     maddr = coord.wait_ready()["maddrs"][0]
-    names = ["a", "b", "c"]
-    procs = {n: replica(swarm, n, maddr, i, *(["--fault-delay-parts-s", "2", "--log-level", "DEBUG"] if n == "c" else [])) for i, n in enumerate(names)}
+    procs = {n: replica(swarm, n, maddr, i, *(["--fault-delay-parts-s", "2", "--log-level", "DEBUG"] if n == "c" else [])) for i, n in enumerate("abc")}
+    return coord, maddr, procs
 
-    # three replicas train; identical outer state after every outer step; validation loss falls
+
+def first_three_steps_in_lockstep(swarm, names: list[str], drop: float) -> tuple[set[int], list[dict]]:
+    """Outer steps 1 to 3 trained by every replica of `names`, one hash at each, and a's
+    validation loss down by more than `drop` since its start: (the steps all of them trained,
+    a's history)."""
     wait_for(lambda: min(step_of(swarm, n) for n in names) >= 3, 240, "3 outer steps on every replica")
     common = set.intersection(*(trained_steps(swarm, n) for n in names))
     assert {1, 2, 3} <= common
     assert_same_hashes(swarm, names, common)
     h = history(swarm, "a")
-    assert h[0].get("start") and h[-1]["val_loss"] < h[0]["val_loss"] - 0.3, [(e["outer_step"], e.get("val_loss")) for e in h]
+    assert h[0].get("start") and h[-1]["val_loss"] < h[0]["val_loss"] - drop, [(e["outer_step"], e.get("val_loss")) for e in h]
+    return common, h
+
+
+def test_replicas_train_in_lockstep_survive_a_kill_and_take_a_joiner(swarm):
+    coord, maddr, procs = three_replicas(swarm)
+    names = ["a", "b", "c"]
+    # three replicas train; identical outer state after every outer step; validation loss falls
+    first_three_steps_in_lockstep(swarm, names, drop=0.3)
 
     # SIGKILL c while it is inside an all-reduce (its parts are held 2 s, so "matched" means mid-round)
     log_len = len(procs["c"].log())
