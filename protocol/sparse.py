@@ -168,26 +168,25 @@ class SparseCodec(Codec):
 
     def _rows(self, v: torch.Tensor, k: int, decoded: torch.Tensor | None) -> torch.Tensor:
         """[r, L] values -> [r, row_bytes] encoded rows of k values each."""
-        dense = k >= v.shape[1]
-        if dense:  # every value travels, in order: no indices
-            idx = torch.arange(v.shape[1]).expand(v.shape[0], -1)
-        else:
-            idx = torch.topk(v.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
-        sel = v.gather(1, idx)
+        # all of them (density 1): every value travels, in order, no indices
+        idx = None if k >= v.shape[1] else torch.topk(v.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+        sel = v if idx is None else v.gather(1, idx)
         mag = sel.abs()
         levels = 1 << (self.bits - 1)
         if levels == 1:
             lo = hi = mag.mean(1)
-            q = torch.zeros_like(idx)
+            q = torch.zeros(sel.shape, dtype=torch.int64)
         else:
             lo, hi = fit_levels(mag, levels)
             step = (hi - lo) / (levels - 1)
             q = torch.where(step.unsqueeze(1) > 0, (mag - lo.unsqueeze(1)) / step.unsqueeze(1), 0.0).round_().clamp_(0, levels - 1).to(torch.int64)
         codes = q | ((sel < 0).to(torch.int64) << (self.bits - 1))
-        if decoded is not None:
+        if decoded is not None and idx is None:
+            decoded.copy_(_values(lo, hi, codes, self.bits))
+        elif decoded is not None:
             decoded.zero_().scatter_(1, idx, _values(lo, hi, codes, self.bits))
         scales = torch.stack([lo, hi], 1).contiguous().view(torch.uint8)
-        packed_idx = scales[:, :0] if dense else _pack(idx, index_bits(self.chunk))
+        packed_idx = scales[:, :0] if idx is None else _pack(idx, index_bits(self.chunk))
         return torch.cat([scales, packed_idx, _pack(codes, self.bits)], 1)
 
     # ---- cut ----
