@@ -45,16 +45,19 @@ class SenderMean:
         return [torch.stack(ts).sum(0) / self.n for ts in zip(*decoded)]
 
 
+def equal_bounds(numel: int, n: int, align: int) -> list[int]:
+    """[0, numel) in n slices of equal share, inner bounds multiples of `align`."""
+    inner = [min(numel, int(round(numel * i / n / align)) * align) for i in range(1, n)]
+    return [0, *inner, numel]
+
+
 class SimAllReduce:
     """The all-reduce of n members over flat vectors of `numel` elements; keeps every member's
     scatter residual and every owner's gather residual across rounds."""
 
     def __init__(self, n: int, numel: int, codec: Codec, gather_codec: Codec, align: int = 1024):
-        # imported here: node.averaging's imports (hivemind's) are for the simulation only, not for every trainer
-        from ..averaging.decisions import slice_bounds
-
         self.n, self.codec, self.gather_codec = n, codec, gather_codec
-        self.bounds = slice_bounds(numel, [1.0] * n, align)  # equal shares, cut as the averager cuts them
+        self.bounds = equal_bounds(numel, n, align)
         self.residuals = [torch.zeros(numel) for _ in range(n)]  # per member, its scatter feedback
         self.gather_residual = torch.zeros(numel)  # each owner's, on its slice
         self.bytes_sent = [0] * n
