@@ -88,10 +88,14 @@ async def serve(node_factory, stop_signals=(signal.SIGINT, signal.SIGTERM)) -> i
 def run_daemon(node_factory, fatal_errors=()) -> int:
     """Run until stopped; a bad setting or an unreachable swarm is one line on stderr, exit 2; a
     node the coordinator refuses stops, one line on stderr, exit 3."""
+    import faulthandler
+
     import uvloop
 
     from .net.host import HostError
     from .net.membership import Refused
+
+    faulthandler.enable(all_threads=True)  # a crash in native code leaves every thread's stack in the log
 
     try:
         code = uvloop.run(serve(node_factory))
