@@ -64,6 +64,7 @@ from .weights import ComputeThread
 log = logging.getLogger(__name__)
 
 COORDINATOR_S = 5.0  # ... the coordinator
+FINISH_LOOK_S = 10.0  # a replica that reached the last outer step by a failed round looks this long at a time for the others' final state
 WATCH_S = 2.0  # how often a replica that may have fallen behind looks at the others' states while it matchmakes
 _PEER_ERRORS = (*NETWORK_ERRORS, CheckpointDirError, ValueError)
 
@@ -205,11 +206,20 @@ class Replica(Role):
         self._publish_progress(val)
         while not self._stop:
             if self.run_config.max_outer_steps and self.round >= self.run_config.max_outer_steps:
-                losses = [e["val_loss"] for e in self.stats.history if "val_loss" in e]
-                log.info("replica: finished %d outer steps (val loss %.4f, hash %s)", self.round, losses[-1] if losses else float("nan"), self.hash)
-                await self.state.uploads_done()
-                await asyncio.Event().wait()  # keep serving our state and reporting until stopped
+                await self._finish()
             await self._one_round()
+
+    async def _finish(self) -> None:
+        """The run's last outer step is done: keep serving our state and reporting until stopped.
+        Reached by a failed round (our state is not the swarm's), take the others' final state
+        as soon as one of them holds it."""
+        while self._out_of_step and not self._stop:
+            if await self._catch_up(FINISH_LOOK_S, ours_ends_it=True) != "unseen":
+                break
+        losses = [e["val_loss"] for e in self.stats.history if "val_loss" in e]
+        log.info("replica: finished %d outer steps (val loss %.4f, hash %s)", self.round, losses[-1] if losses else float("nan"), self.hash)
+        await self.state.uploads_done()
+        await asyncio.Event().wait()  # until stopped
 
     # ---- one outer round -------------------------------------------------------------------------
 
