@@ -7,7 +7,10 @@ weights; deterministic, so every run over the same inputs gives the same bits.
   (unweighted). Survives up to `trim` arbitrary senders.
 - `centered_clip`: CenteredClip (Karimireddy et al. 2021): start at the coordinate-wise median,
   then repeatedly move towards the weighted mean of the contributions, each clipped to radius
-  `tau` around the current estimate. Bounded influence of any single sender.
+  `tau` around the current estimate. Bounded influence of any single sender. `tau` by default
+  is the group's own spread (the median distance of the contributions from the coordinate-wise
+  median): a fixed radius is wrong at every scale but one (larger than the honest spread, it
+  let two liars of eight move the result by most of an honest update's norm).
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ def trimmed_mean(parts: Sequence[torch.Tensor], weights: torch.Tensor, trim: int
     return ordered[trim : n - trim].mean(dim=0)
 
 
-def centered_clip(parts: Sequence[torch.Tensor], weights: torch.Tensor, tau: float = 1.0, iterations: int = 20, **_) -> torch.Tensor:
+def centered_clip(parts: Sequence[torch.Tensor], weights: torch.Tensor, tau: float | None = None, iterations: int = 20, **_) -> torch.Tensor:
     parts = torch.stack(list(parts))
     w = (weights / weights.sum()).to(parts.dtype)
     v = parts.median(dim=0).values
+    if tau is None:
+        tau = float((parts - v).norm(dim=1).median())
     for _ in range(iterations):
         diff = parts - v
         norms = diff.norm(dim=1)
