@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads, at most the cores (default: cores - 1)")
     p.add_argument("--fault-delay-parts-s", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
     p.add_argument("--fault-slowdown", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
+    p.add_argument("--fault-attack", help=argparse.SUPPRESS)  # chaos drills, tests and benches: a Byzantine replica
+    p.add_argument("--fault-attack-scale", type=float, help=argparse.SUPPRESS)
     p.add_argument("--log-level", choices=LOG_LEVELS)
     p.add_argument("--http", metavar="HOST:PORT", help="serve this node's /metrics (Prometheus) and /status (JSON) there; port 0 picks a free one (default: none)")
     avg = p.add_argument_group("averaging (more in the config file's [averager] table)")

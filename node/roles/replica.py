@@ -49,6 +49,7 @@ from ..net.transport import NETWORK_ERRORS, HandlerTaken, RemoteError
 from ..runconfig import RunConfig
 from ..state.checkpoint_client import fetch_manifest, upload_checkpoint
 from ..state.checkpoint_dir import CheckpointDirError
+from .attacks import Attack
 from .budget import MedianWatch, keep_stepping
 from .pause import PauseWatch
 from .role import Role, RoleContext, RoleError
@@ -139,6 +140,7 @@ class Replica(Role):
         self.pauses = PauseWatch()
         self._inner_threads = self.threads
         self.slowdown = c.fault_slowdown
+        self.attack = Attack(c.fault_attack, c.fault_attack_scale, seed=max(c.shard_index, 0)) if c.fault_attack else None  # a Byzantine replica (tests, drills, benches)
         self._out_of_step = False  # the last round failed: we may have been left behind
         self._lone = False  # the last round found us the swarm's only replica (logged when that changes)
         self.streaming: Streaming | None = None  # the outer step in fragments (run.fragments > 1), made with the model
@@ -347,6 +349,8 @@ class Replica(Role):
         # after a failed round we may be the one left behind (cut off, or back from a pause the
         # clocks did not show): while we wait alone for others, look whether the swarm moved on
         watch = asyncio.create_task(self._watch_swarm(key)) if self._out_of_step else None
+        if self.attack is not None:
+            pseudo = self.attack.apply(pseudo)
         try:
             avg, report = await self.averager.average(key, pseudo, weight=weight, expected_peers=expected, state_key=state_key, join_timeout_s=window)
         except AveragingFailed as e:
