@@ -1,12 +1,14 @@
-"""Byzantine replicas' lies (node/roles/attacks.py): each what its name says, well formed, and
-what the aggregators make of them: two liars of eight derail the plain mean, not CenteredClip."""
+"""Byzantine replicas' lies (node/roles/attacks.py): each what its name says, well formed; what
+the aggregators make of them (two liars of eight derail the plain mean, not CenteredClip); and
+the evidence a slice's owner draws from them, with the reason a ban will carry."""
 
 import math
 
 import pytest
 import torch
 
-from node.averaging.aggregators import centered_clip, mean, trimmed_mean
+from node.averaging.aggregators import FAR, centered_clip, far_parts, mean, trimmed_mean
+from node.averaging.decisions import accusations
 from node.config import ConfigError, NodeConfig, load_config
 from node.roles.attacks import ATTACKS, DEFAULT_SCALE, Attack
 
@@ -72,3 +74,23 @@ def test_bad_attack_settings_are_named():
         load_config({"fault_attack": "shout"}, None)
     assert load_config({"fault_attack": "ipm", "fault_attack_scale": 0.5}, None).fault_attack == "ipm"
     assert NodeConfig().fault_attack == ""
+
+
+def test_a_liars_part_far_from_the_robust_aggregate_is_evidence_with_its_reason():
+    gen = torch.Generator().manual_seed(1)
+    truth = torch.randn(256, generator=gen) * 0.05
+    names = [f"peer{i}" for i in range(8)]
+    honest = [truth + 0.02 * torch.randn(256, generator=gen) for _ in range(6)]
+    clean = centered_clip(honest + [truth + 0.02 * torch.randn(256, generator=gen) for _ in range(2)], torch.ones(8))
+    assert far_parts(honest + [truth, truth], clean, names) == {}  # honest parts, however they spread: nobody
+    for kind in ("sign-flip", "scaled", "constant", "noise"):
+        scale = 10.0 if kind == "noise" else 0.0  # noise at the honest norm hides; ten times it does not
+        parts = honest + [Attack(kind, scale, seed=i).apply([h.clone()])[0] for i, h in enumerate(honest[:2])]
+        far = far_parts(parts, centered_clip(parts, torch.ones(8)), names)
+        assert set(far) == {"peer6", "peer7"} and min(far.values()) > FAR, (kind, far)
+    assert far_parts(parts[:2], parts[0], names[:2]) == {}  # two parts: no majority to measure against
+    reasons = accusations("outer-7-abc", {0: {"peer6": 25.0, "me": 30.0}, 3: {"peer6": 80.5, "peer7": 5.0}}, me="me")
+    assert reasons == {
+        "peer6": "round outer-7-abc: its part of slice 3 was 80.5x the group's spread from the robust aggregate",
+        "peer7": "round outer-7-abc: its part of slice 3 was 5x the group's spread from the robust aggregate",
+    }

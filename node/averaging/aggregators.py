@@ -60,6 +60,22 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: torch.Tensor, tau: flo
 
 AGGREGATORS = {"mean": mean, "trimmed_mean": trimmed_mean, "centered_clip": centered_clip}
 
+FAR = 4.0  # a part this many times the group's spread away from the robust aggregate is evidence against its sender
+
+
+def far_parts(parts: Sequence[torch.Tensor], result: torch.Tensor, members: Sequence[str], far: float = FAR) -> dict[str, float]:
+    """The members whose part lies more than `far` times the group's spread from `result` (a
+    robust aggregate of `parts`), each with how many times: the evidence a slice's owner holds
+    against a liar. The spread is the median distance of the parts from `result`; with fewer
+    than three parts there is no majority to measure against, and nobody is far."""
+    if len(parts) < 3:
+        return {}
+    dist = torch.stack([(p - result).norm() for p in parts])
+    spread = float(dist.median())
+    if spread <= 0.0:
+        return {}
+    return {m: round(float(d) / spread, 1) for m, d in zip(members, dist) if float(d) > far * spread}
+
 
 def get(name: str):
     try:
