@@ -208,20 +208,14 @@ class Replica(Role):
         self._publish_progress(val)
         while not self._stop:
             if self.run_config.max_outer_steps and self.round >= self.run_config.max_outer_steps:
-                await self._finish()
+                # reached by a failed round (our state is not the swarm's): the others' final state first
+                while self._out_of_step and not self._stop and await self._catch_up(FINISH_LOOK_S, ours_ends_it=True) == "unseen":
+                    pass
+                losses = [e["val_loss"] for e in self.stats.history if "val_loss" in e]
+                log.info("replica: finished %d outer steps (val loss %.4f, hash %s)", self.round, losses[-1] if losses else float("nan"), self.hash)
+                await self.state.uploads_done()
+                await asyncio.Event().wait()  # keep serving our state and reporting until stopped
             await self._one_round()
-
-    async def _finish(self) -> None:
-        """The run's last outer step is done: keep serving our state and reporting until stopped.
-        Reached by a failed round (our state is not the swarm's), take the others' final state
-        as soon as one of them holds it."""
-        while self._out_of_step and not self._stop:
-            if await self._catch_up(FINISH_LOOK_S, ours_ends_it=True) != "unseen":
-                break
-        losses = [e["val_loss"] for e in self.stats.history if "val_loss" in e]
-        log.info("replica: finished %d outer steps (val loss %.4f, hash %s)", self.round, losses[-1] if losses else float("nan"), self.hash)
-        await self.state.uploads_done()
-        await asyncio.Event().wait()  # until stopped
 
     # ---- one outer round -------------------------------------------------------------------------
 
