@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads, at most the cores (default: cores - 1)")
     p.add_argument("--fault-delay-parts-s", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
     p.add_argument("--fault-slowdown", type=float, help=argparse.SUPPRESS)  # chaos drills and tests
+    p.add_argument("--fault-attack", help=argparse.SUPPRESS)  # chaos drills, tests and benches: a Byzantine replica
+    p.add_argument("--fault-attack-scale", type=float, help=argparse.SUPPRESS)
     p.add_argument("--log-level", choices=LOG_LEVELS)
     p.add_argument("--http", metavar="HOST:PORT", help="serve this node's /metrics (Prometheus) and /status (JSON) there; port 0 picks a free one (default: none)")
     avg = p.add_argument_group("averaging (more in the config file's [averager] table)")
@@ -88,10 +90,14 @@ async def serve(node_factory, stop_signals=(signal.SIGINT, signal.SIGTERM)) -> i
 def run_daemon(node_factory, fatal_errors=()) -> int:
     """Run until stopped; a bad setting or an unreachable swarm is one line on stderr, exit 2; a
     node the coordinator refuses stops, one line on stderr, exit 3."""
+    import faulthandler
+
     import uvloop
 
     from .net.host import HostError
     from .net.membership import Refused
+
+    faulthandler.enable(all_threads=True)  # a crash in native code leaves every thread's stack in the log
 
     try:
         code = uvloop.run(serve(node_factory))

@@ -154,6 +154,7 @@ def check_fields(obj: Any, checks: Mapping[str, Check], error: type[ConfigError]
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # node/averaging/aggregators.py AGGREGATORS, named here without importing torch (a test keeps them equal)
 AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
+ATTACKS = ("sign-flip", "scaled", "constant", "noise", "ipm", "stale")  # what a Byzantine replica may send (node/roles/attacks.py)
 GATHER_CODECS = ("none", "fp16", "int8")  # codecs that can carry averaged slices back
 
 
@@ -164,7 +165,7 @@ class AveragerSettings:
 
     aggregator: str | None = None  # how a slice's owner combines contributions: mean (exact, trusts everyone) | trimmed_mean | centered_clip (both survive some malicious senders)
     trim: int | None = None  # trimmed_mean only: contributions dropped on each side, per value; not set: (group size - 1) // 4
-    tau: float | None = None  # centered_clip only: clipping radius around the estimate, in pseudo-gradient units
+    tau: float | None = None  # centered_clip only: clipping radius around the estimate, in pseudo-gradient units; not set: the group's spread (median distance from the coordinate-wise median)
     gather_codec: str | None = None  # codec of the averaged slices sent back: none | fp16 | int8; not set: the run's codec (fp16 for topk / powersgd)
     min_group_size: int | None = None  # a round left with fewer members than this aborts
     max_abs: float | None = None  # contributions holding a larger absolute value are refused (a poisoning / overflow guard); inf: no limit
@@ -257,6 +258,8 @@ class NodeConfig:
     threads: int = 0  # torch threads for training; 0: cores - 1 (p2pd and the DHT need the rest)
     fault_delay_parts_s: float = 0.0  # chaos drills and tests only: hold each averaging part this long (seconds) before sending
     fault_slowdown: float = 1.0  # chaos drills and tests only: each inner step takes this many times as long (a slower machine)
+    fault_attack: str = ""  # chaos drills, tests and benches only: a replica sends this lie in place of its pseudo-gradient (node/roles/attacks.py)
+    fault_attack_scale: float = 0.0  # how strong the lie is (its factor, its multiple of the honest norm, or its rounds of staleness); 0: the attack's default
     http: str = ""  # HOST:PORT of this node's /metrics (Prometheus) and /status (JSON); port 0 picks a free one; "": none
     averager: AveragerSettings = field(default_factory=AveragerSettings)  # [averager] in the config file
     transport: TransportSettings = field(default_factory=TransportSettings)  # [transport] in the config file
@@ -301,6 +304,8 @@ _NODE_CHECKS: dict[str, Check] = {
     "bandwidth_mbps": non_negative, "log_level": one_of(*LOG_LEVELS), "shard_index": at_least(-1), "num_shards": at_least(1), "text_field": non_empty,
     "threads": at_least(0), "fault_delay_parts_s": non_negative,
     "fault_slowdown": lambda v: None if 1.0 <= v <= 100.0 else "must be in [1, 100]",
+    "fault_attack": lambda v: None if v in ("", *ATTACKS) else f"must be one of {', '.join(ATTACKS)}",
+    "fault_attack_scale": non_negative,
     "relays": lambda v: next(filter(None, map(relay_maddr_problem, v)), None),
 }  # fmt: skip
 

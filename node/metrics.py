@@ -110,6 +110,7 @@ async def status(node: Any) -> dict[str, Any]:
             "phase": None if phase is None else {"outer_step": phase.outer, "done": phase.done, "total": phase.total, "eta_s": phase.eta(activity.clock())},
         },  # fmt: skip
         "traffic": {**transport.traffic.by_plane(), "sent": sent, "received": received},
+        "bans": transport.scores.bans(time.monotonic()),  # peers refused for what they sent, each with why
         "capabilities": membership.capabilities if membership else {},
         "started_at": node.started_at,
         "uptime_s": now - node.started_at,

@@ -82,12 +82,26 @@ class ProcessExited(AssertionError):
     """What a wait is for cannot come: the process that was to bring it exited (its log says why)."""
 
 
+# signals no test sends: a daemon they end crashed (the log holds faulthandler's stacks)
+CRASH_SIGNALS = {-signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS, -signal.SIGILL, -signal.SIGFPE}
+_SWARMS: list[Swarm] = []  # the swarms of the running test, whose crashed daemons end every wait
+
+
+def check_crashes() -> None:
+    """ProcessExited naming a daemon of a running swarm that a fatal signal ended, with its log's end."""
+    for swarm in _SWARMS:
+        for p in swarm.procs:
+            if p.popen.poll() in CRASH_SIGNALS:
+                raise ProcessExited(f"{p.name} crashed ({signal.Signals(-p.popen.returncode).name}):\n{p.log()[-6000:]}")
+
+
 def wait_for(cond, timeout: float, what: str, interval: float = 0.1):
     """Poll `cond()` until it returns something truthy; fail with `what` after `timeout` s, or at
-    once when `cond` raises ProcessExited."""
+    once when `cond` raises ProcessExited or a daemon of a running swarm crashed."""
     deadline = time.monotonic() + timeout
     last_exc = None
     while time.monotonic() < deadline:
+        check_crashes()
         try:
             value = cond()
             if value:
@@ -170,6 +184,7 @@ class Swarm:
     def __init__(self, tmp: Path):
         self.tmp = tmp
         self.procs: list[Proc] = []
+        _SWARMS.append(self)
 
     def _bin(self, name: str) -> str:
         script = Path(sys.executable).parent / name
@@ -197,6 +212,8 @@ class Swarm:
 
     def close(self) -> list[str]:
         """Kill what is left; report processes that outlived a daemon that had exited."""
+        if self in _SWARMS:
+            _SWARMS.remove(self)
         orphans = []
         for p in self.procs:
             exited = not p.alive()

@@ -127,7 +127,9 @@ def test_allreduce_bench_ctrl_c_leaves_nothing():
     marker = uuid.uuid4().hex
     env = {**os.environ, "STB_TEST_MARKER": marker}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.allreduce", "--json", "--size-mb", "1", "--peers", "2", "--rounds", "50", "--impls", "hivemind", "--codecs", "none"],
+        # rounds enough to outlast any machine: the interrupt, not the end, must stop it (50 rounds
+        # once ended before a loaded machine's scan of /proc saw both peers' p2pd)
+        [sys.executable, "-m", "bench.allreduce", "--json", "--size-mb", "1", "--peers", "2", "--rounds", "100000", "--impls", "hivemind", "--codecs", "none"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

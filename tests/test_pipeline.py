@@ -394,9 +394,10 @@ def test_malformed_calls_are_refused_with_the_problem_named_and_the_server_keeps
                 head = dict(good["tensors"][0], nbytes=64)
                 await client.call(s0.ctx.transport.peer_id, unchecked(StageCall, stage=0, op="forward", tensors=(head,), shapes=((2, 8),), data=good["data"]), 10)
             assert s0.calls["refused"] + s1.calls["refused"] == len(BAD)
-            # the sender is banned
-            with pytest.raises(RemoteError, match="unauthorized: banned for 60 more seconds"):
+            # the sender is banned, and told what earned it: its offences, the last one named
+            with pytest.raises(RemoteError, match=r"unauthorized: banned for 60 more seconds after \d+ offences in 600 s, the last: bad input: .*data: carries 128 bytes"):
                 await call(client, s0, "forward", x=torch.zeros(2, 8, dtype=torch.int64))
+            assert [b["peer_id"] for b in s0.ctx.transport.scores.bans(time.monotonic())] == [client.peer_id]
             assert s1.ctx.transport.scores.banned(client.peer_id, time.monotonic()) > 0  # its 6 refusals there, too
             # and the servers still serve everyone else
             x = torch.randint(0, 256, (2, 8))

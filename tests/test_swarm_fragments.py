@@ -8,7 +8,16 @@ import re
 import pytest
 
 from tests.swarm import settled_leftovers, wait_for
-from tests.test_swarm_training import assert_same_hashes, first_three_steps_in_lockstep, hashes, history, replica, step_of, three_replicas, trained_steps
+from tests.test_swarm_training import (
+    assert_same_hashes,
+    hashes,
+    history,
+    replica,
+    step_of,
+    three_replicas,
+    three_steps_in_lockstep,
+    trained_steps,
+)
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(600)]
 
@@ -20,7 +29,7 @@ def test_fragment_replicas_keep_one_hash_through_a_kill_mid_fragment_and_a_joine
     names = ["a", "b", "c"]
     # three replicas train in fragments: one hash after every outer step, validation loss falls,
     # and every outer step is three rounds, each a third of the model
-    common, h = first_three_steps_in_lockstep(swarm, names, drop=0.2)
+    common, h = three_steps_in_lockstep(swarm, names, drop=0.2)
     trained = [e for e in h if e["outer_step"] in common]
     assert all(e["fragments"] == 3 and not e["failed_fragments"] for e in trained), trained
     assert all(e["sync_bytes"] < 0.5 * (e["bytes_sent"] - prev["bytes_sent"]) for prev, e in zip(trained, trained[1:])), trained

@@ -144,14 +144,31 @@ def test_valid_calls_between_bad_frames_do_not_wash_a_score():
 
 def test_penalties_count_for_a_window_of_time_then_are_forgiven():
     scores = PeerScores(TransportConfig(ban_score=-10.0, score_window_s=100.0))
-    scores.penalize("p", 6.0, now=0.0)
-    scores.penalize("p", 2.0, now=50.0)
+    scores.penalize("p", 6.0, now=0.0, reason="bad input: one")
+    scores.penalize("p", 2.0, now=50.0, reason="bad input: two")
     assert scores.score("p", now=60.0) == -8.0
-    scores.penalize("p", 3.0, now=101.0)  # the first penalty is forgiven by now: -5
+    assert not scores.penalize("p", 3.0, now=101.0, reason="bad input: three")  # the first penalty is forgiven by now: -5
     assert not scores.banned("p", 101.0) and scores.score("p", now=101.0) == -5.0
-    scores.penalize("p", 5.0, now=102.0)  # -10: banned, and the slate is clean after the ban
+    assert scores.bans(101.0) == []
+    assert scores.penalize("p", 5.0, now=102.0, reason="bad input: four")  # -10: banned, and the slate is clean after the ban
     assert scores.banned("p", 102.0) == pytest.approx(TransportConfig().ban_s)
     assert scores.score("p", now=102.0) == 0.0
+
+
+def test_a_ban_keeps_what_earned_it_and_doubles_each_time():
+    ban_s = TransportConfig().ban_s
+    scores = PeerScores(TransportConfig(ban_score=-4.0, score_window_s=100.0))
+    scores.penalize("p", 2.0, now=0.0, reason="bad input: NaN in a part")
+    scores.penalize("q", 9.0, now=0.0, reason="checkpoint file model.safetensors: hash mismatch")
+    scores.penalize("p", 2.0, now=1.0, reason="bad input: wrong shape (3,) for (4,)")
+    assert scores.bans(1.0) == [
+        {"peer_id": "p", "left_s": ban_s, "bans": 1, "reason": "2 offences in 100 s, the last: bad input: wrong shape (3,) for (4,)"},
+        {"peer_id": "q", "left_s": ban_s - 1.0, "bans": 1, "reason": "1 offence in 100 s, the last: checkpoint file model.safetensors: hash mismatch"},
+    ]
+    later = 1.0 + ban_s  # p's ban is over: it may offend again, and is banned twice as long
+    assert [b["peer_id"] for b in scores.bans(later)] == []
+    scores.penalize("p", 4.0, now=later, reason="a malformed reply: truncated frame")
+    assert scores.bans(later) == [{"peer_id": "p", "left_s": 2 * ban_s, "bans": 2, "reason": "1 offence in 100 s, the last: a malformed reply: truncated frame"}]
 
 
 def test_every_call_has_a_deadline():

@@ -7,7 +7,10 @@ weights; deterministic, so every run over the same inputs gives the same bits.
   (unweighted). Survives up to `trim` arbitrary senders.
 - `centered_clip`: CenteredClip (Karimireddy et al. 2021): start at the coordinate-wise median,
   then repeatedly move towards the weighted mean of the contributions, each clipped to radius
-  `tau` around the current estimate. Bounded influence of any single sender.
+  `tau` around the current estimate. Bounded influence of any single sender. `tau` by default
+  is the group's own spread (the median distance of the contributions from the coordinate-wise
+  median): a fixed radius is wrong at every scale but one (larger than the honest spread, it
+  let two liars of eight move the result by most of an honest update's norm).
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ def trimmed_mean(parts: Sequence[torch.Tensor], weights: torch.Tensor, trim: int
     return ordered[trim : n - trim].mean(dim=0)
 
 
-def centered_clip(parts: Sequence[torch.Tensor], weights: torch.Tensor, tau: float = 1.0, iterations: int = 20, **_) -> torch.Tensor:
+def centered_clip(parts: Sequence[torch.Tensor], weights: torch.Tensor, tau: float | None = None, iterations: int = 20, **_) -> torch.Tensor:
     parts = torch.stack(list(parts))
     w = (weights / weights.sum()).to(parts.dtype)
     v = parts.median(dim=0).values
+    if tau is None:
+        tau = float((parts - v).norm(dim=1).median())
     for _ in range(iterations):
         diff = parts - v
         norms = diff.norm(dim=1)
@@ -54,6 +59,22 @@ def centered_clip(parts: Sequence[torch.Tensor], weights: torch.Tensor, tau: flo
 
 
 AGGREGATORS = {"mean": mean, "trimmed_mean": trimmed_mean, "centered_clip": centered_clip}
+
+FAR = 4.0  # a part this many times the group's spread away from the robust aggregate is evidence against its sender
+
+
+def far_parts(parts: Sequence[torch.Tensor], result: torch.Tensor, members: Sequence[str], far: float = FAR) -> dict[str, float]:
+    """The members whose part lies more than `far` times the group's spread from `result` (a
+    robust aggregate of `parts`), each with how many times: the evidence a slice's owner holds
+    against a liar. The spread is the median distance of the parts from `result`; with fewer
+    than three parts there is no majority to measure against, and nobody is far."""
+    if len(parts) < 3:
+        return {}
+    dist = torch.stack([(p - result).norm() for p in parts])
+    spread = float(dist.median())
+    if spread <= 0.0:
+        return {}
+    return {m: round(float(d) / spread, 1) for m, d in zip(members, dist) if float(d) > far * spread}
 
 
 def get(name: str):

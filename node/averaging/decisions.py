@@ -417,3 +417,16 @@ def learn_flow_rate(old: float | None, nbytes: int, took: float, paced: bool) ->
         return Learned(old, "not a measurable send")
     rate = nbytes / took
     return Learned(rate if old is None else 0.7 * old + 0.3 * rate, f"{rate / 1e6:.1f} MB/s")
+
+
+def accusations(key: str, evidence: Mapping[int, Mapping[str, float]], me: str) -> dict[str, str]:
+    """Who this round's evidence accuses, each with the reason a ban will carry: a member whose
+    part was far from the robust aggregate of any slice we own (`evidence`: slice -> member ->
+    how many times the group's spread). One accusation per member and round, naming its worst
+    slice; never ourselves."""
+    worst: dict[str, tuple[float, int]] = {}
+    for j, far in evidence.items():
+        for m, ratio in far.items():
+            if m != me and ratio > worst.get(m, (0.0, -1))[0]:
+                worst[m] = (ratio, j)
+    return {m: f"round {key}: its part of slice {j} was {ratio:g}x the group's spread from the robust aggregate" for m, (ratio, j) in sorted(worst.items())}

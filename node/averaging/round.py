@@ -23,10 +23,12 @@ from . import aggregators
 from ..net.transport import NETWORK_ERRORS, CallTimeout
 from .buffers import Prepared, cut_from
 from .config import AverageReport, RoundFailed
-from .decisions import choose_pace, decide_commit, decide_scatter
+from .decisions import accusations, choose_pace, decide_commit, decide_scatter
 from .schedule import Batch, InTurn, settle
 
 log = logging.getLogger(__name__)
+
+EVIDENCE_PENALTY = 2.0  # per round a member's part was far from the robust aggregate: five such rounds in the score window ban it (TransportConfig.ban_score)
 
 TICK_S = 0.25  # how often a wait on peers looks at their probes
 PAUSED_S = 3.0  # a wait that woke this much later than it asked to was paused (SIGSTOP, suspend): the round is given up
@@ -62,6 +64,7 @@ class Round:
     pace: float | None = None  # bytes/s our sends share, paced (None: sent in turn)
     done: bool = False  # returned or failed: parts that still arrive are refused, never written
     gather_residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # owned slice -> this round's gather error
+    evidence: dict[int, dict[str, float]] = field(default_factory=dict)  # owned slice -> members whose part was far from the robust aggregate
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -136,7 +139,16 @@ class RoundDriver:
         report.early_used = len(rnd.early_got)  # kept: a decision that excluded someone emptied it
         self.avg.phase(report.key, "gathered")
         await self.commit(missing)
+        self.accuse()
         return rnd.result
+
+    def accuse(self) -> None:
+        """Score down the members whose parts this committed round found far from the robust
+        aggregate of a slice we own: repeated, the evidence bans them (with its reason) here."""
+        now = time.monotonic()
+        for peer, why in accusations(self.rnd.report.key, self.rnd.evidence, self.rnd.me).items():
+            log.info("round %s: %s: %s", self.rnd.group.group_id, peer[-8:], why)
+            self.avg.transport.scores.penalize(peer, EVIDENCE_PENALTY, now, why)
 
     # ---- scatter ----
 
@@ -420,6 +432,8 @@ class RoundDriver:
         w = torch.tensor([self.weights[m] for m in members], dtype=torch.float64)
         agg = aggregators.get(self.config.aggregator)
         avg = agg([parts[m] for m in members], w, **self.config.aggregator_params).contiguous()
+        if self.config.aggregator != "mean":  # a robust aggregate: what lies far from it is evidence
+            rnd.evidence[j] = aggregators.far_parts([parts[m] for m in members], avg, members)
         a, b = rnd.group.bounds[j], rnd.group.bounds[j + 1]
         if not codec.lossy:
             enc, decoded = codec.encode(avg), avg

@@ -145,7 +145,7 @@ class Pipes:
             if pipe is not None:
                 close(pipe.writer)
             if isinstance(e, RemoteProtocolError):
-                t.scores.penalize(peer_id, 2.0, time.monotonic())
+                t.scores.penalize(peer_id, 2.0, time.monotonic(), f"a malformed reply: {e}")
             raise
         pipe.used = t.heard[peer_id] = time.monotonic()
         if len(idle) < self.config.pipes_per_peer:

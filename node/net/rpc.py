@@ -6,6 +6,7 @@ what a handler sees of a call (`CallContext`), and the scores that ban peers who
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,6 +17,8 @@ from protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from protocol.messages import ERROR_CODES
 
 from .host import PeerUnreachable
+
+log = logging.getLogger(__name__)
 
 RPC_PROTOCOL = "/swarmtrain/rpc/1"
 PIPE_PROTOCOL = "/swarmtrain/pipe/1"  # calls one after another on a stream kept open (`send(..., reuse=True)`)
@@ -99,37 +102,56 @@ class TransportConfig:
 
 @dataclass
 class PeerState:
-    penalties: deque[tuple[float, float]] = field(default_factory=deque)  # (when, amount), within the score window
+    penalties: deque[tuple[float, float, str]] = field(default_factory=deque)  # (when, amount, offence), within the score window
     active: int = 0
     bytes_in_flight: int = 0
     banned_until: float = 0.0
     bans: int = 0
+    ban_reason: str = ""  # what earned the last ban: its offences, the last one named
     last_logged: float = -1e9
 
 
 class PeerScores:
-    """Scores peers by their behaviour; bans the repeat offenders with exponential backoff."""
+    """Scores peers by their behaviour; bans the repeat offenders with exponential backoff.
+    Every penalty names its offence, and a ban keeps what earned it (logged, in /status, and
+    told to the banned peer)."""
 
     def __init__(self, config: TransportConfig):
         self.config = config
         self.peers: dict[str, PeerState] = defaultdict(PeerState)
 
-    def penalize(self, peer_id: str, amount: float, now: float) -> None:
+    def penalize(self, peer_id: str, amount: float, now: float, reason: str) -> bool:
+        """Score `peer_id` down by `amount` for `reason` (a line naming the offence); whether
+        that banned it."""
         st = self.peers[peer_id]
-        st.penalties.append((now, amount))
-        if self._score(st, now) <= self.config.ban_score:
-            st.banned_until = now + self.config.ban_s * (2**st.bans)
-            st.bans += 1
-            st.penalties.clear()
+        st.penalties.append((now, amount, reason))
+        if self._score(st, now) > self.config.ban_score:
+            return False
+        ban_s = self.config.ban_s * (2**st.bans)
+        st.banned_until = now + ban_s
+        st.bans += 1
+        n = len(st.penalties)
+        st.ban_reason = f"{n} offence{'s' if n > 1 else ''} in {self.config.score_window_s:.0f} s, the last: {reason}"
+        st.penalties.clear()
+        log.warning("banned %s for %.0f s (ban %d): %s", peer_id, ban_s, st.bans, st.ban_reason)
+        return True
 
     def _score(self, st: PeerState, now: float) -> float:
         while st.penalties and st.penalties[0][0] <= now - self.config.score_window_s:
             st.penalties.popleft()
-        return -sum(amount for _, amount in st.penalties)
+        return -sum(amount for _, amount, _ in st.penalties)
 
     def banned(self, peer_id: str, now: float) -> float:
         """Seconds of ban left (0: not banned)."""
         return max(0.0, self.peers[peer_id].banned_until - now)
+
+    def bans(self, now: float) -> list[dict]:
+        """The peers banned now: who, for how many more seconds, how many times, and why."""
+        return [
+            {"peer_id": p, "left_s": round(st.banned_until - now, 1), "bans": st.bans, "reason": st.ban_reason}
+            for p, st in sorted(self.peers.items())
+            if st.banned_until > now
+        ]
 
     def score(self, peer_id: str, now: float | None = None) -> float:
         """Minus the peer's penalties within the score window (0: none)."""

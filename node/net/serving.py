@@ -77,7 +77,7 @@ class Server:
         """RPCError(unauthorized) while `peer_id` is banned after repeated bad frames."""
         left = self.transport.scores.banned(peer_id, time.monotonic())
         if left:
-            raise RPCError("unauthorized", f"banned for {left:.0f} more seconds after repeated bad frames")
+            raise RPCError("unauthorized", f"banned for {left:.0f} more seconds after {self.transport.scores.peers[peer_id].ban_reason}")
 
     async def _read_hello(self, reader: asyncio.StreamReader) -> tuple[bytes, RelayHello]:
         """The RelayHello a relayed stream starts with: its bytes and the verified record
@@ -123,7 +123,7 @@ class Server:
                         return
                     stats["relay_refused"] += 1
                     if isinstance(e, (RemoteProtocolError, ValueError)):
-                        t.scores.penalize(peer_id, 2.0, time.monotonic())
+                        t.scores.penalize(peer_id, 2.0, time.monotonic(), f"a bad relay request: {e}")
                     code = e.code if isinstance(e, RPCError) else "bad_request"
                     log.info("refused to relay for %s: %s", peer_id[-8:], getattr(e, "message", None) or e or type(e).__name__)
                     await self.refuse(reader, writer, code, f"relay: {getattr(e, 'message', None) or e or type(e).__name__}")
@@ -155,7 +155,7 @@ class Server:
                 raise RemoteProtocolError("the hello was used before (a replay)", "RelayHello")
         except (RemoteProtocolError, ValueError, TimeoutError, asyncio.IncompleteReadError, ConnectionError) as e:
             t.stats["relayed_refused"] += 1
-            t.scores.penalize(relay_id, 2.0, time.monotonic())
+            t.scores.penalize(relay_id, 2.0, time.monotonic(), f"a bad relayed stream: {e or type(e).__name__}")
             log.info("refused a stream relayed by %s: %s", relay_id[-8:], e or type(e).__name__)
             await self.refuse(reader, writer, "bad_request", f"relayed stream refused: {e or type(e).__name__}")
             return
@@ -261,7 +261,7 @@ class Server:
     async def _bad_input(self, peer_id: str, st: PeerState, writer: asyncio.StreamWriter, e: RemoteProtocolError, request_id: int, meter: Meter) -> None:
         """A peer's malformed frames: counted, scored down, logged, answered `bad_request`."""
         self.transport.stats["bad_frames"] += 1
-        self.transport.scores.penalize(peer_id, 2.0, time.monotonic())
+        self.transport.scores.penalize(peer_id, 2.0, time.monotonic(), f"bad input: {e}")
         self._log_peer(peer_id, st, f"refused bad input from {peer_id}: {e}")
         await self._reply_error(writer, "bad_request", str(e), request_id, meter)
 

@@ -193,8 +193,8 @@ class Transport:
         except TimeoutError:
             self.dialer.mark_dropped(peer_id)  # (its next stream: see Dialer.check_route)
             raise CallTimeout(f"{type(request).__name__} with {peer_id} timed out after {timeout:.1f} s") from None
-        except RemoteProtocolError:
-            self.scores.penalize(peer_id, 2.0, time.monotonic())
+        except RemoteProtocolError as e:
+            self.scores.penalize(peer_id, 2.0, time.monotonic(), f"a malformed reply: {e}")
             raise
         finally:
             if writer is not None:

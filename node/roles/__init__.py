@@ -54,6 +54,8 @@ Files:
                          Hugging Face Mixtral fetched by pin): layout, shards, dense parts, forward
     replica.py           `Replica`: the DiLoCo round, state taken from peers or the coordinator
     replica_peers.py     `ReplicaPeers`: the other replicas, as a replica sees them, and their states
+    attacks.py           `Attack`: what a Byzantine replica sends in place of its pseudo-gradient
+                         (node settings fault_attack, fault_attack_scale: tests, drills, benches)
     budget.py            the inner phase under inner_phase "time": `median_ready`, `keep_stepping` (pure) and `MedianWatch`
     streaming.py         `Streaming`: a replica's outer step in fragments, each round overlapped with
                          inner steps and applied a fragment period later (run setting `fragments`)

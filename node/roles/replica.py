@@ -49,6 +49,7 @@ from ..net.transport import NETWORK_ERRORS, HandlerTaken, RemoteError
 from ..runconfig import RunConfig
 from ..state.checkpoint_client import fetch_manifest, upload_checkpoint
 from ..state.checkpoint_dir import CheckpointDirError
+from .attacks import Attack
 from .budget import MedianWatch, keep_stepping
 from .pause import PauseWatch
 from .role import Role, RoleContext, RoleError
@@ -64,6 +65,7 @@ from .weights import ComputeThread
 log = logging.getLogger(__name__)
 
 COORDINATOR_S = 5.0  # ... the coordinator
+FINISH_LOOK_S = 10.0  # a replica that reached the last outer step by a failed round looks this long at a time for the others' final state
 WATCH_S = 2.0  # how often a replica that may have fallen behind looks at the others' states while it matchmakes
 _PEER_ERRORS = (*NETWORK_ERRORS, CheckpointDirError, ValueError)
 
@@ -138,6 +140,7 @@ class Replica(Role):
         self.pauses = PauseWatch()
         self._inner_threads = self.threads
         self.slowdown = c.fault_slowdown
+        self.attack = Attack(c.fault_attack, c.fault_attack_scale, seed=max(c.shard_index, 0)) if c.fault_attack else None  # a Byzantine replica (tests, drills, benches)
         self._out_of_step = False  # the last round failed: we may have been left behind
         self._lone = False  # the last round found us the swarm's only replica (logged when that changes)
         self.streaming: Streaming | None = None  # the outer step in fragments (run.fragments > 1), made with the model
@@ -205,6 +208,9 @@ class Replica(Role):
         self._publish_progress(val)
         while not self._stop:
             if self.run_config.max_outer_steps and self.round >= self.run_config.max_outer_steps:
+                # reached by a failed round (our state is not the swarm's): the others' final state first
+                while self._out_of_step and not self._stop and await self._catch_up(FINISH_LOOK_S, ours_ends_it=True) == "unseen":
+                    pass
                 losses = [e["val_loss"] for e in self.stats.history if "val_loss" in e]
                 log.info("replica: finished %d outer steps (val loss %.4f, hash %s)", self.round, losses[-1] if losses else float("nan"), self.hash)
                 await self.state.uploads_done()
@@ -337,6 +343,8 @@ class Replica(Role):
         # after a failed round we may be the one left behind (cut off, or back from a pause the
         # clocks did not show): while we wait alone for others, look whether the swarm moved on
         watch = asyncio.create_task(self._watch_swarm(key)) if self._out_of_step else None
+        if self.attack is not None:
+            pseudo = self.attack.apply(pseudo)
         try:
             avg, report = await self.averager.average(key, pseudo, weight=weight, expected_peers=expected, state_key=state_key, join_timeout_s=window)
         except AveragingFailed as e:

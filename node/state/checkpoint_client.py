@@ -74,7 +74,7 @@ class CheckpointTransferError(RemoteProtocolError):
 
 
 def _bad(transport: Transport, peer_id: str, file: str, problem: str) -> CheckpointTransferError:
-    transport.scores.penalize(peer_id, _BAD_DATA_PENALTY, time.monotonic())
+    transport.scores.penalize(peer_id, _BAD_DATA_PENALTY, time.monotonic(), f"checkpoint file {file}: {problem}")
     return CheckpointTransferError(peer_id, file, problem)
 
 

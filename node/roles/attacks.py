@@ -1,0 +1,73 @@
+"""Byzantine replicas, for tests, chaos drills and benches: what a replica that lies sends in
+place of its pseudo-gradient (the node settings `fault_attack` and `fault_attack_scale`).
+Each lie is well formed (the right shapes, finite values): the all-reduce's checks pass it,
+and only a robust aggregator and the evidence against its sender stand between it and the
+model. The attacks are those robust distributed training is measured against:
+
+- `sign-flip`: the update reversed and scaled, -scale x g (BTARD's, at scale 1000).
+- `scaled`: the update scaled, scale x g.
+- `constant`: one direction for every round and every attacker (all coordinates equal), at
+  scale x the honest norm: colluders that agree on a direction without talking.
+- `noise`: Gaussian noise at scale x the honest norm (seeded): as large as an honest update,
+  and as useless.
+- `ipm` (inner product manipulation): -scale x g, with a small scale (0.1): the attacker's own
+  honest update stands for the honest mean, and a small push against it hides among the honest.
+- `stale`: the update of `scale` rounds ago (the oldest kept, until that many were).
+
+`Attack.apply` is pure but for what `stale` keeps (per shape of update: a fragment's rounds
+keep their own).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ATTACKS
+
+DEFAULT_SCALE = {"sign-flip": 1000.0, "scaled": 1000.0, "constant": 1000.0, "noise": 1.0, "ipm": 0.1, "stale": 5.0}
+
+
+@dataclass
+class Attack:
+    kind: str
+    scale: float = 0.0  # 0: the kind's default (DEFAULT_SCALE)
+    seed: int = 0
+    kept: dict[tuple, deque] = field(default_factory=dict)  # stale: updates of earlier rounds, per shape
+    rounds: int = 0  # updates replaced so far (noise: each round its own draw)
+
+    def __post_init__(self):
+        if self.kind not in ATTACKS:
+            raise ValueError(f"fault_attack must be one of {', '.join(ATTACKS)}, got {self.kind!r}")
+        if not (math.isfinite(self.scale) and self.scale >= 0):
+            raise ValueError(f"fault_attack_scale must be a finite number >= 0, got {self.scale}")
+        self.scale = self.scale or DEFAULT_SCALE[self.kind]
+
+    def apply(self, update: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What this attacker sends in place of its honest `update` (new tensors)."""
+        self.rounds += 1
+        norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in update))
+        if self.kind in ("sign-flip", "ipm"):
+            return [t * -self.scale for t in update]
+        if self.kind == "scaled":
+            return [t * self.scale for t in update]
+        if self.kind == "constant":
+            n = sum(t.numel() for t in update)
+            return [torch.full_like(t, self.scale * norm / math.sqrt(n)) for t in update]
+        if self.kind == "noise":
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rounds)
+            noise = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) for t in update]
+            noise_norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in noise)) or 1.0
+            return [t * (self.scale * norm / noise_norm) for t in noise]
+        return self._stale(update)
+
+    def _stale(self, update: list[torch.Tensor]) -> list[torch.Tensor]:
+        key = tuple(tuple(t.shape) for t in update)
+        kept = self.kept.setdefault(key, deque())
+        kept.append([t.clone() for t in update])
+        while len(kept) > int(self.scale) + 1:
+            kept.popleft()
+        return [t.clone() for t in kept[0]]

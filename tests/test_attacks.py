@@ -1,0 +1,96 @@
+"""Byzantine replicas' lies (node/roles/attacks.py): each what its name says, well formed; what
+the aggregators make of them (two liars of eight derail the plain mean, not CenteredClip); and
+the evidence a slice's owner draws from them, with the reason a ban will carry."""
+
+import math
+
+import pytest
+import torch
+
+from node.averaging.aggregators import FAR, centered_clip, far_parts, mean, trimmed_mean
+from node.averaging.decisions import accusations
+from node.config import ConfigError, NodeConfig, load_config
+from node.roles.attacks import ATTACKS, DEFAULT_SCALE, Attack
+
+
+def norm(ts: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.pow(2).sum()) for t in ts))
+
+
+def update(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)]
+
+
+def test_each_lie_is_what_its_name_says_and_keeps_the_shapes():
+    g = update(0)
+    for kind in ATTACKS:
+        out = Attack(kind).apply(g)
+        assert [t.shape for t in out] == [t.shape for t in g] and all(torch.isfinite(t).all() for t in out), kind
+    assert all(torch.equal(a, -1000 * b) for a, b in zip(Attack("sign-flip").apply(g), g))
+    assert all(torch.equal(a, 7 * b) for a, b in zip(Attack("scaled", 7.0).apply(g), g))
+    assert all(torch.equal(a, -0.1 * b) for a, b in zip(Attack("ipm").apply(g), g))
+    # constant: the same direction whatever the update, at scale x its norm
+    c1, c2 = Attack("constant").apply(g), Attack("constant").apply(update(1))
+    assert norm(c1) == pytest.approx(1000 * norm(g), rel=1e-5)
+    assert torch.allclose(torch.cat([t.flatten() for t in c1]) / norm(c1), torch.cat([t.flatten() for t in c2]) / norm(c2))
+    # noise: at the honest norm, nearly orthogonal to the update, a new draw every round
+    noisy = Attack("noise", seed=3)
+    n1, n2 = noisy.apply(g), noisy.apply(g)
+    assert norm(n1) == pytest.approx(norm(g), rel=1e-5) and not torch.equal(n1[0], n2[0])
+    assert Attack("noise").scale == DEFAULT_SCALE["noise"] == 1.0
+
+
+def test_a_stale_liar_sends_its_update_of_k_rounds_ago():
+    stale = Attack("stale", 2.0)
+    sent = [stale.apply([torch.full((3,), float(k))])[0][0].item() for k in range(6)]
+    assert sent == [0.0, 0.0, 0.0, 1.0, 2.0, 3.0]  # the oldest kept until two were, then two rounds late
+    # a fragment's rounds (updates of another shape) keep their own history
+    assert stale.apply([torch.full((2, 2), 9.0)])[0].flatten().tolist() == [9.0] * 4
+
+
+def test_two_liars_of_eight_derail_the_mean_not_centered_clip():
+    """Per slice: eight members' parts, two of them lies; the honest mean is what training needs."""
+    gen = torch.Generator().manual_seed(0)
+    truth = torch.randn(64, generator=gen) * 0.05
+    honest = [truth + 0.02 * torch.randn(64, generator=gen) for _ in range(6)]
+    honest_mean = torch.stack(honest).mean(0)
+    weights = torch.ones(8)
+    for kind in ("sign-flip", "scaled", "constant"):
+        liars = [Attack(kind, seed=i).apply([h.clone()])[0] for i, h in enumerate(honest[:2])]
+        parts = honest + liars
+        off = {name: float((agg(parts, weights) - honest_mean).norm() / honest_mean.norm()) for name, agg in (("mean", mean), ("cc", centered_clip), ("tm", trimmed_mean))}
+        assert off["mean"] > 10 and off["tm"] > 10, (kind, off)  # the liars own the average (trimmed_mean's default trim: 1 of 8)
+        assert off["cc"] < 0.2, (kind, off)  # robust: close to the honest mean
+        assert float((trimmed_mean(parts, weights, trim=2) - honest_mean).norm() / honest_mean.norm()) < 0.2, kind
+
+
+def test_bad_attack_settings_are_named():
+    with pytest.raises(ValueError, match="fault_attack must be one of sign-flip"):
+        Attack("flip")
+    with pytest.raises(ValueError, match="fault_attack_scale"):
+        Attack("scaled", float("nan"))
+    with pytest.raises(ConfigError, match="fault_attack"):
+        load_config({"fault_attack": "shout"}, None)
+    assert load_config({"fault_attack": "ipm", "fault_attack_scale": 0.5}, None).fault_attack == "ipm"
+    assert NodeConfig().fault_attack == ""
+
+
+def test_a_liars_part_far_from_the_robust_aggregate_is_evidence_with_its_reason():
+    gen = torch.Generator().manual_seed(1)
+    truth = torch.randn(256, generator=gen) * 0.05
+    names = [f"peer{i}" for i in range(8)]
+    honest = [truth + 0.02 * torch.randn(256, generator=gen) for _ in range(6)]
+    clean = centered_clip(honest + [truth + 0.02 * torch.randn(256, generator=gen) for _ in range(2)], torch.ones(8))
+    assert far_parts(honest + [truth, truth], clean, names) == {}  # honest parts, however they spread: nobody
+    for kind in ("sign-flip", "scaled", "constant", "noise"):
+        scale = 10.0 if kind == "noise" else 0.0  # noise at the honest norm hides; ten times it does not
+        parts = honest + [Attack(kind, scale, seed=i).apply([h.clone()])[0] for i, h in enumerate(honest[:2])]
+        far = far_parts(parts, centered_clip(parts, torch.ones(8)), names)
+        assert set(far) == {"peer6", "peer7"} and min(far.values()) > FAR, (kind, far)
+    assert far_parts(parts[:2], parts[0], names[:2]) == {}  # two parts: no majority to measure against
+    reasons = accusations("outer-7-abc", {0: {"peer6": 25.0, "me": 30.0}, 3: {"peer6": 80.5, "peer7": 5.0}}, me="me")
+    assert reasons == {
+        "peer6": "round outer-7-abc: its part of slice 3 was 80.5x the group's spread from the robust aggregate",
+        "peer7": "round outer-7-abc: its part of slice 3 was 5x the group's spread from the robust aggregate",
+    }
