@@ -518,8 +518,10 @@ def main(argv=None) -> int:
             print(json.dumps(skipped) if args.json else f"skipped: {e}")
             return 0
         netns.remove_stale()
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGHUP, _raise_interrupt)
+    # SIGINT too: a process started with it ignored (a parent's setting, inherited) keeps
+    # Python from installing its own KeyboardInterrupt handler, and ctrl-c would do nothing
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
     log_dir = Path(tempfile.mkdtemp(prefix="stb-allreduce-"))
     topo = None
     try:

@@ -141,8 +141,8 @@ def test_allreduce_bench_ctrl_c_leaves_nothing():
         else:
             pytest.fail("the bench never started its peers")
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
-        assert proc.returncode == 130
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err[-3000:]
         assert leftovers(marker) == []
     finally:
         if proc.poll() is None:
