@@ -109,14 +109,15 @@ class Leading:
 
     def overdue(self, now: float) -> set[str]:
         """Expected peers not waited for any more: silent on us lately (they may still
-        join), later than their measured arrivals say they come (`Arrivals`) and not
-        answering a probe either (`Probes`), or gone to another group for this key."""
+        join), banned here (they cannot), later than their measured arrivals say they come
+        (`Arrivals`) and not answering a probe either (`Probes`), or gone to another group
+        for this key."""
         if self.expected is None or isinstance(self.expected, int):
             return set()
         waiting = self.waiting()
         silent = self.probes.silent(waiting)
         late = self.mm.arrivals.overdue(waiting, now - self.lobby.opened, self.lobby.window)
-        return (waiting & (self.mm.recently_silent(now) | self.elsewhere)) | (late & silent)
+        return (waiting & (self.mm.recently_silent(now) | self.mm.banned() | self.elsewhere)) | (late & silent)
 
     async def wait(self) -> set[str]:
         """Until a join, a probe's, a question's or the look-up's answer, a peer overdue, or

@@ -82,7 +82,9 @@ class Matchmaker:
         # announced in the background: peers that know the group from the last round do not
         # need the DHT at all, and the others find us there a moment later
         avg.spawn(avg.host.dht_store(self.dht_key(key), rec.to_bytes(), rec.expires_at, subkey=me))
-        search = Search(me, key, deadline, self.last_members, self.recently_silent())
+        # a peer silent on us lately, or banned here (its calls are refused: it cannot join us,
+        # and we follow no group it leads), is neither led by nor waited for
+        search = Search(me, key, deadline, self.last_members, self.recently_silent() | self.banned())
         step = search.next()
         while True:
             if step.wait_s:
@@ -133,6 +135,11 @@ class Matchmaker:
         for p in [p for p, t in self.silent.items() if now - t > SILENT_FOR_S or heard.get(p, 0.0) > t]:
             del self.silent[p]  # (a call of its came in since: it is back)
         return set(self.silent)
+
+    def banned(self) -> set[str]:
+        """Peers our transport refuses now (node/net/rpc.py `PeerScores`: bad input, or evidence of lies)."""
+        scores, now = self.avg.transport.scores, time.monotonic()
+        return {p for p in list(scores.peers) if scores.banned(p, now)}
 
     def probes(self) -> Probes:
         """Probes of peers a round waits on, sharing what we know of their round trips and silence."""
@@ -198,16 +205,16 @@ class Matchmaker:
                 await asyncio.gather(call, return_exceptions=True)
 
     async def candidates(self, key: str) -> set[str]:
-        """Peers whose valid record says they want this key."""
+        """Peers whose valid record says they want this key (none banned here)."""
         raw = await self.avg.host.dht_get(self.dht_key(key))
-        out = set()
+        out, banned = set(), self.banned()
         if isinstance(raw, dict):
             for subkey, value in raw.items():
                 try:
                     rec = MemberRecord.from_bytes(value, self.config.swarm_id)
                 except RemoteProtocolError:
                     continue
-                if rec.peer_id == subkey:
+                if rec.peer_id == subkey and rec.peer_id not in banned:
                     out.add(rec.peer_id)
         return out
 
