@@ -1,7 +1,9 @@
 """A Byzantine replica in a real swarm: it sends its pseudo-gradient reversed and scaled a
 thousandfold in every round (well formed: the all-reduce's checks pass it). The honest replicas
 average with CenteredClip, train on as if it were not there, hold one state, and ban it on the
-evidence of its parts, each with the reason in its log and /status. Nobody honest is banned."""
+evidence of its parts, each with the reason in its log and /status. Nobody honest is banned.
+The liar has the smallest peer id, so it leads every round it is in: the worst case (once
+banned, the honest ones must neither follow it nor wait for it)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import re
 
 import pytest
 
+from protocol import SigningKey
+from protocol.signatures import peer_id_from_public_key
 from tests.swarm import free_port, node_peer_id, wait_for
 from tests.test_swarm_training import RUN, assert_same_hashes, history, replica, scrape, step_of, trained_steps
 
@@ -23,9 +27,14 @@ def test_a_sign_flipping_replica_is_outvoted_and_banned_by_the_honest_ones(swarm
     coord = swarm.coordinator("coordinator", None, None, *RUN, "--min-replicas", "4")
     maddr = coord.wait_ready()["maddrs"][0]
     http = free_port()
-    procs = {n: replica(swarm, n, maddr, i, *ROBUST, *(["--http", f"127.0.0.1:{http}"] if n == "a" else [])) for i, n in enumerate(HONEST)}
-    procs["liar"] = replica(swarm, "liar", maddr, 3, *ROBUST, "--fault-attack", "sign-flip")
+    keys = sorted((SigningKey.generate() for _ in range(4)), key=lambda k: peer_id_from_public_key(k.public_key))
+    for n, key in zip(["liar", *HONEST], keys):  # the liar's peer id the smallest: it leads
+        key.save(swarm.tmp / f"{n}.pem")
+    procs = {n: replica(swarm, n, maddr, i, *ROBUST, "--identity", str(swarm.tmp / f"{n}.pem"), *(["--http", f"127.0.0.1:{http}"] if n == "a" else []))
+             for i, n in enumerate(HONEST)}  # fmt: skip
+    procs["liar"] = replica(swarm, "liar", maddr, 3, *ROBUST, "--identity", str(swarm.tmp / "liar.pem"), "--fault-attack", "sign-flip")
     ids = {n: node_peer_id(p) for n, p in procs.items()}
+    assert min(ids.values()) == ids["liar"]
 
     def banned_by(n: str) -> set[str]:
         return set(re.findall(r"banned (\S+) for \d+ s", procs[n].log()))
