@@ -13,6 +13,8 @@
     overlap.py      the streaming outer step behind shaped links against today's outer step
     convergence.py  DiLoCo over the swarm vs sync data parallelism vs the one-process simulation
                     (convergence_sync.py, convergence_swarm.py, convergence_settings.py)
+    byzantine.py    replicas that lie in every round: the robust aggregator and its bans against
+                    the same swarm clean, and against the plain mean
     models.py       GPT-2 small and a Llama-style model in each role vs one process and
                     torch.distributed.pipelining: memory, tokens/s, a joiner, checkpoint, export
                     (models_settings.py, models_local.py, models_swarm.py; memory.py: a process

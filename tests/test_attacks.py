@@ -10,6 +10,7 @@ import torch
 from node.averaging.aggregators import FAR, centered_clip, far_parts, mean, trimmed_mean
 from node.averaging.decisions import accusations
 from node.config import ConfigError, NodeConfig, load_config
+from bench.byzantine import ban_scores
 from node.roles.attacks import ATTACKS, DEFAULT_SCALE, Attack
 
 
@@ -94,3 +95,13 @@ def test_a_liars_part_far_from_the_robust_aggregate_is_evidence_with_its_reason(
         "peer6": "round outer-7-abc: its part of slice 3 was 80.5x the group's spread from the robust aggregate",
         "peer7": "round outer-7-abc: its part of slice 3 was 5x the group's spread from the robust aggregate",
     }
+
+
+def test_the_byzantine_bench_scores_bans_by_the_honest_majority():
+    honest, liars = {"h1", "h2", "h3"}, {"x"}
+    # x banned by two of three honest replicas: caught; h3 banned by one: not caught, but counted
+    scores = ban_scores({"h1": {"x"}, "h2": {"x", "h3"}, "h3": set()}, liars, honest)
+    assert scores == {"caught": ["x"], "precision": 1.0, "recall": 1.0, "honest_banned": ["h3"]}
+    assert ban_scores({"h1": set(), "h2": set()}, liars, honest) == {"caught": [], "precision": 0.0, "recall": 0.0, "honest_banned": []}
+    assert ban_scores({"h1": set(), "h2": set()}, set(), honest)["precision"] == 1.0  # a clean run: nothing to catch, nobody caught
+    assert ban_scores({"h1": {"h2"}, "h2": {"h1"}, "h3": {"h1"}}, set(), honest)["caught"] == ["h1"]  # a majority's wrong ban is caught, and wrong
