@@ -181,3 +181,35 @@ def test_a_state_without_a_hash_is_taken_only_where_the_slot_allows_it_and_never
         assert strict.own() is None
 
     asyncio.run(main())
+
+
+def test_a_save_cancelled_mid_write_still_writes_and_the_leaver_saves_above_it(tmp_path):
+    """A stage's sync round cancelled by SIGTERM while saving: its write finishes (`writes_done`),
+    and the last peer's hand-over saves its state as a round above it, never the same number."""
+    import torch
+
+    from node.roles.slot_state import SlotState
+    from node.roles.slot_sync import handover_round
+
+    state = {"model": {"w": torch.arange(4.0)}}
+
+    async def compute(fn, *args):
+        return fn(*args)
+
+    async def main():
+        st = SlotState(None, tmp_path / "s", tmp_path / "dl", "stage", {"model": "m"}, lambda s: "h", compute)
+        assert st.newest() == -1
+        await st.save(7, state, "h")
+        saving = asyncio.create_task(st.save(10, state, "h"))
+        await asyncio.sleep(0.001)  # in its thread now
+        saving.cancel()
+        await asyncio.gather(saving, return_exceptions=True)
+        await st.writes_done()
+        assert st.newest() == 10
+
+    asyncio.run(main())
+    # held 9 (the cancelled round 10 saved, not held yet), the clock in round 10: round 11 (the
+    # leaver waits for the clock to reach it); otherwise the clock's round, or one above the held
+    assert handover_round(9, 10, 10.3, 1.0) == 11
+    assert handover_round(10, 10, 12.5, 1.0) == 12
+    assert handover_round(10, 10, 10.9, 1.0) == 11

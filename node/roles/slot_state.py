@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from protocol.manifest import step_dir_name
+from protocol.manifest import step_dir_name, step_of_dir_name
 
 from ..net.transport import NETWORK_ERRORS, CallTimeout, RemoteError
 from ..state.checkpoint_client import download_checkpoint, fetch_manifest, upload_checkpoint
@@ -97,6 +97,7 @@ class SlotState:
         self._served: dict[int, dict[str, set[str]]] = {}  # round -> peer -> files it fetched in full
         self._uploads: set[asyncio.Task] = set()
         self._uploading = ""  # the state dir an upload reads
+        self._writes: set[asyncio.Future] = set()  # saves still writing
 
     def start(self) -> None:
         """Serve our states (HandlerTaken when another service serves checkpoints here)."""
@@ -112,12 +113,25 @@ class SlotState:
         self.step, self.hash, self.source = step, state_hash, source
 
     async def save(self, step: int, state: State, state_hash: str) -> Path:
-        """Write `state` as round `step`; the oldest beyond `keep` go (not one an upload reads)."""
-        path = await asyncio.to_thread(write_checkpoint_dir, self.dir, step, state, self.meta, state_hash)
+        """Write `state` as round `step`; the oldest beyond `keep` go (not one an upload reads).
+        A save whose caller is cancelled still finishes its write (`writes_done` waits for it):
+        its thread would go on writing anyway, unseen."""
+        write = asyncio.ensure_future(asyncio.to_thread(write_checkpoint_dir, self.dir, step, state, self.meta, state_hash))
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
+        path = await asyncio.shield(write)
         for old in sorted(self.dir.glob("step-*"))[: -self.keep]:
             if old.name != self._uploading:
                 await asyncio.to_thread(shutil.rmtree, old, True)
         return path
+
+    async def writes_done(self) -> None:
+        """Until every save begun has written its state (or failed)."""
+        await asyncio.gather(*self._writes, return_exceptions=True)
+
+    def newest(self) -> int:
+        """The newest round saved here (-1: none)."""
+        return max((s for d in self.dir.glob("step-*") if (s := step_of_dir_name(d.name)) is not None), default=-1)
 
     async def drop(self, step: int) -> None:
         """Remove our state of round `step`, unless an upload reads it: a state taken from a

@@ -63,6 +63,15 @@ async def every_period(period_s: float):
         yield n
 
 
+def handover_round(held: int, newest_saved: int, now: float, period_s: float) -> int:
+    """The round a slot's last peer saves its state as when it leaves. Pure. Above every round
+    it saved (a sync cancelled by the stop may have saved its round without holding it yet: the
+    same number again, other contents, was refused and the leaver died). At least the clock's
+    round, and the caller waits until the clock reaches it: the peer that takes the state
+    numbers its next round by the clock, so it must never meet this number again."""
+    return max(held + 1, newest_saved + 1, math.floor(now / period_s))
+
+
 class SlotSync:
     """See the module's docstring. `role` and `slot` name the slot in member records ("stage",
     "1"); `coordinator_slot` is its index where the coordinator keeps checkpoints of it (None:
@@ -198,7 +207,10 @@ class SlotSync:
         if await self.peers_of_slot():
             return
         await flush()
-        step = max(self.state.step + 1, math.floor(time.time() / self.run_config.stage_sync_every_s))
+        await self.state.writes_done()  # (a sync this stop cancelled may still be saving its round)
+        period = self.run_config.stage_sync_every_s
+        step = handover_round(self.state.step, self.state.newest(), time.time(), period)
+        await asyncio.sleep(max(0.0, step * period - time.time()))  # the clock's round reaches it
         async with self.weights.busy:
             params, state_hash = self.weights.latest(), self.weights.hash
         await self.state.save(step, self.weights.state(params), state_hash)
