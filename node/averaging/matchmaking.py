@@ -138,8 +138,7 @@ class Matchmaker:
 
     def banned(self) -> set[str]:
         """Peers our transport refuses now (node/net/rpc.py `PeerScores`: bad input, or evidence of lies)."""
-        scores, now = self.avg.transport.scores, time.monotonic()
-        return {p for p in list(scores.peers) if scores.banned(p, now)}
+        return self.avg.transport.scores.banned_now(time.monotonic())
 
     def probes(self) -> Probes:
         """Probes of peers a round waits on, sharing what we know of their round trips and silence."""

@@ -431,9 +431,10 @@ class RoundDriver:
         parts = rnd.received[("scatter", j)]
         w = torch.tensor([self.weights[m] for m in members], dtype=torch.float64)
         agg = aggregators.get(self.config.aggregator)
-        avg = agg([parts[m] for m in members], w, **self.config.aggregator_params).contiguous()
+        ours = [parts[m] for m in members]
+        avg = agg(ours, w, **self.config.aggregator_params).contiguous()
         if self.config.aggregator != "mean":  # a robust aggregate: what lies far from it is evidence
-            rnd.evidence[j] = aggregators.far_parts([parts[m] for m in members], avg, members)
+            rnd.evidence[j] = aggregators.far_parts(ours, avg, members)
         a, b = rnd.group.bounds[j], rnd.group.bounds[j + 1]
         if not codec.lossy:
             enc, decoded = codec.encode(avg), avg

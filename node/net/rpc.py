@@ -145,12 +145,15 @@ class PeerScores:
         """Seconds of ban left (0: not banned)."""
         return max(0.0, self.peers[peer_id].banned_until - now)
 
+    def banned_now(self, now: float) -> set[str]:
+        """The peers banned now."""
+        return {p for p, st in self.peers.items() if st.banned_until > now}
+
     def bans(self, now: float) -> list[dict]:
         """The peers banned now: who, for how many more seconds, how many times, and why."""
         return [
-            {"peer_id": p, "left_s": round(st.banned_until - now, 1), "bans": st.bans, "reason": st.ban_reason}
-            for p, st in sorted(self.peers.items())
-            if st.banned_until > now
+            {"peer_id": p, "left_s": round(self.peers[p].banned_until - now, 1), "bans": self.peers[p].bans, "reason": self.peers[p].ban_reason}
+            for p in sorted(self.banned_now(now))
         ]
 
     def score(self, peer_id: str, now: float | None = None) -> float:
