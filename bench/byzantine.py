@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from node.config import ATTACKS
+from node.config import REPLICA_ATTACKS
 from tests.swarm import Swarm, node_peer_id, wait_for
 
 ARMS = ("clean", "attacked", "mean")
@@ -94,7 +94,7 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.byzantine", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true")
-    p.add_argument("--attack", choices=ATTACKS, default="sign-flip")
+    p.add_argument("--attack", choices=REPLICA_ATTACKS, default="sign-flip")
     p.add_argument("--attackers", type=int, default=1)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)

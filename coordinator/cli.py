@@ -68,6 +68,7 @@ def build_parser():
     pipe.add_argument("--stage-clip", choices=STAGE_CLIPS, help=f"global: clip a step's gradient by the whole model's norm, as one process does (stages wait for each other's norms); stage: each stage by its own norm, as torch.distributed.pipelining's ranks do (default {d.stage_clip})")
     pipe.add_argument("--stage-sync-every-s", type=float, help=f"seconds between two synchronisations of a stage's peers (default {d.stage_sync_every_s})")
     pipe.add_argument("--stage-outer-momentum", type=float, help="outer momentum of those syncs (default 0: plain parameter averaging)")
+    pipe.add_argument("--audit-fraction", type=float, metavar="FRACTION", help=f"trainers send this fraction of their calls to a second peer of the stage or shard too, and ban a peer caught answering wrong (0: never; default {d.audit_fraction})")
     moe = p.add_argument_group("the experts (--mode experts, a -moe model); the stage settings above apply to expert hosts too")
     moe.add_argument("--expert-shards", type=int, help="shards the experts are split into; a host serves one (expert e of every layer: shard e mod N)")
     return p

@@ -209,7 +209,7 @@ class ThroughputMeter:
 # kind -> (events, seconds): at most that many of this kind per peer per window
 PER_PEER = {"refused": (1, 300.0), "round_failed": (10, 300.0)}
 # kind -> (events, seconds): ... and for all peers together (peer ids cost nothing to make)
-PER_KIND = {"refused": (30, 300.0)}
+PER_KIND = {"refused": (30, 300.0), "ban": (60, 300.0)}  # (a member may report bans of any ids)
 MAX_TRACKED = 4096  # peers whose recent events are remembered
 
 

@@ -137,6 +137,9 @@ class Recorder:
             self.event(now, "role_failed", req.peer_id, req.failure)
         for note in req.notes:
             self.event(now, "round_failed", req.peer_id, note)
+        for ban in req.bans:  # (the event is the banned peer's; the detail says who banned it)
+            banned, text = ban.split(" ", 1)
+            self.event(now, "ban", banned, f"banned by {req.peer_id} {text}")
 
     def tick(self, now: float, members: Iterable[Rate]) -> None:
         """Every second or so: the interval points that are due."""

@@ -154,7 +154,11 @@ def check_fields(obj: Any, checks: Mapping[str, Check], error: type[ConfigError]
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # node/averaging/aggregators.py AGGREGATORS, named here without importing torch (a test keeps them equal)
 AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
-ATTACKS = ("sign-flip", "scaled", "constant", "noise", "ipm", "stale")  # what a Byzantine replica may send (node/roles/attacks.py)
+# what a Byzantine peer may send (node/roles/attacks.py): a replica in place of its pseudo-gradient,
+# a stage server or an expert host in place of the activations and gradients it answers with
+REPLICA_ATTACKS = ("sign-flip", "scaled", "constant", "noise", "ipm", "stale")
+ANSWER_ATTACKS = ("scaled", "noise", "replay", "zero")
+ATTACKS = tuple(dict.fromkeys(REPLICA_ATTACKS + ANSWER_ATTACKS))
 GATHER_CODECS = ("none", "fp16", "int8")  # codecs that can carry averaged slices back
 
 
@@ -258,7 +262,9 @@ class NodeConfig:
     threads: int = 0  # torch threads for training; 0: cores - 1 (p2pd and the DHT need the rest)
     fault_delay_parts_s: float = 0.0  # chaos drills and tests only: hold each averaging part this long (seconds) before sending
     fault_slowdown: float = 1.0  # chaos drills and tests only: each inner step takes this many times as long (a slower machine)
-    fault_attack: str = ""  # chaos drills, tests and benches only: a replica sends this lie in place of its pseudo-gradient (node/roles/attacks.py)
+    # chaos drills, tests and benches only: a replica sends this lie in place of its pseudo-gradient,
+    # a stage server or an expert host in place of its answers' tensors (node/roles/attacks.py)
+    fault_attack: str = ""
     fault_attack_scale: float = 0.0  # how strong the lie is (its factor, its multiple of the honest norm, or its rounds of staleness); 0: the attack's default
     http: str = ""  # HOST:PORT of this node's /metrics (Prometheus) and /status (JSON); port 0 picks a free one; "": none
     averager: AveragerSettings = field(default_factory=AveragerSettings)  # [averager] in the config file

@@ -98,6 +98,7 @@ class Node:
             caps["relayed"] = 1  # reached through a relay (for the operator's member list)
         log.info("capabilities: %s", ", ".join(f"{k}={v}" for k, v in caps.items()))
         self.membership = Membership(self.host, self.transport, c, caps, token)
+        self.transport.scores.on_ban = self.membership.progress.banned  # the coordinator's operator sees our bans
         self.membership.on_assignment = self.roles.want
         if c.http:
             from .metrics import http_app

@@ -96,6 +96,10 @@ class RunConfig:
     stage_outer_momentum: float = 0.0  # Nesterov momentum of those syncs' outer step (lr 1); 0: plain parameter averaging
     # experts mode (--mode experts): a MoE model's experts served by expert hosts; stage_step_samples,
     # stage_sync_every_s, stage_outer_momentum and activation_codec apply to them as to stages
+    # trainers (pipeline and experts modes) send this fraction of their calls to stage servers and
+    # expert hosts to a second peer of the slot too, and ban a peer caught answering wrong
+    # (node/roles/audit.py; under stage_routing "through": this fraction of micro-batches go relay, each call checked); 0: never
+    audit_fraction: float = 0.05
     expert_shards: int = 0  # the experts split into this many shards (expert e of every layer: shard e mod expert_shards); a host serves one shard
 
     def __post_init__(self) -> None:
@@ -224,6 +228,7 @@ _CHECKS: dict[str, Check] = {
     "activation_codec": one_of(*ACTIVATION_CODECS), "stage_step_samples": at_least(1), "micro_batches_in_flight": at_least(1),
     "stage_routing": one_of(*STAGE_ROUTINGS), "stage_clip": one_of(*STAGE_CLIPS), "synchronous_steps": lambda v: None,  # (a bool: its type is all there is to check)
     "stage_sync_every_s": positive, "stage_outer_momentum": below_one, "expert_shards": at_least(0),
+    "audit_fraction": lambda v: None if 0 <= v <= 1 else "must be in [0, 1]",
 }  # fmt: skip
 
 

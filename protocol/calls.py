@@ -98,7 +98,10 @@ class StageResult(Message):
     and why, and carries nothing else: the trainer sends the micro-batch again another way.
     `norms2` and `norm_steps` (like `times`, one per stage from the called one on): the squared
     norm of the stage's gradient at its latest step that was due, and how many steps were due
-    there until then (0 and -1: none yet); callers hand the norms on in their next calls."""
+    there until then (0 and -1: none yet); callers hand the norms on in their next calls.
+    `weights`: the version of the stage's weights the answer came from, from 1 (it moves with
+    every step and sync; 0: not known): a trainer's check compares two answers of one peer only
+    at one known version."""
 
     BULK_FIELDS = ("data",)
 
@@ -112,9 +115,11 @@ class StageResult(Message):
     reason: str = ""
     norms2: tuple[float, ...] = ()
     norm_steps: tuple[int, ...] = ()
+    weights: int = 0
 
     def validate(self) -> None:
         _require(_finite(self.loss), "loss", "must be finite")
+        _require(self.weights >= 0, "weights", "a version >= 0")
         _require(_norms2_ok(self.norms2), "norms2", f"at most {MAX_ROUTE + 1}, each -1 or a finite value >= 0")
         _require(len(self.norm_steps) == len(self.norms2) and all(n >= 0 for n in self.norm_steps), "norm_steps", "one count >= 0 per value of norms2")
         _require(len(self.times) <= MAX_ROUTE + 1 and all(0 <= t <= MAX_DEADLINE_S for t in self.times), "times", f"at most {MAX_ROUTE + 1}, each in [0, {MAX_DEADLINE_S:.0f}] seconds")
@@ -169,7 +174,8 @@ class ExpertCall(Message):
 @message(53)
 class ExpertResult(Message):
     """An expert host's answer to an ExpertCall: `y:<expert>` or `grad:<expert>` per expert;
-    a backward's answer has `norm2` too (see ExpertCall), a commit's nothing."""
+    a backward's answer has `norm2` too (see ExpertCall), a commit's nothing. `weights`: the
+    version of the shard's weights the answer came from (as StageResult's)."""
 
     BULK_FIELDS = ("data",)
 
@@ -177,7 +183,9 @@ class ExpertResult(Message):
     shapes: tuple[tuple[int, ...], ...] = ()
     data: bytes = b""
     norm2: float | None = None
+    weights: int = 0
 
     def validate(self) -> None:
         _require(self.norm2 is None or (math.isfinite(self.norm2) and self.norm2 >= 0.0), "norm2", "must be finite and >= 0")
+        _require(self.weights >= 0, "weights", "a version >= 0")
         _check_bundle(self, 2 * MAX_CALL_EXPERTS)

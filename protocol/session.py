@@ -115,9 +115,14 @@ class Heartbeat(Message):
     # what happened since the last heartbeat that the operator should see (a failed round and
     # its reason, say), oldest first
     notes: tuple[str, ...] = ()
+    # the peers this node banned since the last heartbeat, oldest first: each "<peer id> <for how
+    # long, and why>"
+    bans: tuple[str, ...] = ()
 
     def validate(self) -> None:
         _require(0 < len(self.peer_id) <= MAX_ID_LEN, "peer_id", "must be 1..256 characters")
+        _require(len(self.bans) <= MAX_NOTES, "bans", f"at most {MAX_NOTES} per heartbeat")
+        _require(all(0 < len(b) <= MAX_NOTE_LEN and " " in b.strip() for b in self.bans), "bans", f"each '<peer id> <why>', 1..{MAX_NOTE_LEN} characters")
         _require(len(self.measured_as) <= MAX_ID_LEN, "measured_as", "at most 256 characters")
         _require(self.bytes_sent >= 0 and self.bytes_received >= 0, "bytes_sent", "byte counts must be >= 0")
         _require(len(self.failure) <= MAX_NOTE_LEN, "failure", f"at most {MAX_NOTE_LEN} characters")

@@ -11,7 +11,8 @@ from node.averaging.aggregators import FAR, centered_clip, far_parts, mean, trim
 from node.averaging.decisions import accusations
 from node.config import ConfigError, NodeConfig, load_config
 from bench.byzantine import ban_scores
-from node.roles.attacks import ATTACKS, DEFAULT_SCALE, Attack
+from node.config import REPLICA_ATTACKS
+from node.roles.attacks import DEFAULT_SCALE, Attack
 
 
 def norm(ts: list[torch.Tensor]) -> float:
@@ -25,7 +26,7 @@ def update(seed: int) -> list[torch.Tensor]:
 
 def test_each_lie_is_what_its_name_says_and_keeps_the_shapes():
     g = update(0)
-    for kind in ATTACKS:
+    for kind in REPLICA_ATTACKS:
         out = Attack(kind).apply(g)
         assert [t.shape for t in out] == [t.shape for t in g] and all(torch.isfinite(t).all() for t in out), kind
     assert all(torch.equal(a, -1000 * b) for a, b in zip(Attack("sign-flip").apply(g), g))

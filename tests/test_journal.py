@@ -13,6 +13,7 @@ from coordinator.journal import Recorder
 from coordinator.registry import SCHEMA_VERSION, Registry
 from coordinator.service import _heartbeat, _tick
 from protocol import Heartbeat
+from protocol.errors import LocalProtocolError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -108,6 +109,18 @@ def test_events_are_bounded_newest_last_and_a_flood_of_notes_or_refusals_is_limi
         rec.event(T0 + 1000, "refused", "x", "join token refused: expired")
         assert reg.history.events()[-1].detail == "join token refused: expired (99 more like it since the last one shown)"
         assert reg.get("a").failed == "the replica role failed: boom"
+
+
+def test_a_members_bans_are_events_of_the_banned_peer_naming_who_banned_it_and_why(tmp_path):
+    with Registry(tmp_path / "r.sqlite", max_events=40) as reg:
+        rec = Recorder(reg.history, context=None)
+        members(reg, "trainer", "t")
+        ban = "liar for 60 s (ban 1): 1 offence in 600 s, the last: a wrong answer (stage 0 forward), caught by a check: it answered twice"
+        _heartbeat(reg, rec, Heartbeat(peer_id="t", bans=(ban,)), T0)
+        (event,) = [e for e in reg.history.events() if e.kind == "ban"]
+        assert event.peer_id == "liar" and event.detail == "banned by t for 60 s (ban 1): 1 offence in 600 s, the last: a wrong answer (stage 0 forward), caught by a check: it answered twice"
+    with pytest.raises(LocalProtocolError, match="bans"):  # a ban that names no peer and no reason
+        Heartbeat(peer_id="t", bans=("liar",)).validate()
 
 
 _V1 = """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -46,6 +47,9 @@ def test_a_sign_flipping_replica_is_outvoted_and_banned_by_the_honest_ones(swarm
         assert re.search(rf"banned {ids['liar']} for \d+ s \(ban 1\): 5 offences in \d+ s, the last: round outer-\d+-\w+: its part of slice \d+ was [\d.]+x the group's spread", procs[n].log())
     bans = json.loads(scrape(http, "/status"))["bans"]
     assert [b["peer_id"] for b in bans] == [ids["liar"]] and "from the robust aggregate" in bans[0]["reason"], bans
+    # the coordinator heard of each ban (its events, the dashboard's): the liar's, by each honest replica
+    banners = lambda: {e["detail"].split()[2] for e in coord.status()["events"] if e["kind"] == "ban" and e["peer_id"] == ids["liar"]}  # noqa: E731
+    wait_for(lambda: banners() == {ids[n] for n in HONEST}, 30, "the three bans among the coordinator's events")
 
     # the honest ones train on, in lockstep, and better than where they started
     at_ban = max(step_of(swarm, n) for n in HONEST)
@@ -55,3 +59,88 @@ def test_a_sign_flipping_replica_is_outvoted_and_banned_by_the_honest_ones(swarm
     assert_same_hashes(swarm, HONEST, together)
     h = history(swarm, "a")
     assert h[-1]["val_loss"] < h[0]["val_loss"] - 0.3, [(e["outer_step"], e.get("val_loss")) for e in h]
+
+
+# ---- stage servers and expert hosts that answer with lies: the trainers' checks catch them
+
+
+def check_caught(swarm, coord, trainer, liar: str, peers: dict[str, str], http: int, served, stats_file) -> None:
+    """`trainer` banned `liar` (a peer id) and nobody else, with the check's reason in its log,
+    its /status and the coordinator's events (the dashboard's); after the ban the liar serves it
+    no more calls, the honest peers do. `served(name)`: the calls a peer's stats file counts;
+    `stats_file(name)`: its path."""
+    banned = lambda: set(re.findall(r"banned (\S+) for \d+ s", trainer.log()))  # noqa: E731
+    wait_for(lambda: liar in banned(), 180, "the trainer to ban the lying peer")
+    assert banned() == {liar}, (banned(), peers)
+    assert re.search(rf"banned {liar} for \d+ s \(ban 1\): 1 offence in \d+ s, the last: a wrong answer \(.+\), caught by a check: it answered the same call twice", trainer.log())
+    bans = json.loads(scrape(http, "/status"))["bans"]
+    assert [b["peer_id"] for b in bans] == [liar] and "caught by a check" in bans[0]["reason"], bans
+    told = lambda: [e for e in coord.status()["events"] if e["kind"] == "ban"]  # noqa: E731
+    (event,) = wait_for(told, 30, "the ban among the coordinator's events")
+    assert event["peer_id"] == liar and event["detail"].startswith(f"banned by {node_peer_id(trainer)} for 60 s (ban 1)") and "caught by a check" in event["detail"], event
+    name = next(n for n, p in peers.items() if p == liar)
+    honest = [n for n in peers if n != name]
+
+    def written_after(t: float) -> bool:  # (a slot server rewrites its stats file with every sync)
+        return stats_file(name).stat().st_mtime > t
+
+    def progress(what: str) -> int:
+        """The liar's count of calls served, read from a stats file written after the honest peers
+        served 24 more calls."""
+        start = {n: served(n) for n in honest}
+        wait_for(lambda: sum(served(n) for n in honest) >= sum(start.values()) + 24, 60, f"24 more calls served by the honest peers ({what})")
+        t = time.time()
+        wait_for(lambda: stats_file(name).stat().st_mtime > t, 60, f"the liar's stats written again ({what})")
+        return served(name)
+
+    # the ban lasts 60 s: within it, calls go to the honest peers only (after the few that were
+    # on their way to the liar when it was banned)
+    after = progress("after the ban")
+    assert progress("later") == after, (served(name), after)
+
+
+def test_a_stage_server_answering_noise_is_caught_by_the_trainers_checks_and_routed_around(swarm):
+    from tests.test_swarm_pipeline import NODE, TWO_STAGES, micro_batches, placed, stats
+
+    coord = swarm.coordinator("coordinator", None, None, *TWO_STAGES, "--audit-fraction", "0.25")
+    maddr = coord.wait_ready()["maddrs"][0]
+    servers = {f"s{i}": swarm.node(f"s{i}", [maddr], *NODE, *(["--fault-attack", "noise"] if i == 0 else [])) for i in range(4)}
+    # (the planner spreads them by measured throughput, once the trainer's calls measure it: the
+    # liar shares its stage with an honest peer by then, if not from the start)
+    wait_for(lambda: len(placed(coord)) == 2 and sum(map(len, placed(coord).values())) == 4, 120, "four stage peers on two stages")
+    http = free_port()
+    trainer = swarm.node("t", [maddr], *NODE, "--wanted-role", "trainer", "--http", f"127.0.0.1:{http}")
+    ids = {n: node_peer_id(p) for n, p in servers.items()}
+
+    def served(n: str) -> int:
+        calls = stats(swarm, n, "stage").get("calls", {})
+        return sum(calls.get(k, 0) for k in ("forward", "train", "through"))
+
+    check_caught(swarm, coord, trainer, ids["s0"], ids, http, served, lambda n: swarm.tmp / n / "stage-stats.json")
+    checks = wait_for(lambda: stats(swarm, "t", "trainer").get("checks", {}).get("caught") and stats(swarm, "t", "trainer")["checks"], 30, "the trainer's stats")
+    assert checks["caught"] == 1, checks
+    start = micro_batches(swarm, "t")
+    wait_for(lambda: micro_batches(swarm, "t") >= start + 32, 180, "32 more micro-batches")
+    h = stats(swarm, "t", "trainer")["history"]
+    assert h[-1]["loss"] < stats(swarm, "t", "trainer")["first_loss"] - 0.3, [(e["micro_batches"], round(e["loss"], 3)) for e in h]
+
+
+def test_an_expert_host_answering_noise_is_caught_by_the_trainers_checks_and_routed_around(swarm):
+    from tests.test_swarm_experts import RUN as EXPERTS, hosts_of
+    from tests.test_swarm_pipeline import NODE, micro_batches, stats
+
+    coord = swarm.coordinator("coordinator", None, None, *EXPERTS, "--audit-fraction", "0.25")
+    maddr = coord.wait_ready()["maddrs"][0]
+    hosts = {f"h{i}": swarm.node(f"h{i}", [maddr], *NODE, *(["--fault-attack", "noise"] if i == 0 else [])) for i in range(4)}
+    wait_for(lambda: len(hosts_of(coord)) == 2 and sum(map(len, hosts_of(coord).values())) == 4, 120, "four hosts on two shards")
+    http = free_port()
+    trainer = swarm.node("t", [maddr], *NODE, "--wanted-role", "trainer", "--http", f"127.0.0.1:{http}")
+    ids = {n: node_peer_id(p) for n, p in hosts.items()}
+    served = lambda n: stats(swarm, n, "expert").get("calls", {}).get("forward", 0)  # noqa: E731
+    check_caught(swarm, coord, trainer, ids["h0"], ids, http, served, lambda n: swarm.tmp / n / "expert-stats.json")
+    checks = wait_for(lambda: stats(swarm, "t", "trainer").get("checks", {}).get("caught") and stats(swarm, "t", "trainer")["checks"], 30, "the trainer's stats")
+    assert checks["caught"] == 1, checks
+    start = micro_batches(swarm, "t")
+    wait_for(lambda: micro_batches(swarm, "t") >= start + 24, 180, "24 more micro-batches")
+    h = stats(swarm, "t", "trainer")["history"]
+    assert h[-1]["loss"] < h[0]["loss"] - 0.3, [(e["micro_batches"], round(e["loss"], 3)) for e in h]

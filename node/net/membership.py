@@ -49,11 +49,16 @@ class Progress:
     measured_as: str = ""  # the work samples_per_second was measured at (a member record's role label); "": any
     failure: str = ""  # why the role failed ("": it did not); the node takes no other role until restarted
     notes: deque = field(default_factory=lambda: deque(maxlen=MAX_NOTES))  # for the operator, sent with the next heartbeat
+    bans: deque = field(default_factory=lambda: deque(maxlen=MAX_NOTES))  # peers this node banned, sent with the next heartbeat
     extra: dict = field(default_factory=dict)
 
     def note(self, text: str) -> None:
         """Tell the coordinator's operator this (a failed round and why, say) with the next heartbeat."""
         self.notes.append(text[:MAX_NOTE_LEN] or "-")
+
+    def banned(self, peer_id: str, text: str) -> None:
+        """Tell the coordinator's operator that this node banned `peer_id` (`text`: for how long, and why)."""
+        self.bans.append(f"{peer_id} {text}"[:MAX_NOTE_LEN])
 
 
 class Membership:
@@ -145,19 +150,21 @@ class Membership:
     async def heartbeat(self) -> RoleAssignment:
         assert self.coordinator is not None
         p = self.progress
-        notes, sent_total, received_total = tuple(p.notes), *self.transport.traffic.totals()
+        notes, bans, sent_total, received_total = tuple(p.notes), tuple(p.bans), *self.transport.traffic.totals()
         p.notes.clear()
+        p.bans.clear()
         try:
             reply = await self.transport.call(
                 self.coordinator,
                 Heartbeat(
                     peer_id=self.host.peer_id, step=p.step, loss=p.loss, samples_per_second=p.samples_per_second, state_hash=p.state_hash,
-                    measured_as=p.measured_as, bytes_sent=sent_total, bytes_received=received_total, failure=p.failure, notes=notes,
+                    measured_as=p.measured_as, bytes_sent=sent_total, bytes_received=received_total, failure=p.failure, notes=notes, bans=bans,
                 ),  # fmt: skip
                 timeout=self.config.rpc_timeout_s,
             )
         except BaseException:
             p.notes.extendleft(reversed(notes))  # not delivered: with the next one (the newest kept if too many)
+            p.bans.extendleft(reversed(bans))
             raise
         return self._accept(reply)
 

@@ -119,6 +119,7 @@ class PeerScores:
     def __init__(self, config: TransportConfig):
         self.config = config
         self.peers: dict[str, PeerState] = defaultdict(PeerState)
+        self.on_ban: Callable[[str, str], None] | None = None  # (peer id, "for N s (ban k): why"): the node tells its coordinator
 
     def penalize(self, peer_id: str, amount: float, now: float, reason: str) -> bool:
         """Score `peer_id` down by `amount` for `reason` (a line naming the offence); whether
@@ -134,6 +135,8 @@ class PeerScores:
         st.ban_reason = f"{n} offence{'s' if n > 1 else ''} in {self.config.score_window_s:.0f} s, the last: {reason}"
         st.penalties.clear()
         log.warning("banned %s for %.0f s (ban %d): %s", peer_id, ban_s, st.bans, st.ban_reason)
+        if self.on_ban is not None:
+            self.on_ban(peer_id, f"for {ban_s:.0f} s (ban {st.bans}): {st.ban_reason}")
         return True
 
     def _score(self, st: PeerState, now: float) -> float:

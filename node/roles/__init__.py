@@ -19,6 +19,7 @@ one; the registry says which class an assignment makes. The roles and the parts 
       CallQueue                   x             x                  calls served in batches
     StepSchedule                  x             x                  when a step is due and taken
     PeerCaller                                              x      calls with deadlines and backoff
+    Auditor                                                 x      calls checked on a second peer
     micro_batch_loop                                        x      the trainers' one loop
     stats                x        x             x           x      stats files, rates, losses
 
@@ -54,8 +55,11 @@ Files:
                          Hugging Face Mixtral fetched by pin): layout, shards, dense parts, forward
     replica.py           `Replica`: the DiLoCo round, state taken from peers or the coordinator
     replica_peers.py     `ReplicaPeers`: the other replicas, as a replica sees them, and their states
-    attacks.py           `Attack`: what a Byzantine replica sends in place of its pseudo-gradient
+    attacks.py           `Attack`: what a Byzantine replica sends in place of its pseudo-gradient;
+                         `AnswerAttack`: what a Byzantine stage server or expert host answers with
                          (node settings fault_attack, fault_attack_scale: tests, drills, benches)
+    audit.py             `Auditor`: a trainer's checks of a fraction of its calls on a second peer of
+                         the slot; `judge` (pure): who lied in a dispute, and why; bans
     budget.py            the inner phase under inner_phase "time": `median_ready`, `keep_stepping` (pure) and `MedianWatch`
     streaming.py         `Streaming`: a replica's outer step in fragments, each round overlapped with
                          inner steps and applied a fragment period later (run setting `fragments`)

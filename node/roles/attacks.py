@@ -1,5 +1,6 @@
-"""Byzantine replicas, for tests, chaos drills and benches: what a replica that lies sends in
-place of its pseudo-gradient (the node settings `fault_attack` and `fault_attack_scale`).
+"""Byzantine peers, for tests, chaos drills and benches: what a replica that lies sends in place
+of its pseudo-gradient (`Attack`), and what a stage server or an expert host that lies answers
+with (`AnswerAttack`); the node settings `fault_attack` and `fault_attack_scale`.
 Each lie is well formed (the right shapes, finite values): the all-reduce's checks pass it,
 and only a robust aggregator and the evidence against its sender stand between it and the
 model. The attacks are those robust distributed training is measured against:
@@ -16,6 +17,16 @@ model. The attacks are those robust distributed training is measured against:
 
 `Attack.apply` is pure but for what `stale` keeps (per shape of update: a fragment's rounds
 keep their own).
+
+A stage server's or an expert host's lies replace each activation or gradient it answers with
+(each computed honestly first), well formed too; only a trainer's checks catch them
+(node/roles/audit.py):
+
+- `scaled`: scale x the honest tensor (default 1000).
+- `noise`: Gaussian noise at scale x the honest tensor's norm (default 1), a new draw each time.
+- `replay`: the honest answer to the previous call of that tensor's name and shape (the first
+  call: its own).
+- `zero`: zeros.
 """
 
 from __future__ import annotations
@@ -26,7 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ATTACKS
+from ..config import ANSWER_ATTACKS, REPLICA_ATTACKS
+from .role import RoleError
 
 DEFAULT_SCALE = {"sign-flip": 1000.0, "scaled": 1000.0, "constant": 1000.0, "noise": 1.0, "ipm": 0.1, "stale": 5.0}
 
@@ -40,8 +52,8 @@ class Attack:
     rounds: int = 0  # updates replaced so far (noise: each round its own draw)
 
     def __post_init__(self):
-        if self.kind not in ATTACKS:
-            raise ValueError(f"fault_attack must be one of {', '.join(ATTACKS)}, got {self.kind!r}")
+        if self.kind not in REPLICA_ATTACKS:
+            raise ValueError(f"a replica's fault_attack must be one of {', '.join(REPLICA_ATTACKS)}, got {self.kind!r}")
         if not (math.isfinite(self.scale) and self.scale >= 0):
             raise ValueError(f"fault_attack_scale must be a finite number >= 0, got {self.scale}")
         self.scale = self.scale or DEFAULT_SCALE[self.kind]
@@ -71,3 +83,59 @@ class Attack:
         while len(kept) > int(self.scale) + 1:
             kept.popleft()
         return [t.clone() for t in kept[0]]
+
+
+ANSWER_SCALE = {"scaled": 1000.0, "noise": 1.0, "replay": 0.0, "zero": 0.0}
+
+
+@dataclass
+class AnswerAttack:
+    kind: str
+    scale: float = 0.0  # 0: the kind's default (ANSWER_SCALE)
+    seed: int = 0
+    last: dict[tuple, torch.Tensor] = field(default_factory=dict)  # replay: the honest answer of the previous call, per name and shape
+    draws: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ANSWER_ATTACKS:
+            raise ValueError(f"a stage server's or expert host's fault_attack must be one of {', '.join(ANSWER_ATTACKS)}, got {self.kind!r}")
+        if not (math.isfinite(self.scale) and self.scale >= 0):
+            raise ValueError(f"fault_attack_scale must be a finite number >= 0, got {self.scale}")
+        self.scale = self.scale or ANSWER_SCALE[self.kind]
+
+    def apply(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """What this peer answers in place of its honest tensor `t` (named `name`)."""
+        if self.kind == "scaled":
+            return t * self.scale
+        if self.kind == "zero":
+            return torch.zeros_like(t)
+        if self.kind == "noise":
+            self.draws += 1
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.draws)
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+            return (noise * (self.scale * float(t.double().norm()) / (float(noise.double().norm()) or 1.0))).to(t.dtype)
+        key = (name, tuple(t.shape))
+        before = self.last.get(key, t)
+        self.last[key] = t.detach().clone()
+        return before
+
+
+def replica_attack(config) -> Attack | None:
+    """A replica's lie from the node settings (None: honest); RoleError for a kind replicas lack."""
+    if not config.fault_attack:
+        return None
+    try:
+        return Attack(config.fault_attack, config.fault_attack_scale, seed=max(config.shard_index, 0))
+    except ValueError as e:
+        raise RoleError(str(e)) from None
+
+
+def answer_attack(config) -> AnswerAttack | None:
+    """A stage server's or expert host's lie from the node settings (None: honest); RoleError for
+    a kind they lack."""
+    if not config.fault_attack:
+        return None
+    try:
+        return AnswerAttack(config.fault_attack, config.fault_attack_scale, seed=max(config.shard_index, 0))
+    except ValueError as e:
+        raise RoleError(str(e)) from None

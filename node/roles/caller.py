@@ -52,11 +52,13 @@ class SlotPeers:
     is in flight to it: its time stays current, and so does the rate the planner sees for it. A
     failed or timed-out peer is left alone for a backoff (1 s, doubling per failure in a row, at
     most `max_backoff_s`); a success clears it. The deadline of a call is `timeout_factor` times
-    the peer's smoothed call time, at least `min_timeout_s`."""
+    the peer's smoothed call time, at least `min_timeout_s`. A peer in `shunned(now)` (the
+    transport's bans: a peer caught lying, say) is never picked."""
 
-    def __init__(self, min_timeout_s: float = 2.0, first_timeout_s: float = 10.0, timeout_factor: float = 8.0, max_backoff_s: float = 30.0, reprobe_s: float = 5.0):
+    def __init__(self, min_timeout_s: float = 2.0, first_timeout_s: float = 10.0, timeout_factor: float = 8.0, max_backoff_s: float = 30.0, reprobe_s: float = 5.0,
+                 shunned: Callable[[float], set[str]] = lambda now: set()):  # fmt: skip
         self.min_timeout_s, self.first_timeout_s, self.timeout_factor, self.max_backoff_s = min_timeout_s, first_timeout_s, timeout_factor, max_backoff_s
-        self.reprobe_s = reprobe_s
+        self.reprobe_s, self.shunned = reprobe_s, shunned
         self.slots: dict[int, list[str]] = {}
         self.peers: dict[str, PeerStats] = {}
         self.announced: dict[str, float] = {}  # the load a peer announced in its record: breaks ties between peers never measured
@@ -69,7 +71,8 @@ class SlotPeers:
 
     def choose(self, slot: int, now: float, avoid: Iterable[str] = frozenset(), what: str = "stage") -> str:
         """The peer to call; NoSlotPeer if none serves the slot or all are banned."""
-        candidates = [p for p in self.slots.get(slot, ()) if self.peers[p].banned_until <= now]
+        shunned = self.shunned(now)
+        candidates = [p for p in self.slots.get(slot, ()) if self.peers[p].banned_until <= now and p not in shunned]
         if not candidates:
             raise NoSlotPeer(f"no peer serves {what} {slot}" if not self.slots.get(slot) else f"every peer of {what} {slot} failed lately")
         avoid = set(avoid)
@@ -90,7 +93,8 @@ class SlotPeers:
 
     def callable(self, slot: int, now: float) -> bool:
         """Whether some peer of the slot can be called now."""
-        return any(self.peers[p].banned_until <= now for p in self.slots.get(slot, ()))
+        shunned = self.shunned(now)
+        return any(self.peers[p].banned_until <= now and p not in shunned for p in self.slots.get(slot, ()))
 
     def timeout(self, peer: str) -> float:
         st = self.peers[peer]
@@ -138,7 +142,7 @@ class PeerCaller:
 
     def __init__(self, transport, peers: SlotPeers | None = None):
         self.transport = transport
-        self.peers = peers or SlotPeers()
+        self.peers = peers or SlotPeers(shunned=transport.scores.banned_now)
         self.bytes_sent = self.bytes_received = 0
         self.retries = 0  # calls that failed and went to another peer (call_any)
 

@@ -34,6 +34,7 @@ from ..models import mixtral
 from ..models.moe import ExpertLayout, MoEGPT, Routing, expert_name
 from ..runconfig import RunConfig
 from .activations import decode_checked, encode_floats
+from .audit import Auditor
 from .caller import CallFailed, PeerCaller, SlotPeers
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class ExpertClient:
         self.layout = layout or ExpertLayout.of_preset(*run.moe_preset())
         self.shards = run.expert_shards
         self.caller = PeerCaller(transport)
+        self.audit = Auditor(run.audit_fraction, transport.scores, "trainer")
         self.skipped = 0  # expert calls given up (failed, timed out, refused, garbage)
         self.calls = 0
         self.latencies: deque[float] = deque(maxlen=2000)  # seconds per layer (all its calls, forward or backward)
@@ -84,8 +86,9 @@ class ExpertClient:
             self.latencies.append(time.monotonic() - t0)
         return results
 
-    async def _call(self, peer: str, request: ExpertCall, want: dict[str, tuple[int, ...]], prefix: str) -> tuple[dict[str, torch.Tensor], float | None] | None:
-        """(the tensors `want` names, decoded and checked; the host's norm2), or None: failed."""
+    async def _call(self, peer: str, request: ExpertCall, want: dict[str, tuple[int, ...]], prefix: str) -> tuple[dict[str, torch.Tensor], float | None, int] | None:
+        """(the tensors `want` names, decoded and checked; the host's norm2; its weights' version),
+        or None: failed."""
         self.calls += 1
         try:
             # (a commit carries no work: its time says nothing of the host's calls)
@@ -97,7 +100,7 @@ class ExpertClient:
                 log.info("expert %s on %s failed (%s); its experts skipped, %s left alone for %.0f s", request.op, peer[-8:], e.reason, peer[-8:], ban)
             return None
 
-    def _checked(self, reply, op: str, want: dict[str, tuple[int, ...]], prefix: str) -> tuple[dict[str, torch.Tensor], float | None]:
+    def _checked(self, reply, op: str, want: dict[str, tuple[int, ...]], prefix: str) -> tuple[dict[str, torch.Tensor], float | None, int]:
         if not isinstance(reply, ExpertResult):
             raise RemoteProtocolError(f"answered an ExpertCall with {type(reply).__name__}")
         encoded = unpack_tensors(reply, self.max_numel)
@@ -109,7 +112,7 @@ class ExpertClient:
             if tuple(t.shape) != shape or t.dtype != torch.float32:
                 raise RemoteProtocolError(f"{prefix}:{name} is {t.dtype} {tuple(t.shape)}, expected float32 {shape}")
             outs[name] = t
-        return outs, reply.norm2
+        return outs, reply.norm2, reply.weights
 
     def forward(self, mb: str, layer: int, flat: torch.Tensor, routing: Routing) -> tuple[dict[int, torch.Tensor], dict[int, str]]:
         """Each shard's experts on their tokens, one call per shard: {expert: output} of the
@@ -124,17 +127,37 @@ class ExpertClient:
             named = {expert_name(layer, e): flat[routing.tokens[e]] for e in experts}
             request = ExpertCall(op="forward", micro_batch=f"{mb}/{layer}", **pack_tensors({f"x:{n}": encode_floats(self.codec, t) for n, t in named.items()}))
             want = {n: (t.size(0), t.size(1)) for n, t in named.items()}
-            calls.append((experts, peer, self._call(peer, request, want, "y")))
+            calls.append((experts, self._forward(s, layer, peer, request, want, torch.cat(list(named.values())))))
 
-        results = self._all(c for _, _, c in calls)
+        results = self._all(c for _, c in calls)
         outs, hosts = {}, {}
-        for (experts, peer, _), got in zip(calls, results):
+        for (experts, _), (peer, got) in zip(calls, results):
             if got is None:
                 continue
             for e in experts:
                 outs[e] = got[0][expert_name(layer, e)]
                 hosts[e] = peer
         return outs, hosts
+
+    async def _forward(self, shard: int, layer: int, peer: str, request: ExpertCall, want: dict[str, tuple[int, ...]], x: torch.Tensor):
+        """A shard's forward call, checked on another host of the shard with the audit's
+        fraction (audit.py): (the host whose answer stands, its answer or None: failed)."""
+        got = await self._call(peer, request, want, "y")
+        if got is None or not self.audit.due():
+            return peer, got
+        names, first = sorted(want), {peer: got}
+
+        async def ask(p: str):
+            try:
+                answer = await self.caller.call(p, request, lambda r: self._checked(r, "forward", want, "y"))
+            except CallFailed:
+                return None
+            first.setdefault(p, answer)
+            return [answer[0][n] for n in names], answer[2]
+
+        given = ([got[0][n] for n in names], got[2])
+        chosen, _ = await self.audit.check(f"layer {layer} experts", self.peers.slots.get(shard, []), peer, given, x, ask)
+        return chosen, first[chosen]
 
     def backward(self, mb: str, layer: int, grads: dict[int, torch.Tensor], hosts: dict[int, str]) -> dict[int, torch.Tensor]:
         """The gradients of the experts' inputs from the hosts that ran their forward (only the

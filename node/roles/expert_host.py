@@ -33,6 +33,7 @@ from ..models.stages import StageInputError
 from ..net.transport import RPCError
 from ..runconfig import RunConfig
 from .activations import activation_codec, decode_checked, encode_floats
+from .attacks import answer_attack
 from .expert_model import ExpertModel, expert_model, preset_model
 from .role import Role, RoleContext, RoleError
 from .serving import Pending
@@ -197,6 +198,7 @@ class ExpertHost(Role):
         self.calls = {"forward": 0, "backward": 0, "refused": 0, "tokens": 0, "commit": 0, "uncommitted": 0}
         self.slot: SlotServer | None = None
         self._stopping = False
+        self.attack = answer_attack(ctx.node_config)  # a Byzantine expert host (tests, drills, benches)
         if not run.is_hf:  # a preset's shard is known now (a run that does not fit it is refused here)
             self._hold(preset_model(run))
 
@@ -262,7 +264,11 @@ class ExpertHost(Role):
             self.calls["refused"] += 1
             raise RemoteProtocolError(f"{self.what} {req.op}: {e}") from None  # bad_request; the sender is scored down
         self.ctx.membership.progress.extra["load"] = len(self.queue) + 1  # announced with our record
+        version = self.slot.weights.version
         norm2, outs = await self.queue.submit(Pending(req.op, x, req.scale if req.op == "commit" else grad, (ctx.peer_id, req.micro_batch)))
+        version = version + 1 if version == self.slot.weights.version else 0  # (0: they changed meanwhile: which ones it used is not known)
         self.calls[req.op] += 1
         prefix = "y" if req.op == "forward" else "grad"
-        return ExpertResult(norm2=norm2, **pack_tensors({f"{prefix}:{n}": encode_floats(self.codec, t) for n, t in outs.items()}))
+        if self.attack is not None:  # a Byzantine host (tests, drills, benches)
+            outs = {n: self.attack.apply(f"{prefix}:{n}", t) for n, t in outs.items()}
+        return ExpertResult(norm2=norm2, weights=version, **pack_tensors({f"{prefix}:{n}": encode_floats(self.codec, t) for n, t in outs.items()}))

@@ -134,6 +134,7 @@ class ExpertTrainer(Role):
             "skipped_calls": self.client.skipped, "calls": self.client.calls, "skipped_experts": self.skipped_experts, "syncs": self.syncs,
             "layer_latency_p50_s": lat[len(lat) // 2] if lat else None, "layer_latency_p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
             "bytes_sent": self.client.caller.bytes_sent, "bytes_received": self.client.caller.bytes_received, "dense_from": self.dense_from,
+            "checks": self.client.audit.counts,
         }  # fmt: skip
 
     async def _one(self, name: str, x: torch.Tensor, y: torch.Tensor) -> float | None:

@@ -29,6 +29,7 @@ from protocol import RemoteProtocolError, RoleAssignment, StageCall, StageResult
 from ..net.transport import NETWORK_ERRORS
 from ..runconfig import RunConfig, RunConfigError
 from .activations import TOKENS, activation_codec, decode_checked, encode_floats
+from .audit import Auditor
 from .caller import NO_PEER_WAIT_S, REFUSALS_TO_GIVE_UP, CallFailed, GiveUp, NoSlotPeer, PeerCaller, short
 from .role import Role, RoleContext, RoleError
 from .run_model import RunModel, builtin_model, run_model
@@ -54,6 +55,7 @@ class PipelineTrainer(Role):
         if not run.is_hf:  # (a Hugging Face model's cut is known once its files are here: at start)
             self._cut(builtin_model(run))
         self.caller = PeerCaller(ctx.transport)
+        self.audit = Auditor(run.audit_fraction, ctx.transport.scores, "trainer")
         self.view = SwarmView(ctx.host, c.swarm_id, c.record_ttl_s)
         self.losses = LossLog(Path(c.data_dir), ctx.membership, run.batch_size, stats=self._stats, line=lambda: f"{self.caller.retries} retries, {self.losses.lost} lost",
                               activity=ctx.activity)  # fmt: skip
@@ -61,7 +63,7 @@ class PipelineTrainer(Role):
         self._telling: set[asyncio.Task] = set()
 
     def _stats(self) -> dict:
-        return {"retries": self.caller.retries, "bytes_sent": self.caller.bytes_sent, "bytes_received": self.caller.bytes_received}
+        return {"retries": self.caller.retries, "bytes_sent": self.caller.bytes_sent, "bytes_received": self.caller.bytes_received, "checks": self.audit.counts}
 
     def _cut(self, model: RunModel) -> None:
         try:
@@ -90,7 +92,7 @@ class PipelineTrainer(Role):
             log.info("trainer: %d stages, micro-batches of %d, %d in flight, activations %s, data shard %d/%d",
                      len(self.plan), run.batch_size, run.micro_batches_in_flight, self.codec.name, shard, nshards)  # fmt: skip
             self.losses.start()
-            send = self._through if run.stage_routing == "through" else self._relay
+            send = self._relay if run.stage_routing == "relay" else self._through_or_checked
             # synchronous_steps: the micro-batches of one stage step in flight at a time
             window = run.stage_step_samples // run.batch_size if run.synchronous_steps else 0
             on_window = self._tell_norms if run.stage_clip == "global" else None
@@ -127,6 +129,13 @@ class PipelineTrainer(Role):
         self.norms.heard(peers, first, reply.norm_steps, reply.norms2)
 
     # ---- stage_routing "through"
+
+    async def _through_or_checked(self, name: str, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """A micro-batch through the stages; the audit's fraction of them relayed instead, each
+        stage's call checked on a second peer (a lie told to the next stage is told to us too)."""
+        if self.audit.due():
+            return await self._relay(name, x, y, check=True)
+        return await self._through(name, x, y)
 
     async def _through(self, name: str, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """One micro-batch sent through every stage in one call to the first: its loss, or None
@@ -180,17 +189,18 @@ class PipelineTrainer(Role):
 
     # ---- stage_routing "relay"
 
-    async def _relay(self, name: str, x: torch.Tensor, y: torch.Tensor) -> float | None:
+    async def _relay(self, name: str, x: torch.Tensor, y: torch.Tensor, check: bool = False) -> float | None:
         """One micro-batch through every stage and back via this trainer; its loss, or None if it
-        was given up."""
+        was given up. Forward and train calls are checked on a second peer of their stage: each
+        with the audit's fraction, or all of them (`check`)."""
         last = len(self.plan) - 1
         try:
             inputs, forward_peers = [x], []
             for s in range(last):
-                (out,), _, peer = await self._call(s, "forward", name, {"x": inputs[-1]}, ("y",))
+                (out,), _, peer = await self._call(s, "forward", name, {"x": inputs[-1]}, ("y",), check)
                 inputs.append(out)
                 forward_peers.append(peer)
-            outs, loss, _ = await self._call(last, "train", name, {"x": inputs[-1], "targets": y}, ("grad",) if last else ())
+            outs, loss, _ = await self._call(last, "train", name, {"x": inputs[-1], "targets": y}, ("grad",) if last else (), check)
             grad = outs[0] if last else None
             for s in range(last - 1, -1, -1):
                 want = ("grad",) if s > 0 else ()
@@ -221,15 +231,39 @@ class PipelineTrainer(Role):
         self._heard([peer], stage, reply)
         return outs
 
-    async def _call(self, stage: int, op: str, name: str, tensors: dict[str, torch.Tensor], want: tuple[str, ...]):
-        """One stage call, retried on other peers of the stage until one answers well; (tensors
-        wanted, loss, the peer that answered)."""
+    async def _call(self, stage: int, op: str, name: str, tensors: dict[str, torch.Tensor], want: tuple[str, ...], check: bool = False):
+        """One stage call, retried on other peers of the stage until one answers well, and checked
+        on a second peer (`check`, or the audit's fraction of forward and train calls); (tensors
+        wanted, loss, the peer whose answer stands)."""
         encoded = {k: (TOKENS.encode(t) if not t.is_floating_point() else encode_floats(self.codec, t)) for k, t in tensors.items()}
         request = StageCall(stage=stage, op=op, micro_batch=name, norms2=self.norms.norms2(), **pack_tensors(encoded))
         bt = tensors["x"].shape[:2]
-        (outs, reply), peer = await self.caller.call_any(stage, request, lambda r: (self._outputs(r, want, bt, op), r), f"stage {stage} {op} of {name}")
+        parse = lambda r: (self._outputs(r, want, bt, op), r)  # noqa: E731
+        (outs, reply), peer = await self.caller.call_any(stage, request, parse, f"stage {stage} {op} of {name}")
+        if op != "backward" and (check or self.audit.due()):
+            peer, (outs, reply) = await self._check(stage, op, request, parse, peer, (outs, reply), tensors["x"])
         self._heard([peer], stage, reply)
         return outs, reply.loss, peer
+
+    async def _check(self, stage: int, op: str, request: StageCall, parse, peer: str, got, x: torch.Tensor):
+        """`peer`'s answer checked on another peer of the stage (audit.py): (the peer whose
+        answer stands, its (tensors, reply))."""
+        first = {peer: got}
+
+        def given(outs, reply) -> tuple[list[torch.Tensor], int]:
+            return ([*outs, torch.tensor([reply.loss])] if op == "train" else list(outs)), reply.weights
+
+        async def ask(p: str):
+            try:
+                outs, reply = await self.caller.call(p, request, parse)
+            except CallFailed:
+                return None
+            first.setdefault(p, (outs, reply))
+            return given(outs, reply)
+
+        peers = self.caller.peers.slots.get(stage, [])
+        chosen, _ = await self.audit.check(f"stage {stage} {op}", peers, peer, given(*got), x, ask)
+        return chosen, first[chosen]
 
     def _outputs(self, reply, want: tuple[str, ...], bt: torch.Size, op: str) -> list[torch.Tensor]:
         """The tensors of a stage's reply, checked: a peer that sends garbage is treated as failed."""

@@ -49,7 +49,7 @@ from ..net.transport import NETWORK_ERRORS, HandlerTaken, RemoteError
 from ..runconfig import RunConfig
 from ..state.checkpoint_client import fetch_manifest, upload_checkpoint
 from ..state.checkpoint_dir import CheckpointDirError
-from .attacks import Attack
+from .attacks import replica_attack
 from .budget import MedianWatch, keep_stepping
 from .pause import PauseWatch
 from .role import Role, RoleContext, RoleError
@@ -140,7 +140,7 @@ class Replica(Role):
         self.pauses = PauseWatch()
         self._inner_threads = self.threads
         self.slowdown = c.fault_slowdown
-        self.attack = Attack(c.fault_attack, c.fault_attack_scale, seed=max(c.shard_index, 0)) if c.fault_attack else None  # a Byzantine replica (tests, drills, benches)
+        self.attack = replica_attack(c)  # a Byzantine replica (tests, drills, benches)
         self._out_of_step = False  # the last round failed: we may have been left behind
         self._lone = False  # the last round found us the swarm's only replica (logged when that changes)
         self.streaming: Streaming | None = None  # the outer step in fragments (run.fragments > 1), made with the model

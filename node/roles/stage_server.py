@@ -34,6 +34,7 @@ from ..models.stages import Stage, StageInputError
 from ..net.transport import NETWORK_ERRORS, RPCError
 from ..runconfig import RunConfig, RunConfigError
 from .activations import TOKENS, activation_codec, encode_floats
+from .attacks import answer_attack
 from .caller import short
 from .role import Role, RoleContext, RoleError
 from .run_model import RunModel, builtin_model, model_meta, run_model
@@ -64,6 +65,7 @@ class StageServer(Role):
         self.bytes_sent = self.bytes_received = 0  # of through calls to the next stage
         self.slot: SlotServer | None = None
         self._stopping = False
+        self.attack = answer_attack(ctx.node_config)  # a Byzantine stage server (tests, drills, benches)
         if not run.is_hf:  # (a Hugging Face model's cut is known once its files are here: at start)
             self._cut(builtin_model(run))
 
@@ -163,11 +165,18 @@ class StageServer(Role):
         if req.op == "through":
             return await self._through(ctx.peer_id, req, x, extra)
         keep = req.micro_batch and (req.op == "forward" or (req.op == "backward" and x is None))
+        version = self.slot.weights.version
         loss, out = await self.queue.submit(Pending(req.op, x, extra, (ctx.peer_id, req.micro_batch) if keep else None))
+        version = version + 1 if version == self.slot.weights.version else 0  # (0: they changed meanwhile: which ones it used is not known)
         self.calls[req.op] += 1
         self.calls["kept"] += req.op == "backward" and x is None
-        tensors = {} if out is None else {"y" if req.op == "forward" else "grad": encode_floats(self.codec, out)}
-        return self._result(loss=loss, **pack_tensors(tensors))
+        name = "y" if req.op == "forward" else "grad"
+        tensors = {} if out is None else {name: encode_floats(self.codec, self._lie(name, out))}
+        return self._result(loss=loss, weights=version, **pack_tensors(tensors))
+
+    def _lie(self, name: str, t):
+        """What this stage answers with in place of `t`: `t`, unless it is a Byzantine one."""
+        return t if self.attack is None else self.attack.apply(name, t)
 
     async def _through(self, caller: str, req: StageCall, x, targets) -> StageResult:
         """A micro-batch on its way through this and the later stages (see StageCall): forward
@@ -176,7 +185,7 @@ class StageServer(Role):
         if self.cut.last:
             loss, gx = await self.queue.submit(Pending("train", x, targets))
             self.calls["through"] += 1
-            return self._result(loss=loss, times=(time.monotonic() - t0,), **pack_tensors({"grad": encode_floats(self.codec, gx)}))
+            return self._result(loss=loss, times=(time.monotonic() - t0,), **pack_tensors({"grad": encode_floats(self.codec, self._lie("grad", gx))}))
         nxt, later = req.route[0], self.index + 1
         if not await self._serves(nxt, later):  # (or its record has not reached us yet: not the caller's fault)
             self.calls["failed_after"] += 1
@@ -185,7 +194,7 @@ class StageServer(Role):
         _, y = await self.queue.submit(Pending("forward", x, None, key))
         own = time.monotonic() - t0
         call = StageCall(stage=later, op="through", micro_batch=req.micro_batch, route=req.route[1:], deadlines=req.deadlines[1:], norms2=req.norms2,
-                         **pack_tensors({"x": encode_floats(self.codec, y), "targets": TOKENS.encode(targets)}))  # fmt: skip
+                         **pack_tensors({"x": encode_floats(self.codec, self._lie("y", y)), "targets": TOKENS.encode(targets)}))  # fmt: skip
         try:
             reply = await self.ctx.transport.send(nxt, call, timeout=req.deadlines[0], reuse=True)
             grad = check_through_answer(reply, self.cut, tuple(y.shape))
@@ -203,7 +212,7 @@ class StageServer(Role):
             self._heard((self.schedule.due_norm[1], *reply.norms2))
         self.calls["through"] += 1
         self.calls["kept"] += 1
-        tensors = {} if gx is None or self.cut.first else {"grad": encode_floats(self.codec, gx)}
+        tensors = {} if gx is None or self.cut.first else {"grad": encode_floats(self.codec, self._lie("grad", gx))}
         return self._result(reply, loss=reply.loss, times=(own + time.monotonic() - t1, *reply.times), **pack_tensors(tensors))
 
     async def _serves(self, peer: str, stage: int) -> bool:
