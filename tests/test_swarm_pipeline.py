@@ -129,7 +129,9 @@ def check_stage_servers(swarm, coord, servers: dict, trainers: dict) -> None:
 
 
 def test_stage_servers_and_trainers_train_through_a_killed_and_a_frozen_stage_peer(swarm):
-    coord = swarm.coordinator("coordinator", None, None, *RUN)
+    # no checks of stage peers (they relay a fraction of micro-batches through the trainer): every
+    # activation goes stage to stage (check_stage_servers)
+    coord = swarm.coordinator("coordinator", None, None, *RUN, "--audit-fraction", "0")
     maddr = coord.wait_ready()["maddrs"][0]
     servers = {f"s{i}": swarm.node(f"s{i}", [maddr], *NODE) for i in range(6)}
     # stage servers first: the planner spreads them over the stages (by their measured speed)
