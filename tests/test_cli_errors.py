@@ -152,21 +152,40 @@ def _out_of_bounds() -> dict[str, Case]:
         "coordinator-private-unowned": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--private"), ("--private needs an owned swarm id", "init"), light=True),
         "coordinator-owned-by-another": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--swarm-id", OWNED), (f"owned by {peer_id_from_public_key(OWNER.public_key)}", "this identity"), light=True),
         "coordinator-zero-keep-checkpoints": Case(COORD, ("--keep-checkpoints", "0"), ("--keep-checkpoints", "keep_checkpoints", "≥ 1"), light=True),
-        # a Hugging Face model directory: read at start (transformers loads), refused before anything listens
+        # a Hugging Face model directory: read at start (transformers loads), refused before anything
+        # listens; the other mistakes in one are checked in this process (MODEL_MISTAKES)
         "coordinator-model-dir-missing": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/no/such-model"), ("model", "no/such-model")),
-        "coordinator-model-without-config": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/empty-model"), ("empty-model", "config.json")),
-        "coordinator-model-hub-id": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "someorg/somemodel"), ("someorg/somemodel", "download")),
+        # (found once the daemon reads the weights: a fatal error of the coordinator's start)
         "coordinator-model-weights-misfit": Case(COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/misfit-model"), ("model.safetensors", "config.json", "wte")),
-        "coordinator-model-tokenizer-past-its-vocabulary": Case(
-            COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--model", "{tmp}/small-vocab-model"), ("tokenizer", "embeds only 100 tokens"),
-        ),
-        "coordinator-model-cut-past-its-layers": Case(
-            COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline", "--num-stages", "3", "--model", "{tmp}/one-layer-model"), ("num_stages (3)", "1 blocks (decoder layers)"),
-        ),
-        "coordinator-model-family-not-cut": Case(
-            COORD, ("--data-dir", "{tmp}/data", *HTTP0, "--mode", "pipeline", "--num-stages", "2", "--model", "{tmp}/opt-model"), ("pipeline role", "gpt2, llama", "'opt'"),
-        ),
     }
+
+
+# More mistakes in a Hugging Face model directory, found by the coordinator's checks before its
+# daemon starts: through its `main` in this process, the same path as the script's past its imports
+# (transformers loads once here, not once a case)
+MODEL_MISTAKES = {
+    "without-config": (("--model", "{tmp}/empty-model"), ("empty-model", "config.json")),
+    "hub-id": (("--model", "someorg/somemodel"), ("someorg/somemodel", "download")),
+    "tokenizer-past-its-vocabulary": (("--model", "{tmp}/small-vocab-model"), ("tokenizer", "embeds only 100 tokens")),
+    "cut-past-its-layers": (("--mode", "pipeline", "--num-stages", "3", "--model", "{tmp}/one-layer-model"), ("num_stages (3)", "1 blocks (decoder layers)")),
+    "family-not-cut": (("--mode", "pipeline", "--num-stages", "2", "--model", "{tmp}/opt-model"), ("pipeline role", "gpt2, llama", "'opt'")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_MISTAKES))
+def test_a_mistake_in_a_model_directory_is_one_line_naming_it(name, tmp_path, capsys, monkeypatch):
+    from coordinator.cli import main
+
+    for k in [k for k in os.environ if k.startswith("SWARMTRAIN_")]:
+        monkeypatch.delenv(k)
+    _prepare(tmp_path / "case")
+    args, expect = MODEL_MISTAKES[name]
+    code = main(["--data-dir", str(tmp_path / "case" / "data"), *HTTP0, *(a.replace("{tmp}", str(tmp_path / "case")) for a in args)])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, (code, out, err)
+    for text in expect:
+        assert text in lines[0], (text, lines[0])
 
 
 # What a new user met in their first hour, accepted without a word: each is now one line, exit 2
