@@ -3,6 +3,7 @@ fault_attack), against the same swarm with nobody lying, and against the liars w
 mean (the defence's worth). Real coordinator and replica daemons on loopback (tests/swarm.py).
 
     python -m bench.byzantine --json --attack sign-flip --attackers 1 --replicas 4 --seed 0
+    python -m bench.byzantine --json --role stage --attack noise     (bench/byzantine_slots.py)
 
 Arms, each its own swarm, the same outer steps (so the honest replicas train equal samples):
     clean     M honest replicas, the robust aggregator (--aggregator, default centered_clip)
@@ -10,23 +11,29 @@ Arms, each its own swarm, the same outer steps (so the honest replicas train equ
     mean      M - N honest, N liars, the plain mean
 Each arm reports the honest replicas' validation loss at the last outer step, who banned whom
 (from the honest replicas' logs), and the bans' precision and recall against the liars: a liar
-counts as caught when a majority of the honest replicas banned it.
+counts as caught when a majority of the honest replicas banned it. An arm whose honest loss
+goes past DERAILED times where it started, or stops being a number, is stopped there and
+reported derailed (the plain mean's arm, mostly: its rounds then take the join timeout each).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from node.config import REPLICA_ATTACKS
+from node.config import ANSWER_ATTACKS, REPLICA_ATTACKS
 from tests.swarm import Swarm, node_peer_id, wait_for
 
+from .byzantine_slots import SLOT_ARMS, run_slot_arm, slot_result
+
 ARMS = ("clean", "attacked", "mean")
+DERAILED = 10.0  # an honest validation loss this many times its first one
 
 
 def _history(work: Path, name: str) -> list[dict]:
@@ -39,6 +46,17 @@ def _history(work: Path, name: str) -> list[dict]:
 def _step(work: Path, name: str) -> int:
     h = _history(work, name)
     return h[-1]["outer_step"] if h else -1
+
+
+def _derailed(work: Path, names: list[str]) -> dict | None:
+    """The first honest replica whose validation loss went past DERAILED times its first one,
+    or is not a number: where and how far (None: none did)."""
+    for n in names:
+        losses = [(e["outer_step"], e["val_loss"]) for e in _history(work, n) if "val_loss" in e]
+        for step, loss in losses[1:]:
+            if not (loss is not None and math.isfinite(loss) and loss < DERAILED * losses[0][1]):
+                return {"derailed_at_step": step, "derailed_val_loss": loss if loss is None or math.isfinite(loss) else str(loss)}
+    return None
 
 
 def ban_scores(bans: dict[str, set[str]], liars: set[str], honest: set[str]) -> dict:
@@ -73,7 +91,10 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path) -> dict:
         procs = {n: sw.node(n, [maddr], *node, "--shard-index", str(i), *(attack if i >= args.replicas - liars else [])) for i, n in enumerate(names)}
         ids = {n: node_peer_id(p) for n, p in procs.items()}
         honest = names[: args.replicas - liars]
-        wait_for(lambda: min(_step(work, n) for n in honest) >= args.outer_steps, args.timeout, f"{args.outer_steps} outer steps of the honest replicas ({arm})")
+        wait_for(lambda: min(_step(work, n) for n in honest) >= args.outer_steps or _derailed(work, honest), args.timeout,
+                 f"{args.outer_steps} outer steps of the honest replicas ({arm})")  # fmt: skip
+        if derailed := _derailed(work, honest):
+            return {"arm": arm, "aggregator": aggregator, "liars": liars, "status": "derailed", "seconds": round(time.monotonic() - t0, 1), **derailed}
         bans = {n: set(re.findall(r"banned (\S+) for \d+ s", procs[n].log())) for n in honest}
         last = {n: next(e for e in reversed(_history(work, n)) if "val_loss" in e) for n in honest}
         row = {
@@ -94,7 +115,10 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.byzantine", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true")
-    p.add_argument("--attack", choices=REPLICA_ATTACKS, default="sign-flip")
+    p.add_argument("--role", choices=("replica", "stage", "expert"), default="replica", help="whose lies: replicas', or one stage server's or expert host's of two")
+    p.add_argument("--attack", choices=sorted(set(REPLICA_ATTACKS) | set(ANSWER_ATTACKS)), default=None, help=f"replicas: {', '.join(REPLICA_ATTACKS)} (default sign-flip); stage, expert: {', '.join(ANSWER_ATTACKS)} (default noise)")
+    p.add_argument("--audit-fraction", type=float, default=0.05, help="stage, expert: the trainer's checked fraction of calls")
+    p.add_argument("--micro-batches", type=int, default=400, help="stage, expert: each arm's trainer's micro-batches")
     p.add_argument("--attackers", type=int, default=1)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -102,12 +126,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--aggregator", choices=("centered_clip", "trimmed_mean"), default="centered_clip")
     p.add_argument("--outer-steps", type=int, default=12)
     p.add_argument("--inner-steps", type=int, default=10)
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--arms", help=f"comma-separated, of {', '.join(ARMS)} (replicas) or {', '.join(SLOT_ARMS)} (stage, expert); default: all")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds an arm may take")
+    p.set_defaults(arms=None)
     args = p.parse_args(argv)
-    arms = args.arms.split(",")
-    if bad := [a for a in arms if a not in ARMS]:
-        p.error(f"--arms: unknown {', '.join(bad)}; known: {', '.join(ARMS)}")
+    known = ARMS if args.role == "replica" else SLOT_ARMS
+    kinds = REPLICA_ATTACKS if args.role == "replica" else ANSWER_ATTACKS
+    args.attack = args.attack or kinds[0 if args.role == "replica" else 1]
+    if args.attack not in kinds:
+        p.error(f"--attack {args.attack}: a {args.role}'s attacks are {', '.join(kinds)}")
+    arms = (args.arms or ",".join(known)).split(",")
+    if bad := [a for a in arms if a not in known]:
+        p.error(f"--arms: unknown {', '.join(bad)}; known: {', '.join(known)}")
     if not 0 <= args.attackers < args.replicas or args.replicas - args.attackers < 2:
         p.error("--attackers must leave at least two honest replicas of --replicas")
     if args.outer_steps < 1 or args.inner_steps < 1:
@@ -119,6 +149,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="stb-byzantine-"))
+    if args.role != "replica":
+        rows = [run_slot_arm(a, args, work / a) for a in args.arms]
+        result = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "arms": rows, **slot_result(rows)}
+        print(json.dumps(result, indent=1) if args.json else result)
+        return 0 if all("loss" in r for r in rows) else 1
     rows = [run_arm(a, args, work / a) for a in args.arms]
     by = {r["arm"]: r for r in rows if "val_loss" in r}
     ratios = {f"{a}_loss_over_clean": round(by[a]["val_loss"] / by["clean"]["val_loss"], 4) for a in ("attacked", "mean") if a in by and "clean" in by}

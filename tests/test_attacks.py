@@ -2,6 +2,7 @@
 the aggregators make of them (two liars of eight derail the plain mean, not CenteredClip); and
 the evidence a slice's owner draws from them, with the reason a ban will carry."""
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 from node.averaging.aggregators import FAR, centered_clip, far_parts, mean, trimmed_mean
 from node.averaging.decisions import accusations
 from node.config import ConfigError, NodeConfig, load_config
-from bench.byzantine import ban_scores
+from bench.byzantine import _derailed, ban_scores
+from bench.byzantine_slots import ban_times, first_micro_batches, slot_result
 from node.config import REPLICA_ATTACKS
 from node.roles.attacks import DEFAULT_SCALE, Attack
 
@@ -106,3 +108,26 @@ def test_the_byzantine_bench_scores_bans_by_the_honest_majority():
     assert ban_scores({"h1": set(), "h2": set()}, liars, honest) == {"caught": [], "precision": 0.0, "recall": 0.0, "honest_banned": []}
     assert ban_scores({"h1": set(), "h2": set()}, set(), honest)["precision"] == 1.0  # a clean run: nothing to catch, nobody caught
     assert ban_scores({"h1": {"h2"}, "h2": {"h1"}, "h3": {"h1"}}, set(), honest)["caught"] == ["h1"]  # a majority's wrong ban is caught, and wrong
+
+
+def test_the_slot_bench_reads_bans_and_times_from_the_trainers_log_and_compares_arms():
+    log = ("10:00:01 INFO node.roles.stats: trainer | 8 micro-batches | loss 5.4 | 16.9 samples/s\n"
+           "10:00:05 WARN node.net.rpc: banned 12D3KooWliar for 60 s (ban 1): 1 offence in 600 s, the last: a wrong answer\n"
+           "10:01:09 WARN node.net.rpc: banned 12D3KooWliar for 120 s (ban 2): 1 offence in 600 s, the last: a wrong answer\n")  # fmt: skip
+    assert ban_times(log) == {"12D3KooWliar": 36005} and first_micro_batches(log) == 36001
+    rows = [{"arm": "clean", "loss": 2.0, "caught": [], "honest_banned": []}, {"arm": "attacked", "loss": 2.02, "caught": ["s0"], "honest_banned": [], "seconds_to_ban": 4},
+            {"arm": "unchecked", "loss": 3.0, "caught": [], "honest_banned": []}]  # fmt: skip
+    out = slot_result(rows)
+    assert out["ratios"] == {"attacked_loss_over_clean": 1.01, "unchecked_loss_over_clean": 1.5}
+    assert (out["precision"], out["recall"], out["seconds_to_ban"], out["honest_banned"]) == (1.0, 1.0, 4, [])
+    rows[1].update(caught=[], honest_banned=["s2"])  # an honest peer banned, the liar not
+    assert (slot_result(rows)["precision"], slot_result(rows)["recall"]) == (0.0, 0.0)
+
+
+def test_the_byzantine_bench_stops_an_arm_whose_loss_derailed(tmp_path):
+    for name, losses in {"a": [5.5, 4.0, 3.5], "b": [5.5, 80.0, float("nan")]}.items():
+        (tmp_path / name).mkdir()
+        history = [{"outer_step": k, "val_loss": v} for k, v in enumerate(losses)]
+        (tmp_path / name / "replica-stats.json").write_text(json.dumps({"history": history}))
+    assert _derailed(tmp_path, ["a"]) is None
+    assert _derailed(tmp_path, ["a", "b"]) == {"derailed_at_step": 1, "derailed_val_loss": 80.0}
