@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -148,6 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # ctrl-c or SIGTERM, even started in the background:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # the arm's swarm is stopped, nothing left behind
     work = Path(tempfile.mkdtemp(prefix="stb-byzantine-"))
     if args.role != "replica":
         rows = [run_slot_arm(a, args, work / a) for a in args.arms]

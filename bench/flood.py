@@ -210,6 +210,8 @@ def main(argv=None) -> int:
     if args.command == "attack":
         print(json.dumps(asyncio.run(attack(args.target, args.maddr, args.kind, args.seconds, args.concurrency))), flush=True)
         return 0
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # ctrl-c or SIGTERM, even started in the background:
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # the swarm is stopped, nothing left behind
     with tempfile.TemporaryDirectory(prefix="swarmtrain-flood-") as tmp:
         result = run_bench(args, Path(tmp))
     print(json.dumps(result, indent=None if args.json else 2))

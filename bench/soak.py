@@ -139,7 +139,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.replicas < 2 or args.minutes <= 0 or args.fault_every_s <= args.outage_s:
         p.error("--replicas at least 2, --minutes above 0, --fault-every-s above --outage-s")
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # (ctrl-c ends it, even started in the background)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # ctrl-c ends it, even started in the background,
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # and so does a SIGTERM: the swarm is stopped either way
     with tempfile.TemporaryDirectory(prefix="swarmtrain-soak-") as tmp:
         result = run(args, Path(tmp))
     print(json.dumps(result, indent=1) if args.json else result)
