@@ -146,3 +146,18 @@ def test_due_follows_the_fraction():
     auditor = Auditor(0.25, PeerScores(TransportConfig()), "trainer", random.Random(1))
     assert 200 < sum(auditor.due() for _ in range(1000)) < 300
     assert not any(Auditor(0.0, None, "t").due() for _ in range(100))
+
+
+def test_a_first_stages_answers_are_sized_by_themselves():
+    """Its input is token ids: an answer's size is its root mean square, and a scaled liar's is
+    still far from the honest ones'."""
+    tokens = torch.randint(0, 256, (2, 8))
+    y = torch.randn(2, 8, 16)
+    assert log_size([y], tokens) == pytest.approx(float(y.double().pow(2).mean().sqrt().log()), rel=1e-9, abs=1e-12)
+    book = SizeBook()
+    for seed in range(4):
+        book.note("stage 0 forward", log_size([torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(seed))], tokens))
+    lie = AnswerAttack("scaled").apply("y", y)
+    answers = {"h": [([y], 1), ([y], 1)], "l": [([lie], 2), ([lie], 2)]}
+    verdict = judge(answers, {p: log_size(a[0][0], tokens) for p, a in answers.items()}, book.median("stage 0 forward"))
+    assert set(verdict.liars) == {"l"}

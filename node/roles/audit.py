@@ -87,14 +87,16 @@ def norm(answer: Answer) -> float:
 
 
 def log_size(answer: Answer, inputs: torch.Tensor | None) -> float | None:
-    """The answer's first tensor's size against its input's, as a logarithm; None without a
-    float input (token ids)."""
-    if inputs is None or not inputs.is_floating_point():
+    """The answer's first tensor's size, as a logarithm: against its input's where that is a
+    float tensor, else its root mean square (a first stage's input is token ids). None for an
+    empty answer."""
+    a = answer[0]
+    if a.numel() == 0:
         return None
-    a, x = norm(answer), float(inputs.double().norm())
-    if x == 0.0:
-        return None
-    return math.log(max(a, 1e-30) / x)
+    size = float(a.double().norm())
+    if inputs is not None and inputs.is_floating_point() and (x := float(inputs.double().norm())) > 0.0:
+        return math.log(max(size, 1e-30) / x)
+    return math.log(max(size / math.sqrt(a.numel()), 1e-30))
 
 
 class SizeBook:
