@@ -1,6 +1,7 @@
 """Fuzzing: every entry where a peer's bytes meet our code, fed generated inputs; a crash is any
 exception but the entry's own refusal (RemoteProtocolError, StageInputError), a hang any input
-that takes longer than `--hang-s`. Inputs are valid messages mutated (bits flipped, bytes
+that takes longer than `--hang-s` (the slowest input of each entry is printed, to time it again
+alone). Inputs are valid messages mutated (bits flipped, bytes
 inserted, deleted, spliced, truncated) and plain random bytes, seeded.
 
     python -m bench.fuzz --json --inputs 1000000 --seed 0
@@ -129,6 +130,7 @@ def fuzz(name: str, inputs: int, seed: int, hang_s: float) -> dict:
     crashes: dict[str, int] = {}
     examples: dict[str, str] = {}
     counts = {"inputs": inputs, "refused": 0, "accepted": 0, "crashes": 0, "hangs": 0, "slowest_s": 0.0}
+    slowest = b""
     t0 = time.monotonic()
     for _ in range(inputs):
         data = mutate(rng, rng.choice(valid))
@@ -144,9 +146,11 @@ def fuzz(name: str, inputs: int, seed: int, hang_s: float) -> dict:
             examples.setdefault(kind, data[:256].hex())
             counts["crashes"] += 1
         took = time.monotonic() - t
-        counts["slowest_s"] = max(counts["slowest_s"], round(took, 4))
+        if took > counts["slowest_s"]:
+            counts["slowest_s"], slowest = round(took, 4), data
         counts["hangs"] += took > hang_s
-    return {"entry": name, **counts, "seconds": round(time.monotonic() - t0, 1), "crash_kinds": crashes, "crash_examples": examples}
+    return {"entry": name, **counts, "seconds": round(time.monotonic() - t0, 1), "crash_kinds": crashes, "crash_examples": examples,
+            "slowest_input": slowest.hex()}  # fmt: skip
 
 
 def main(argv=None) -> int:
