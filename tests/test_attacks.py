@@ -13,8 +13,8 @@ from node.averaging.decisions import accusations
 from node.config import ConfigError, NodeConfig, load_config
 from bench.byzantine import _derailed, ban_scores
 from bench.byzantine_slots import ban_times, first_micro_batches, slot_result
-from node.config import REPLICA_ATTACKS
-from node.roles.attacks import DEFAULT_SCALE, Attack
+from node.config import ANSWER_ATTACKS, REPLICA_ATTACKS
+from node.roles.attacks import ANSWER_SCALE, DEFAULT_SCALE, Attack
 
 
 def norm(ts: list[torch.Tensor]) -> float:
@@ -131,3 +131,7 @@ def test_the_byzantine_bench_stops_an_arm_whose_loss_derailed(tmp_path):
         (tmp_path / name / "replica-stats.json").write_text(json.dumps({"history": history}))
     assert _derailed(tmp_path, ["a"]) is None
     assert _derailed(tmp_path, ["a", "b"]) == {"derailed_at_step": 1, "derailed_val_loss": 80.0}
+
+
+def test_every_kind_a_node_setting_names_has_its_default_strength():
+    assert tuple(DEFAULT_SCALE) == REPLICA_ATTACKS and tuple(ANSWER_SCALE) == ANSWER_ATTACKS

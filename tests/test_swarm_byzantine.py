@@ -99,48 +99,53 @@ def check_caught(swarm, coord, trainer, liar: str, peers: dict[str, str], http: 
     assert progress("later") == after, (served(name), after)
 
 
-def test_a_stage_server_answering_noise_is_caught_by_the_trainers_checks_and_routed_around(swarm):
-    from tests.test_swarm_pipeline import NODE, TWO_STAGES, micro_batches, placed, stats
+def liar_and_trainer(swarm, run: list[str], slots) -> tuple:
+    """A coordinator of `run` whose trainers check a quarter of their calls, four servers (s0
+    answering noise) on two slots (`slots(coord)`: slot -> peer ids), and a trainer serving
+    /status: (coordinator, trainer, peer ids of the servers, the trainer's http port)."""
+    from tests.test_swarm_pipeline import NODE
 
-    coord = swarm.coordinator("coordinator", None, None, *TWO_STAGES, "--audit-fraction", "0.25")
+    coord = swarm.coordinator("coordinator", None, None, *run, "--audit-fraction", "0.25")
     maddr = coord.wait_ready()["maddrs"][0]
     servers = {f"s{i}": swarm.node(f"s{i}", [maddr], *NODE, *(["--fault-attack", "noise"] if i == 0 else [])) for i in range(4)}
     # (the planner spreads them by measured throughput, once the trainer's calls measure it: the
-    # liar shares its stage with an honest peer by then, if not from the start)
-    wait_for(lambda: len(placed(coord)) == 2 and sum(map(len, placed(coord).values())) == 4, 120, "four stage peers on two stages")
+    # liar shares its slot with an honest peer by then, if not from the start)
+    wait_for(lambda: len(slots(coord)) == 2 and sum(map(len, slots(coord).values())) == 4, 120, "four servers on two slots")
     http = free_port()
     trainer = swarm.node("t", [maddr], *NODE, "--wanted-role", "trainer", "--http", f"127.0.0.1:{http}")
-    ids = {n: node_peer_id(p) for n, p in servers.items()}
+    return coord, trainer, {n: node_peer_id(p) for n, p in servers.items()}, http
+
+
+def trains_on(swarm, more: int) -> None:
+    """The trainer caught one liar, trains `more` micro-batches on, and its loss fell."""
+    from tests.test_swarm_pipeline import micro_batches, stats
+
+    checks = wait_for(lambda: stats(swarm, "t", "trainer").get("checks", {}).get("caught") and stats(swarm, "t", "trainer")["checks"], 30, "the trainer's stats")
+    assert checks["caught"] == 1, checks
+    start = micro_batches(swarm, "t")
+    wait_for(lambda: micro_batches(swarm, "t") >= start + more, 180, f"{more} more micro-batches")
+    st = stats(swarm, "t", "trainer")
+    assert st["history"][-1]["loss"] < st["first_loss"] - 0.3, [(e["micro_batches"], round(e["loss"], 3)) for e in st["history"]]
+
+
+def test_a_stage_server_answering_noise_is_caught_by_the_trainers_checks_and_routed_around(swarm):
+    from tests.test_swarm_pipeline import TWO_STAGES, placed, stats
+
+    coord, trainer, ids, http = liar_and_trainer(swarm, TWO_STAGES, placed)
 
     def served(n: str) -> int:
         calls = stats(swarm, n, "stage").get("calls", {})
         return sum(calls.get(k, 0) for k in ("forward", "train", "through"))
 
     check_caught(swarm, coord, trainer, ids["s0"], ids, http, served, lambda n: swarm.tmp / n / "stage-stats.json")
-    checks = wait_for(lambda: stats(swarm, "t", "trainer").get("checks", {}).get("caught") and stats(swarm, "t", "trainer")["checks"], 30, "the trainer's stats")
-    assert checks["caught"] == 1, checks
-    start = micro_batches(swarm, "t")
-    wait_for(lambda: micro_batches(swarm, "t") >= start + 32, 180, "32 more micro-batches")
-    h = stats(swarm, "t", "trainer")["history"]
-    assert h[-1]["loss"] < stats(swarm, "t", "trainer")["first_loss"] - 0.3, [(e["micro_batches"], round(e["loss"], 3)) for e in h]
+    trains_on(swarm, 32)
 
 
 def test_an_expert_host_answering_noise_is_caught_by_the_trainers_checks_and_routed_around(swarm):
     from tests.test_swarm_experts import RUN as EXPERTS, hosts_of
-    from tests.test_swarm_pipeline import NODE, micro_batches, stats
+    from tests.test_swarm_pipeline import stats
 
-    coord = swarm.coordinator("coordinator", None, None, *EXPERTS, "--audit-fraction", "0.25")
-    maddr = coord.wait_ready()["maddrs"][0]
-    hosts = {f"h{i}": swarm.node(f"h{i}", [maddr], *NODE, *(["--fault-attack", "noise"] if i == 0 else [])) for i in range(4)}
-    wait_for(lambda: len(hosts_of(coord)) == 2 and sum(map(len, hosts_of(coord).values())) == 4, 120, "four hosts on two shards")
-    http = free_port()
-    trainer = swarm.node("t", [maddr], *NODE, "--wanted-role", "trainer", "--http", f"127.0.0.1:{http}")
-    ids = {n: node_peer_id(p) for n, p in hosts.items()}
+    coord, trainer, ids, http = liar_and_trainer(swarm, EXPERTS, hosts_of)
     served = lambda n: stats(swarm, n, "expert").get("calls", {}).get("forward", 0)  # noqa: E731
-    check_caught(swarm, coord, trainer, ids["h0"], ids, http, served, lambda n: swarm.tmp / n / "expert-stats.json")
-    checks = wait_for(lambda: stats(swarm, "t", "trainer").get("checks", {}).get("caught") and stats(swarm, "t", "trainer")["checks"], 30, "the trainer's stats")
-    assert checks["caught"] == 1, checks
-    start = micro_batches(swarm, "t")
-    wait_for(lambda: micro_batches(swarm, "t") >= start + 24, 180, "24 more micro-batches")
-    h = stats(swarm, "t", "trainer")["history"]
-    assert h[-1]["loss"] < h[0]["loss"] - 0.3, [(e["micro_batches"], round(e["loss"], 3)) for e in h]
+    check_caught(swarm, coord, trainer, ids["s0"], ids, http, served, lambda n: swarm.tmp / n / "expert-stats.json")
+    trains_on(swarm, 24)

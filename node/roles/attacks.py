@@ -37,10 +37,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ANSWER_ATTACKS, REPLICA_ATTACKS
 from .role import RoleError
 
 DEFAULT_SCALE = {"sign-flip": 1000.0, "scaled": 1000.0, "constant": 1000.0, "noise": 1.0, "ipm": 0.1, "stale": 5.0}
+
+
+def _checked(kind: str, scale: float, defaults: dict[str, float], whose: str) -> float:
+    """The attack's scale (its kind's default for 0); ValueError naming a kind or scale it lacks."""
+    if kind not in defaults:
+        raise ValueError(f"{whose} fault_attack must be one of {', '.join(defaults)}, got {kind!r}")
+    if not (math.isfinite(scale) and scale >= 0):
+        raise ValueError(f"fault_attack_scale must be a finite number >= 0, got {scale}")
+    return scale or defaults[kind]
 
 
 @dataclass
@@ -52,11 +60,7 @@ class Attack:
     rounds: int = 0  # updates replaced so far (noise: each round its own draw)
 
     def __post_init__(self):
-        if self.kind not in REPLICA_ATTACKS:
-            raise ValueError(f"a replica's fault_attack must be one of {', '.join(REPLICA_ATTACKS)}, got {self.kind!r}")
-        if not (math.isfinite(self.scale) and self.scale >= 0):
-            raise ValueError(f"fault_attack_scale must be a finite number >= 0, got {self.scale}")
-        self.scale = self.scale or DEFAULT_SCALE[self.kind]
+        self.scale = _checked(self.kind, self.scale, DEFAULT_SCALE, "a replica's")
 
     def apply(self, update: list[torch.Tensor]) -> list[torch.Tensor]:
         """What this attacker sends in place of its honest `update` (new tensors)."""
@@ -97,11 +101,7 @@ class AnswerAttack:
     draws: int = 0
 
     def __post_init__(self):
-        if self.kind not in ANSWER_ATTACKS:
-            raise ValueError(f"a stage server's or expert host's fault_attack must be one of {', '.join(ANSWER_ATTACKS)}, got {self.kind!r}")
-        if not (math.isfinite(self.scale) and self.scale >= 0):
-            raise ValueError(f"fault_attack_scale must be a finite number >= 0, got {self.scale}")
-        self.scale = self.scale or ANSWER_SCALE[self.kind]
+        self.scale = _checked(self.kind, self.scale, ANSWER_SCALE, "a stage server's or expert host's")
 
     def apply(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """What this peer answers in place of its honest tensor `t` (named `name`)."""
@@ -122,20 +122,19 @@ class AnswerAttack:
 
 def replica_attack(config) -> Attack | None:
     """A replica's lie from the node settings (None: honest); RoleError for a kind replicas lack."""
-    if not config.fault_attack:
-        return None
-    try:
-        return Attack(config.fault_attack, config.fault_attack_scale, seed=max(config.shard_index, 0))
-    except ValueError as e:
-        raise RoleError(str(e)) from None
+    return _from_settings(Attack, config)
 
 
 def answer_attack(config) -> AnswerAttack | None:
     """A stage server's or expert host's lie from the node settings (None: honest); RoleError for
     a kind they lack."""
+    return _from_settings(AnswerAttack, config)
+
+
+def _from_settings(cls, config):
     if not config.fault_attack:
         return None
     try:
-        return AnswerAttack(config.fault_attack, config.fault_attack_scale, seed=max(config.shard_index, 0))
+        return cls(config.fault_attack, config.fault_attack_scale, seed=max(config.shard_index, 0))
     except ValueError as e:
         raise RoleError(str(e)) from None
