@@ -56,34 +56,32 @@ BOOK_MIN = 4  # honest sizes of a kind needed before sizes judge anything
 ASKS = 3  # answers to one call asked of a peer in a dispute, at most
 
 
-def distance(a: Answer, b: Answer) -> float:
-    """How far apart two answers are: of their tensors, the largest norm of the difference over
-    the larger norm (0: equal; 1: one is zero; about 1.4: unrelated tensors of one size). Tensor
-    by tensor: a loss beside an activation's gradient would hide the gradient."""
-    worst = 0.0
+def compare(a: Answer, b: Answer) -> tuple[float, float]:
+    """How far apart two answers are, tensor by tensor (a loss beside an activation's gradient
+    would hide the gradient), the worst of their tensors: (the norm of the difference over the
+    larger norm: 0 equal, 1 one is zero, about 1.4 unrelated tensors of one size; the ratio of
+    the larger norm to the smaller: 1 one size)."""
+    worst, ratio = 0.0, 1.0
     for x, y in zip(a, b, strict=True):
-        larger = max(float(x.double().norm()), float(y.double().norm()))
-        if larger > 0.0:
-            worst = max(worst, float((x.double() - y.double()).norm()) / larger)
-    return worst
+        nx, ny = float(x.double().norm()), float(y.double().norm())
+        if max(nx, ny) > 0.0:
+            worst = max(worst, float((x.double() - y.double()).norm()) / max(nx, ny))
+        if nx != ny:
+            ratio = max(ratio, math.inf if min(nx, ny) == 0.0 else max(nx, ny) / min(nx, ny))
+    return worst, ratio
+
+
+def distance(a: Answer, b: Answer) -> float:
+    return compare(a, b)[0]
 
 
 def size_ratio(a: Answer, b: Answer) -> float:
-    """Of their tensors, the largest ratio of one answer's norm to the other's (1: one size)."""
-    worst = 1.0
-    for x, y in zip(a, b, strict=True):
-        nx, ny = float(x.double().norm()), float(y.double().norm())
-        if nx != ny:
-            worst = max(worst, math.inf if min(nx, ny) == 0.0 else max(nx, ny) / min(nx, ny))
-    return worst
+    return compare(a, b)[1]
 
 
 def agree(a: Answer, b: Answer, tolerance: float = TOLERANCE) -> bool:
-    return distance(a, b) <= tolerance and size_ratio(a, b) <= SIZE_FACTOR
-
-
-def norm(answer: Answer) -> float:
-    return float(answer[0].double().norm())
+    d, ratio = compare(a, b)
+    return d <= tolerance and ratio <= SIZE_FACTOR
 
 
 def log_size(answer: Answer, inputs: torch.Tensor | None) -> float | None:

@@ -266,7 +266,7 @@ class ExpertHost(Role):
         self.ctx.membership.progress.extra["load"] = len(self.queue) + 1  # announced with our record
         version = self.slot.weights.version
         norm2, outs = await self.queue.submit(Pending(req.op, x, req.scale if req.op == "commit" else grad, (ctx.peer_id, req.micro_batch)))
-        version = version + 1 if version == self.slot.weights.version else 0  # (0: they changed meanwhile: which ones it used is not known)
+        version = self.slot.weights.answered_from(version)
         self.calls[req.op] += 1
         prefix = "y" if req.op == "forward" else "grad"
         if self.attack is not None:  # a Byzantine host (tests, drills, benches)

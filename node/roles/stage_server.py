@@ -167,7 +167,7 @@ class StageServer(Role):
         keep = req.micro_batch and (req.op == "forward" or (req.op == "backward" and x is None))
         version = self.slot.weights.version
         loss, out = await self.queue.submit(Pending(req.op, x, extra, (ctx.peer_id, req.micro_batch) if keep else None))
-        version = version + 1 if version == self.slot.weights.version else 0  # (0: they changed meanwhile: which ones it used is not known)
+        version = self.slot.weights.answered_from(version)
         self.calls[req.op] += 1
         self.calls["kept"] += req.op == "backward" and x is None
         name = "y" if req.op == "forward" else "grad"

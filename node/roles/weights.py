@@ -54,6 +54,12 @@ class SlotWeights:
     def changed(self) -> None:
         self.version += 1
 
+    def answered_from(self, before: int) -> int:
+        """The version an answer computed since `before` was read names (StageResult, ExpertResult
+        `weights`): before + 1 (versions named start at 1) if the parameters did not change
+        meanwhile, else 0: which ones it used is not known."""
+        return before + 1 if before == self.version else 0
+
     def names(self) -> list[str]:
         return [n for n, _ in self.module.named_parameters()]
 
