@@ -1,7 +1,7 @@
 """bench/soak.py's summary (pure): memory growth counted from the end of the warm-up, peaks over
 the whole run, per kind of process."""
 
-from bench.soak import summarize
+from bench.soak import loss_at_equal_samples, loss_curve, summarize
 
 
 def sample(t: float, coord_rss: int, replica_rss: list[int], fds: int = 40, disk: float = 3.0) -> dict:
@@ -17,3 +17,21 @@ def test_growth_is_the_most_one_process_grew_from_the_warmups_end_and_peaks_are_
     # the replicas: r0 grew 10 % after the warm-up (its 900 before it does not count), r1 not at all
     assert (out["replica"]["rss_growth"], out["replica"]["grew_most"], out["replica"]["rss_mib_after_warmup"]) == (0.1, "r0", 400)
     assert out["replica"]["open_files_max"] == 91 and out["replica"]["threads_max"] == 21 and out["disk_mib_max"] == 8.0
+
+
+def entry(step: int, loss: float, inner: int = 10, **extra) -> dict:
+    return {"outer_step": step, "val_loss": loss, "inner_steps": inner, **extra}
+
+
+def test_the_loss_curve_counts_the_samples_of_averaged_rounds_only():
+    a = [{"outer_step": 0, "val_loss": 5.5, "start": True}, entry(1, 5.0), entry(2, 4.0), entry(3, 3.6)]
+    b = [entry(1, 5.0), entry(2, 4.2, inner=6), entry(3, 3.6, caught_up_from=2)]  # a state taken from a peer trained nothing here
+    assert loss_curve([a, b]) == [(20, 5.0), (36, 4.1), (46, 3.6)]
+
+
+def test_the_loss_at_equal_samples_reads_the_clean_curve_between_its_points_over_the_faulted_curves_second_half():
+    clean = [(10, 5.0), (20, 4.0), (30, 3.0), (40, 2.0)]
+    faulted = [(8, 5.5), (15, 4.4), (25, 3.5), (35, 2.75)]
+    # (25, 3.5) against 3.5 and (35, 2.75) against 2.5: the mean of 1.0 and 1.1
+    assert loss_at_equal_samples(faulted, clean) == 1.05
+    assert loss_at_equal_samples([(50, 2.0), (60, 1.0)], clean) is None  # past the clean curve's end: nothing to read

@@ -35,7 +35,7 @@ def test_fragment_replicas_keep_one_hash_through_a_kill_mid_fragment_and_a_joine
     assert all(e["sync_bytes"] < 0.5 * (e["bytes_sent"] - prev["bytes_sent"]) for prev, e in zip(trained, trained[1:])), trained
     assert re.search(r"averaging outer-\d+-f2-[0-9a-f]{8}: matched", procs["c"].log())  # the key names the fragment
 
-    # SIGKILL c inside the round of a fragment in the middle of its cycle (its parts are held 2 s)
+    # SIGKILL c inside the round of a fragment in the middle of its cycle (its parts are held 1 s)
     log_len = len(procs["c"].log())
     wait_for(lambda: re.search(r"averaging outer-\d+-f1-\w+: matched", procs["c"].log()[log_len:]), 120, "c to enter fragment 1's round")
     procs["c"].kill()

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
 RUN = ["--model", "tiny", "--inner-steps", "10", "--checkpoint-every", "5", "--eval-batches", "2", "--warmup-steps", "5",
        "--heartbeat-timeout-s", "10", "--min-replicas", "3"]  # the default 15 s join window
 NODE = ["--threads", "1", "--heartbeat-interval-s", "1", "--num-shards", "4"]
-OUTAGE_S = 30
+OUTAGE_S = 20
 NAMES = ["a", "b", "c"]
 
 

@@ -128,11 +128,12 @@ def assert_same_hashes(swarm, names, steps):
 
 def three_replicas(swarm, *run: str):
     """A coordinator of RUN (then `run`) that waits for three replicas, and replicas a, b and c
-    (c holds its parts 2 s, so a kill at its "matched" lands mid-round, and logs at DEBUG):
+    (c holds each of its parts 1 s, so a kill at its "matched", seen within the 0.1 s a poll
+    takes, lands mid-round; every round of theirs waits on c's holds; and c logs at DEBUG):
     (the coordinator, its multiaddr, the replicas' processes by name)."""
     coord = swarm.coordinator("coordinator", None, None, *RUN, *run, "--min-replicas", "3")
     maddr = coord.wait_ready()["maddrs"][0]
-    procs = {n: replica(swarm, n, maddr, i, *(["--fault-delay-parts-s", "2", "--log-level", "DEBUG"] if n == "c" else [])) for i, n in enumerate("abc")}
+    procs = {n: replica(swarm, n, maddr, i, *(["--fault-delay-parts-s", "1", "--log-level", "DEBUG"] if n == "c" else [])) for i, n in enumerate("abc")}
     return coord, maddr, procs
 
 
@@ -160,7 +161,7 @@ def test_replicas_train_in_lockstep_survive_a_kill_and_take_a_joiner(swarm):
     # three replicas train; identical outer state after every outer step; validation loss falls
     three_steps_in_lockstep(swarm, names, drop=0.3)
 
-    # SIGKILL c while it is inside an all-reduce (its parts are held 2 s, so "matched" means mid-round)
+    # SIGKILL c while it is inside an all-reduce (its parts are held 1 s, so "matched" means mid-round)
     log_len = len(procs["c"].log())
     wait_for(lambda: ": matched" in procs["c"].log()[log_len:], 120, "c to enter an averaging round")
     procs["c"].kill()
