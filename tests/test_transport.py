@@ -439,3 +439,42 @@ def test_a_stream_open_that_hangs_gets_a_companion_and_the_first_to_open_wins(mo
         return took
 
     assert asyncio.run(main()) < 1.0
+
+
+def test_dht_reads_their_callers_gave_up_on_end_quietly_in_the_event_loop():
+    """A read of the DHT abandoned mid-flight (a caller's timeout) is kept until its reply
+    comes: nothing pending is collected (asyncio logged "Task was destroyed but it is
+    pending!" once per read given up)."""
+    import gc
+    import logging
+
+    from node.net.host import Host, HostConfig
+    from protocol import SigningKey
+
+    destroyed = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if "destroyed but it is pending" in record.getMessage():
+                destroyed.append(record.getMessage())
+
+    catch = Catch()
+    logging.getLogger("asyncio").addHandler(catch)
+
+    async def main():
+        host = await Host.start(SigningKey.generate(), HostConfig())
+        try:
+            for i in range(50):
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(host.dht_get(f"key-{i}"), 0.0001)
+            await asyncio.sleep(1.0)  # their replies come (a lone DHT answers at once)
+            gc.collect()
+            assert await host.dht_get("key-0") is None  # and the DHT still answers
+        finally:
+            await host.shutdown()
+
+    try:
+        asyncio.run(main())
+    finally:
+        logging.getLogger("asyncio").removeHandler(catch)
+    assert destroyed == []

@@ -208,6 +208,7 @@ class Host:
         self.config = config
         self.revoked: frozenset[str] = frozenset()  # an owned swarm's revocation list, as last read: member records of these are not trusted
         self.routes: dict[str, tuple[str, ...]] = {}  # peer -> the relays it announced (node/net/relay.py), from member records
+        self._dht_calls: set[asyncio.Task] = set()  # the DHT's replies on their way (see `_dht_call`)
 
     @classmethod
     async def start(cls, key: SigningKey, config: HostConfig) -> Host:
@@ -316,10 +317,27 @@ class Host:
             raise PeerUnreachable(f"cannot open a stream to {peer_id}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         return reader, writer
 
+    async def _dht_call(self, future: Any) -> Any:
+        """What a call to the DHT's process (its future) returns. A caller that stops waiting (a
+        timeout, a cancelled watch) does not drop the call while its reply is on the way: the
+        call is kept here until it ends. Dropped, its future would be collected with the task
+        awaiting it, at any moment and on any thread: asyncio logged "Task was destroyed but it
+        is pending!" for every read given up, and the DHT's reader thread touched this event
+        loop when the last reference went there (a replica polling the DHT crashed so)."""
+        task = asyncio.ensure_future(future)
+        self._dht_calls.add(task)
+        task.add_done_callback(self._dht_call_ended)
+        return await asyncio.shield(task)
+
+    def _dht_call_ended(self, task: asyncio.Task) -> None:
+        self._dht_calls.discard(task)
+        if not task.cancelled():
+            task.exception()  # (read: a failure nobody waits for any more is not logged as unread)
+
     async def dht_store(self, key: str, value: bytes, expiration: float, subkey: str | None = None) -> bool:
         """DHTError if the store failed."""
         try:
-            return bool(await self.dht.store(key, value, expiration, subkey=subkey, return_future=True))
+            return bool(await self._dht_call(self.dht.store(key, value, expiration, subkey=subkey, return_future=True)))
         except Exception as e:  # whatever hivemind's DHT process raised: one named error for every caller
             raise DHTError(f"DHT store failed: {e or type(e).__name__}") from e
 
@@ -327,11 +345,7 @@ class Host:
         """The value (bytes) or {subkey: bytes} stored under key, None if absent or expired;
         DHTError if the read failed."""
         try:
-            # shielded: a caller that stops waiting (a timeout, a cancelled watch) must not drop
-            # the DHT's future while its reply is on the way. Dropped there, its last reference
-            # goes with the reply on the DHT's reader thread, whose clean-up touches this event
-            # loop from that thread (a replica polling the DHT every half second crashed so)
-            found = await asyncio.shield(self.dht.get(key, latest=True, return_future=True))
+            found = await self._dht_call(self.dht.get(key, latest=True, return_future=True))
         except Exception as e:  # whatever hivemind's DHT process raised: one named error for every caller
             raise DHTError(f"DHT get failed: {e or type(e).__name__}") from e
         if found is None:
@@ -343,7 +357,7 @@ class Host:
 
     async def dht_neighbours(self) -> int:
         """How many peers the DHT's routing table holds now."""
-        return await self.dht.run_coroutine(_routing_table_size, return_future=True)
+        return await self._dht_call(self.dht.run_coroutine(_routing_table_size, return_future=True))
 
     async def rejoin_dht(self, peers: dict[str, Sequence[str]], timeout: float = 10.0) -> int:
         """Ping `peers` (peer id -> multiaddrs) from the DHT, then look up our own id there:
@@ -356,7 +370,7 @@ class Host:
                 await asyncio.wait_for(self.connect(peer_id, maddrs), timeout)
             except (PeerUnreachable, TimeoutError) as e:
                 log.debug("rejoin: %s: %s", peer_id[-8:], e)
-        return await self.dht.run_coroutine(partial(_rejoin, peers=list(peers), timeout=timeout), return_future=True)
+        return await self._dht_call(self.dht.run_coroutine(partial(_rejoin, peers=list(peers), timeout=timeout), return_future=True))
 
     async def keep_joined(self, extra: Callable[[], dict[str, Sequence[str]]] = dict, interval: float = 2.0,
                           on_rejoined: Callable[[], None] | None = None) -> None:
