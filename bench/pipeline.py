@@ -80,6 +80,7 @@ class Settings:
     # in flight, the next step's once they came back
     in_flight: int = 4
     kill_every_s: float = 30.0
+    kill_wait_s: float = 60.0  # (b-kill): how long the bench watches the other ranks after the kill
     activation_codec: str = "none"
     stage_clip: str = "global"  # the swarm's clipping (run setting stage_clip): global | stage
     torch_clip: str = "stage"  # (b)'s ranks: stage (each its own parameters) | global (one norm, all_reduced)
@@ -287,8 +288,10 @@ def rank_main(rank: int, port: int, s: Settings, out: Path) -> int:
     return 0
 
 
-def run_torch_pipeline_killed(s: Settings, work: Path, kill_after_s: float = 8.0, wait_s: float = 60.0) -> dict:
-    """(b) with its middle rank SIGKILLed once, `kill_after_s` into the run: what the others do."""
+def run_torch_pipeline_killed(s: Settings, work: Path, kill_after_s: float = 8.0) -> dict:
+    """(b) with its middle rank SIGKILLed once, `kill_after_s` into the run: what the others do
+    in the `s.kill_wait_s` after it."""
+    wait_s = s.kill_wait_s
     from bench.workers import kill_session
 
     work = _fresh(work)

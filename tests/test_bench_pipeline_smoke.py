@@ -27,7 +27,7 @@ def mean_of_two_seeds(by: dict, arm: str) -> float:
 
 
 def test_pipeline_bench_runs_one_process_and_torch_pipelining_on_the_same_micro_batches(tmp_path):
-    result = tiny_run(tmp_path, "--arms", "a,b,b-kill", "--repeat", "2")
+    result = tiny_run(tmp_path, "--arms", "a,b,b-kill", "--repeat", "2", "--kill-wait-s", "3")  # (the ranks left wait on the dead one: 3 s shows it)
     a, b, kill, kill2, b2, a2 = result["arms"]  # --repeat 2: the second time in reverse order
     assert [r["arm"] for r in (a, b, kill, kill2, b2, a2)] == ["a", "b", "b-kill", "b-kill@run2", "b@run2", "a@run2"] and b2["status"] == a2["status"] == "ok"
     assert kill["samples_per_s"] == kill2["samples_per_s"] == 0.0 and "final_loss" not in kill and kill["outcome"]  # no loss to average (this tiny run may end before the kill: the outcome says which)

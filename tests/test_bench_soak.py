@@ -1,7 +1,7 @@
-"""bench/soak.py's summary (pure): memory growth counted from the end of the warm-up, peaks over
+"""bench/soak_record.py (pure): memory growth counted from the end of the warm-up, peaks over
 the whole run, per kind of process."""
 
-from bench.soak import loss_at_equal_samples, loss_curve, summarize
+from bench.soak_record import Record, loss_at_equal_samples, loss_curve, summarize
 
 
 def sample(t: float, coord_rss: int, replica_rss: list[int], fds: int = 40, disk: float = 3.0) -> dict:
@@ -35,3 +35,26 @@ def test_the_loss_at_equal_samples_reads_the_clean_curve_between_its_points_over
     # (25, 3.5) against 3.5 and (35, 2.75) against 2.5: the mean of 1.0 and 1.1
     assert loss_at_equal_samples(faulted, clean) == 1.05
     assert loss_at_equal_samples([(50, 2.0), (60, 1.0)], clean) is None  # past the clean curve's end: nothing to read
+
+
+def test_the_record_keeps_entries_a_stats_file_dropped_and_finds_a_step_with_two_hashes():
+    r = Record()
+    r.take("r0", "replica", {"history": [{"outer_step": 0, "state_hash": "s", "start": True}, entry(1, 5.0, state_hash="a"), entry(2, 4.0, state_hash="b")]})
+    r.take("r0", "replica", {"history": [entry(3, 3.0, state_hash="c")]})  # (the file kept its newest entry only)
+    r.take("r1", "replica", {"history": [{"outer_step": 2, "state_hash": "b", "caught_up_from": 1}, entry(3, 3.0, state_hash="X")]})
+    assert sorted(r.replicas["r0"]) == [0, 1, 2, 3] and r.split() == [3] and r.progress() == {"outer_steps": 3}
+
+
+def test_the_record_tags_a_slot_servers_syncs_with_the_slot_it_held_then():
+    r = Record()
+    sync = lambda n, h, group=2: {"sync": n, "state_hash": h, "group": group}  # noqa: E731
+    r.take("s0", "server", {"stage": 0, "history": [{"start": True}, sync(10, "a"), sync(11, "b")]})
+    r.take("s1", "server", {"stage": 0, "history": [{"start": True}, sync(10, "a"), sync(11, "b"), sync(12, "c", group=1)]})
+    # s0 moved to stage 1: the syncs after its new start are stage 1's, those before stay stage 0's
+    r.take("s0", "server", {"stage": 1, "history": [sync(10, "a"), sync(11, "b"), {"start": True}, sync(13, "d")]})
+    r.take("s2", "server", {"stage": 1, "history": [{"start": True}, sync(13, "e")]})
+    assert r.slots[("stage 0", 11)] == {"s0": "b", "s1": "b"} and ("stage 0", 12) not in r.slots  # (alone: no group)
+    assert r.split() == [["stage 1", 13]]
+    r.take("t", "trainer", {"history": [{"micro_batches": 8, "loss": 5.0}, {"micro_batches": 16, "loss": 4.0}]})
+    r.take("t", "trainer", {"history": [{"micro_batches": 16, "loss": 4.0}, {"micro_batches": 24, "loss": 3.5}]})
+    assert r.loss_curve() == [(8, 5.0), (16, 4.0), (24, 3.5)] and r.progress() == {"micro_batches": 24, "syncs_of_two_or_more": 3}

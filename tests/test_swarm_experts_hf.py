@@ -39,13 +39,14 @@ def micro_batches(swarm: Swarm, name: str) -> int:
     return stats(swarm, name, "trainer").get("micro_batches", 0)
 
 
-def snapshot(coordinator_dir: Path, out: Path) -> Path:
-    """A copy of the coordinator's kept checkpoints and model files, taken while it goes on
-    keeping new ones (a copy that met a checkpoint being pruned is taken again)."""
+def snapshot(coordinator_dir: Path, out: Path, checkpoints: str = "expert-checkpoints") -> Path:
+    """A copy of the coordinator's kept checkpoints (its folder `checkpoints`) and model files,
+    taken while it goes on keeping new ones (a copy that met a checkpoint being pruned is taken
+    again): what an export reads and what it is checked against stay the same."""
     for _ in range(5):
         shutil.rmtree(out, ignore_errors=True)
         try:
-            for part in ("expert-checkpoints", "model"):
+            for part in (checkpoints, "model"):
                 shutil.copytree(coordinator_dir / part, out / part)
             return out
         except (shutil.Error, FileNotFoundError):

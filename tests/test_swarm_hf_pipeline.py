@@ -9,11 +9,13 @@ head is untied into the last stage); Llama starts from a seeded random init."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from tests.swarm import Swarm, wait_for
+from tests.test_swarm_experts_hf import snapshot
 from tests.test_swarm_hf import model_cli, text_data
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(400)]
@@ -95,12 +97,15 @@ def test_a_hugging_face_model_trains_in_pipeline_stages(swarm, tmp_path, family)
 
     # the stages' newest checkpoints out, as one directory transformers loads, with the stages' logits
     out = tmp_path / "exported"
-    model_cli("export", "--checkpoint", str(Path(swarm.tmp) / "coordinator"), "--out", str(out))
-    check_logits(out, Path(swarm.tmp) / "coordinator", 2)
+    kept = snapshot(Path(swarm.tmp) / "coordinator", tmp_path / "kept", "stage-checkpoints")  # (the stages train on beside)
+    exported = model_cli("export", "--checkpoint", str(kept), "--out", str(out))
+    steps = {int(i): int(n) for i, n in re.findall(r"stage (\d+) at step (\d+)", exported.stdout)}
+    assert sorted(steps) == [0, 1], exported.stdout
+    check_logits(out, kept, steps)
 
 
-def check_logits(out: Path, coordinator_dir: Path, num_stages: int) -> None:
-    """The exported model's logits are those of the stages, built from their newest checkpoints, chained."""
+def check_logits(out: Path, coordinator_dir: Path, steps: dict[int, int]) -> None:
+    """The exported model's logits are those of the stages, built from the checkpoints it was exported from (`steps`: stage -> its step), chained."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -110,8 +115,9 @@ def check_logits(out: Path, coordinator_dir: Path, num_stages: int) -> None:
     from node.state.checkpoint_dir import load_checkpoint_dir
 
     stages = []
-    for i in range(num_stages):
-        newest = max((coordinator_dir / "stage-checkpoints" / f"stage-{i}").glob("step-*"))
+    num_stages = len(steps)
+    for i in range(num_stages):  # the checkpoints the export took
+        newest = coordinator_dir / "stage-checkpoints" / f"stage-{i}" / f"step-{steps[i]}"
         pin = json.loads((newest / "manifest.json").read_text())["model_config"]["model"]
         model_dir = open_model_dir(coordinator_dir / "model" / pin[3:])
         stage = init_hf_stage(model_dir, i, plan_stages(dims_of(model_dir), num_stages), seed=0, weights=False)
