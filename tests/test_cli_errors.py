@@ -1,13 +1,16 @@
 """Bad input to the console scripts: exactly one line on stderr that names the problem, no
 traceback, a non-zero exit, and no process left behind.
 
-The real scripts run (from the venv's bin dir). A few cases import torch and hivemind before
-they can fail, seconds each on a small machine, so all cases run at once in one module
-fixture and each test checks its own case's result.
+Cases found before torch and hivemind load (`light`, most) go through their script's `main`, one
+after another in one process where neither can be imported (tests/cli_runner.py): an import that
+comes too early is that case's traceback. The others run the real scripts (from the venv's bin
+dir), seconds each on a small machine, a few at a time beside it. All in one module fixture;
+each test checks its own case's result.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -23,7 +26,7 @@ import torch
 
 from protocol.signatures import SigningKey, peer_id_from_public_key
 from protocol.tokens import issue_token
-from tests.swarm import free_port, session_pids
+from tests.swarm import ROOT, free_port, session_pids
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -40,8 +43,8 @@ class Case:
     args: tuple[str, ...]  # "{tmp}" is replaced by the case's own directory
     expect: tuple[str, ...]  # each must appear in the one line
     env: tuple[tuple[str, str], ...] = ()
-    # found before torch and hivemind load (seconds): run with both made unimportable, so an
-    # import that comes too early shows up as a traceback
+    # found before torch and hivemind load (seconds): run where neither can be imported, so an
+    # import that comes too early shows up as a traceback (tests/cli_runner.py)
     light: bool = False
 
 
@@ -287,8 +290,6 @@ def _run(case: Case, tmp: Path) -> Result:
     args = [str(BIN / case.script), *(a.replace("{tmp}", str(tmp)) for a in case.args)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMTRAIN_")}
     env.update(case.env)
-    if case.light:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp / "too-early"), env.get("PYTHONPATH")]))
     t0 = time.monotonic()
     # own session, so that whatever it starts (DHT child, p2pd) can be found and killed
     p = subprocess.Popen(args, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -309,17 +310,37 @@ def _run(case: Case, tmp: Path) -> Result:
     return Result(p.returncode, out, err, seconds, left)
 
 
+def _run_light(cases: dict[str, Case], root: Path) -> dict[str, Result]:
+    """The `light` cases, each through its script's `main` in one process (tests/cli_runner.py)
+    where torch and hivemind cannot be imported: a process each cost about a second of CPU."""
+    for name in cases:
+        _prepare(root / name)
+    todo = [{"script": c.script, "args": [a.replace("{tmp}", str(root / n)) for a in c.args], "env": dict(c.env), "cwd": str(root / n)} for n, c in cases.items()]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMTRAIN_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / next(iter(cases)) / "too-early"), str(ROOT), env.get("PYTHONPATH")]))
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "tests.cli_runner"], cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)  # fmt: skip
+    out, err = p.communicate(json.dumps(todo), timeout=EXIT_DEADLINE_S)
+    assert p.returncode == 0, err
+    seconds, left = time.monotonic() - t0, session_pids(p.pid)
+    return {n: Result(r["code"], r["stdout"], r["stderr"], seconds, left) for n, r in zip(cases, json.loads(out), strict=True)}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Run every case at once (a few at a time) while holding a busy port."""
+    """Every case while holding a busy port: the light ones in one process, the others (which
+    load torch and hivemind, seconds each) a few at a time beside it."""
     root = tmp_path_factory.mktemp("cli")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         cases = _cases(free_port(), busy.getsockname()[1])
+        heavy = {n: c for n, c in cases.items() if not c.light}
         with ThreadPoolExecutor(max_workers=max(4, 2 * (os.cpu_count() or 1))) as pool:
-            futures = {name: pool.submit(_run, case, root / name) for name, case in cases.items()}
-            return {name: (cases[name], f.result()) for name, f in futures.items()}
+            futures = {name: pool.submit(_run, case, root / name) for name, case in heavy.items()}
+            light = _run_light({n: c for n, c in cases.items() if c.light}, root)
+            return {name: (cases[name], light[name] if name in light else futures[name].result()) for name in cases}
 
 
 CASE_NAMES = sorted(_cases(1, 2))
