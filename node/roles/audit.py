@@ -75,13 +75,15 @@ def distance(a: Answer, b: Answer) -> float:
     return compare(a, b)[0]
 
 
-def size_ratio(a: Answer, b: Answer) -> float:
-    return compare(a, b)[1]
-
-
 def agree(a: Answer, b: Answer, tolerance: float = TOLERANCE) -> bool:
     d, ratio = compare(a, b)
     return d <= tolerance and ratio <= SIZE_FACTOR
+
+
+def apart(a: Answer, b: Answer) -> str:
+    """How two answers differ, in words: "1.41 apart, 1x in size"."""
+    d, ratio = compare(a, b)
+    return f"{d:.2f} apart, {ratio:.3g}x in size"
 
 
 def log_size(answer: Answer, inputs: torch.Tensor | None) -> float | None:
@@ -148,7 +150,7 @@ def judge(answers: dict[str, list[Given]], sizes: dict[str, float | None], hones
     pairs = {p: pair for p, given in answers.items() if (pair := same_weights_pair(given))}
     inconsistent = {p: (a, b) for p, (a, b) in pairs.items() if not agree(a, b, tolerance)}
     if inconsistent:
-        return Verdict({p: f"it answered the same call twice from the same weights with answers {distance(a, b):.2f} apart, {size_ratio(a, b):.3g}x in size"
+        return Verdict({p: f"it answered the same call twice from the same weights with answers {apart(a, b)}"
                         for p, (a, b) in inconsistent.items()})  # fmt: skip
     if honest_size is not None:
         off = {p: abs(s - honest_size) for p, s in sizes.items() if s is not None and p in first}
@@ -156,7 +158,7 @@ def judge(answers: dict[str, list[Given]], sizes: dict[str, float | None], hones
         if far and any(o <= math.log(SIZE_FACTOR) for o in off.values()):  # (another answer of the usual size)
             return Verdict({p: f"its answer was {math.exp(sizes[p] - honest_size):.3g}x the size honest answers have against their input" for p in far})
     a, b = first[peers[0]], first[peers[1]]
-    return Verdict(open=f"the answers of {', '.join(p[-8:] for p in peers)} disagree ({distance(a, b):.2f} apart, {size_ratio(a, b):.3g}x in size) and nothing tells which is wrong")
+    return Verdict(open=f"the answers of {', '.join(p[-8:] for p in peers)} disagree ({apart(a, b)}) and nothing tells which is wrong")
 
 
 class Auditor:
