@@ -5,7 +5,12 @@ import os
 import psutil
 import pytest
 
+from tests.forkserver import server_pids
 from tests.swarm import Swarm
+
+# daemons forked from one process that imported torch and hivemind once (tests/forkserver.py);
+# STB_FORK_DAEMONS=0 starts each as a new interpreter, as its console script would
+os.environ.setdefault("STB_FORK_DAEMONS", "1")
 
 
 def _name(p: psutil.Process) -> str:
@@ -35,7 +40,8 @@ def no_orphan_processes():
     yield
     # torch_shm_manager is torch's own helper for sharing tensors between processes; torch
     # starts it once per process and it lives as long as the process that uses it.
-    leftover = [p for p in me.children(recursive=True) if p.pid not in before and _name(p) != "torch_shm_manager"]
+    spared = before | server_pids()
+    leftover = [p for p in me.children(recursive=True) if p.pid not in spared and _name(p) != "torch_shm_manager"]
     if not leftover:
         return
     _, alive = psutil.wait_procs(leftover, timeout=5)  # processes being shut down get a moment

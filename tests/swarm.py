@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from node.osutil import session_pids
+from tests.forkserver import ForkServer, forks_daemons
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,6 +62,7 @@ async def averagers(n: int, **config):
             await h.shutdown()
 
 
+FORKABLE = ("swarmtrain-node", "swarmtrain-coordinator")  # the console scripts the fork server runs
 ORPHAN_GRACE_S = 10.0  # how long a killed daemon's DHT process and p2pd may take to go by themselves
 
 
@@ -117,14 +119,17 @@ def wait_for(cond, timeout: float, what: str, interval: float = 0.1):
 class Proc:
     """One daemon process (and, through its session, everything it started)."""
 
-    def __init__(self, name: str, args: list[str], log_path: Path, env: dict | None = None):
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict | None = None, fork: bool = False):
+        """`fork`: from the fork server (tests/forkserver.py), not a new interpreter."""
         self.name = name
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.popen = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env={**os.environ, **(env or {})}
-        )
+        env = {**os.environ, **(env or {})}
+        if fork:
+            self.popen = ForkServer.get().spawn(args, env, ROOT, log_path)
+        else:
+            self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env=env)
         self.sid = self.popen.pid  # start_new_session: the session id is the leader's pid
 
     # -- the fault interface: kill, stall, resume --
@@ -192,7 +197,8 @@ class Swarm:
 
     def start(self, name: str, script: str, *args: str, env: dict | None = None, prefix: Sequence[str] = ()) -> Proc:
         """`prefix`: argv the daemon runs under (e.g. `ip netns exec NS`: its own network namespace)."""
-        p = Proc(name, [*prefix, self._bin(script), *args], self.tmp / f"{name}.log", env)
+        fork = forks_daemons() and not prefix and script in FORKABLE
+        p = Proc(name, [*prefix, self._bin(script), *args], self.tmp / f"{name}.log", env, fork)
         self.procs.append(p)
         return p
 
