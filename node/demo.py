@@ -56,9 +56,11 @@ class Procs:
         self.procs.append((name, p))
         return p
 
-    def stop(self, timeout: float = 20.0) -> None:
-        """Nodes first (they deregister with the coordinator), then the coordinator."""
-        for group in (self.procs[1:], self.procs[:1]):
+    def stop(self, timeout: float = 20.0, nodes_only: bool = False) -> None:
+        """Nodes first (they deregister with the coordinator), then the coordinator (`nodes_only`:
+        not yet: the model is taken out of its checkpoints, and the coordinator tells which)."""
+        groups = [self.procs[1:]] if nodes_only else [self.procs[1:], self.procs[:1]]
+        for group in groups:
             for _, p in group:
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
@@ -68,7 +70,7 @@ class Procs:
                     p.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
-        for _, p in self.procs:  # whatever is left of each session (daemon, DHT child, p2pd)
+        for _, p in (p for group in groups for p in group):  # whatever is left of each session (daemon, DHT child, p2pd)
             try:
                 os.killpg(p.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -169,7 +171,7 @@ def main(argv=None) -> int:
             )
         done = watch(http, args, run_dir, t0, procs)
         if done == 0 and args.model not in MODEL_PRESETS:
-            return take_out(http, args, run_dir, t0)
+            return take_out(http, args, run_dir, procs)
         return done
     except KeyboardInterrupt:
         print("\ninterrupted; stopping the swarm")
@@ -203,14 +205,17 @@ def model_blocks(model: str) -> int:
         raise SystemExit(f"--model: {e}") from None
 
 
-def take_out(http: int, args, run_dir: Path, t0: float) -> int:
+def take_out(http: int, args, run_dir: Path, procs: Procs) -> int:
     """The run's model out: its newest kept checkpoint exported as a Hugging Face directory, and
-    a sample of it (as `swarmtrain-model export` and `sample` do)."""
+    a sample of it (as `swarmtrain-model export` and `sample` do). The nodes stop first: trainers
+    of a pipeline train on until stopped, and neither their compute nor newer checkpoints should
+    come between the export and what it reads."""
     from node.model_cli import main as model_cli
 
     deadline = time.monotonic() + LAST_CHECKPOINT_WAIT_S
     while not kept(get_status(http) or {}, args) and time.monotonic() < deadline:
         time.sleep(0.5)
+    procs.stop(nodes_only=True)
     out = run_dir / "model"
     if model_cli(["export", "--checkpoint", str(run_dir / "coordinator"), "--out", str(out)]) != 0:
         return 1
@@ -337,7 +342,7 @@ def main_pipeline(args) -> int:
             )  # fmt: skip
         done = watch_pipeline(http, args, run_dir, t0, procs)
         if done == 0 and model not in MODEL_PRESETS:
-            return take_out(http, args, run_dir, t0)
+            return take_out(http, args, run_dir, procs)
         return done
     except KeyboardInterrupt:
         print("\ninterrupted; stopping the swarm")
