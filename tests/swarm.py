@@ -94,7 +94,7 @@ def check_crashes() -> None:
     for swarm in _SWARMS:
         for p in swarm.procs:
             if p.popen.poll() in CRASH_SIGNALS:
-                raise ProcessExited(f"{p.name} crashed ({signal.Signals(-p.popen.returncode).name}):\n{p.log()[-6000:]}")
+                raise ProcessExited(f"{p.name} crashed ({signal.Signals(-p.popen.returncode).name}):\n{p.log()[-20000:]}")
 
 
 def wait_for(cond, timeout: float, what: str, interval: float = 0.1):
