@@ -155,10 +155,12 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # node/averaging/aggregators.py AGGREGATORS, named here without importing torch (a test keeps them equal)
 AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
 # what a Byzantine peer may send (node/roles/attacks.py): a replica in place of its pseudo-gradient,
-# a stage server or an expert host in place of the activations and gradients it answers with
+# a stage server or an expert host in place of the activations and gradients it answers with, or
+# ("sync-" and a replica's kind) in place of its pseudo-gradient in its slot's syncs
 REPLICA_ATTACKS = ("sign-flip", "scaled", "constant", "noise", "ipm", "stale")
 ANSWER_ATTACKS = ("scaled", "noise", "replay", "zero")
-ATTACKS = tuple(dict.fromkeys(REPLICA_ATTACKS + ANSWER_ATTACKS))
+SYNC_ATTACKS = tuple(f"sync-{k}" for k in REPLICA_ATTACKS)
+ATTACKS = tuple(dict.fromkeys(REPLICA_ATTACKS + ANSWER_ATTACKS + SYNC_ATTACKS))
 GATHER_CODECS = ("none", "fp16", "int8")  # codecs that can carry averaged slices back
 
 
@@ -263,7 +265,8 @@ class NodeConfig:
     fault_delay_parts_s: float = 0.0  # chaos drills and tests only: hold each averaging part this long (seconds) before sending
     fault_slowdown: float = 1.0  # chaos drills and tests only: each inner step takes this many times as long (a slower machine)
     # chaos drills, tests and benches only: a replica sends this lie in place of its pseudo-gradient,
-    # a stage server or an expert host in place of its answers' tensors (node/roles/attacks.py)
+    # a stage server or an expert host in place of its answers' tensors, or with "sync-" in place
+    # of its pseudo-gradient in its slot's syncs (node/roles/attacks.py)
     fault_attack: str = ""
     fault_attack_scale: float = 0.0  # how strong the lie is (its factor, its multiple of the honest norm, or its rounds of staleness); 0: the attack's default
     http: str = ""  # HOST:PORT of this node's /metrics (Prometheus) and /status (JSON); port 0 picks a free one; "": none

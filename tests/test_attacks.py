@@ -135,3 +135,21 @@ def test_the_byzantine_bench_stops_an_arm_whose_loss_derailed(tmp_path):
 
 def test_every_kind_a_node_setting_names_has_its_default_strength():
     assert tuple(DEFAULT_SCALE) == REPLICA_ATTACKS and tuple(ANSWER_SCALE) == ANSWER_ATTACKS
+
+
+def test_a_slot_peer_lies_either_in_its_answers_or_in_its_syncs_and_a_replica_only_as_a_replica():
+    from node.roles.attacks import answer_attack, replica_attack, sync_attack
+    from node.roles.role import RoleError
+
+    syncs = load_config({"fault_attack": "sync-sign-flip"}, None)
+    assert answer_attack(syncs) is None  # it answers honestly
+    lie = sync_attack(syncs)
+    assert (lie.kind, lie.scale) == ("sign-flip", 1000.0)
+    assert all(torch.equal(a, -1000 * b) for a, b in zip(lie.apply(update(0)), update(0)))
+    answers = load_config({"fault_attack": "noise"}, None)
+    assert sync_attack(answers) is None and answer_attack(answers).kind == "noise"
+    assert sync_attack(NodeConfig()) is answer_attack(NodeConfig()) is replica_attack(NodeConfig()) is None
+    with pytest.raises(RoleError, match="a replica's fault_attack must be one of sign-flip, .*, got 'sync-sign-flip'"):
+        replica_attack(syncs)
+    with pytest.raises(ConfigError, match="fault_attack must be one of .*sync-stale, got .sync-replay."):
+        load_config({"fault_attack": "sync-replay"}, None)  # a sync carries a pseudo-gradient: replica kinds only

@@ -27,6 +27,15 @@ A stage server's or an expert host's lies replace each activation or gradient it
 - `replay`: the honest answer to the previous call of that tensor's name and shape (the first
   call: its own).
 - `zero`: zeros.
+
+A stage server or an expert host may lie in its slot's syncs instead (`sync-` and a replica's
+kind, e.g. `sync-sign-flip`): the replica's lie, in place of the pseudo-gradient it averages
+with the slot's other peers (node/roles/slot_sync.py). Only the averaging's robust aggregator
+and its evidence stand against it, as against a lying replica: a slot needs three peers or more.
+Known not to be enough yet: trainers call a slot's fastest peer most, so its other peers sync
+updates of few or no steps, the robust aggregate sides with them, and the busy honest peer's
+update is the far one (a swarm of three expert hosts banned it). Judging slot syncs needs each
+peer's steps since the last sync.
 """
 
 from __future__ import annotations
@@ -120,21 +129,34 @@ class AnswerAttack:
         return before
 
 
+SYNC = "sync-"  # the prefix of a slot peer's lies in its syncs
+
+
 def replica_attack(config) -> Attack | None:
     """A replica's lie from the node settings (None: honest); RoleError for a kind replicas lack."""
-    return _from_settings(Attack, config)
+    return _from_settings(Attack, config.fault_attack, config)
 
 
 def answer_attack(config) -> AnswerAttack | None:
-    """A stage server's or expert host's lie from the node settings (None: honest); RoleError for
-    a kind they lack."""
-    return _from_settings(AnswerAttack, config)
+    """A stage server's or expert host's lie in its answers, from the node settings (None: honest,
+    or it lies in its syncs instead); RoleError for a kind they lack."""
+    if config.fault_attack.startswith(SYNC):
+        return None
+    return _from_settings(AnswerAttack, config.fault_attack, config)
 
 
-def _from_settings(cls, config):
-    if not config.fault_attack:
+def sync_attack(config) -> Attack | None:
+    """What a stage server or an expert host sends in its slot's syncs in place of its
+    pseudo-gradient (None: honest, or it lies in its answers instead)."""
+    if not config.fault_attack.startswith(SYNC):
+        return None
+    return _from_settings(Attack, config.fault_attack.removeprefix(SYNC), config)
+
+
+def _from_settings(cls, kind: str, config):
+    if not kind:
         return None
     try:
-        return cls(config.fault_attack, config.fault_attack_scale, seed=max(config.shard_index, 0))
+        return cls(kind, config.fault_attack_scale, seed=max(config.shard_index, 0))
     except ValueError as e:
         raise RoleError(str(e)) from None

@@ -31,6 +31,7 @@ from ..averaging import Averager, AveragingFailed, NamespaceTaken
 from ..config import averager_config
 from ..net.transport import HandlerTaken
 from ..runconfig import RunConfig
+from .attacks import sync_attack
 from .role import RoleContext, RoleError
 from .slot_state import Offer, SlotState, choose_state
 from .view import SwarmView
@@ -85,6 +86,7 @@ class SlotSync:
         self.averager = sync_averager(ctx, run, namespace)
         self.syncs = 0  # rounds that committed
         self.peers: list[str] = []  # the other peers of the slot, as the last sync read them
+        self.attack = sync_attack(ctx.node_config)  # a Byzantine peer of the slot (tests, drills, benches)
 
     async def peers_of_slot(self) -> list[str]:
         return (await self.view.read()).peers(self.role, self.slot, exclude=self.ctx.host.peer_id)
@@ -157,6 +159,8 @@ class SlotSync:
             outer_hash = self.weights.outer_hash()
             pseudo = await self.weights.compute(self.weights.pseudo_gradient)
             version = self.weights.version
+        if self.attack is not None:
+            pseudo = self.attack.apply(pseudo)
         try:
             avg, report = await self.averager.average(f"sync-{n}-{outer_hash[:8]}", pseudo, weight=1.0, expected_peers=self.peers, state_key="outer")
         except AveragingFailed as e:
