@@ -3,7 +3,9 @@ thousandfold in every round (well formed: the all-reduce's checks pass it). The 
 average with CenteredClip, train on as if it were not there, hold one state, and ban it on the
 evidence of its parts, each with the reason in its log and /status. Nobody honest is banned.
 The liar has the smallest peer id, so it leads every round it is in: the worst case (once
-banned, the honest ones must neither follow it nor wait for it)."""
+banned, the honest ones must neither follow it nor wait for it).
+Then stage servers and expert hosts that answer with lies (the trainers' checks catch them),
+and an expert host that lies in its shard's syncs (the others' robust aggregate clips it)."""
 
 from __future__ import annotations
 
@@ -153,3 +155,41 @@ def test_an_expert_host_answering_noise_is_caught_by_the_trainers_checks_and_rou
     served = lambda n: stats(swarm, n, "expert").get("calls", {}).get("forward", 0)  # noqa: E731
     check_caught(swarm, coord, trainer, ids["s0"], ids, http, served, lambda n: swarm.tmp / n / "expert-stats.json")
     trains_on(swarm, 16)
+
+
+# ---- a slot peer that lies in its slot's syncs: the others' robust aggregate clips it
+
+
+def test_an_expert_host_lying_in_its_shards_syncs_is_clipped_and_nobody_is_banned(swarm):
+    """Three hosts of one shard (CenteredClip), one sending its pseudo-gradient reversed and
+    scaled a thousandfold in every sync. The trainer learns all the same, the three hold one
+    state, and nobody is banned: slot syncs accuse nobody (the trainer calls its fastest host
+    most, and beside partners that took a step or none, the busy honest host's update was the
+    far one: it was banned, in one run of two, before syncs stopped accusing)."""
+    from tests.test_swarm_experts import RUN as EXPERTS, hosts_of, micro_batches
+    from tests.test_swarm_pipeline import NODE, since_start, stats
+
+    run = [*EXPERTS]
+    run[run.index("--expert-shards") + 1] = "1"
+    coord = swarm.coordinator("coordinator", None, None, *run)
+    maddr = coord.wait_ready()["maddrs"][0]
+    hosts = {n: swarm.node(n, [maddr], *NODE, *ROBUST, *extra) for n, extra in {"liar": ["--fault-attack", "sync-sign-flip"], "a": [], "b": []}.items()}
+    swarm.node("t", [maddr], *NODE, "--wanted-role", "trainer", "--shard-index", "0")
+    ids = {n: node_peer_id(p) for n, p in hosts.items()}
+    wait_for(lambda: sorted(hosts_of(coord).get("shard0", [])) == sorted(ids.values()), 120, "the three hosts on the one shard")
+
+    def lies() -> list[dict]:
+        """Syncs of all three in which the liar sent a lie of some size (it had taken steps: a
+        thousand times no update is none)."""
+        return [e for e in since_start(stats(swarm, "liar", "expert").get("history", [])) if e.get("group") == 3 and e.get("lie_norm", 0) >= 100]
+
+    wait_for(lambda: micro_batches(swarm, "t") >= 96 and len(lies()) >= 5, 240, "96 micro-batches and five syncs the liar lied in")
+    # the update the three applied (one: they hold one state) was clipped: a plain mean's would be a third of the lie
+    assert all(e["update_norm"] < e["lie_norm"] / 10 for e in lies()), [(e["lie_norm"], e["update_norm"]) for e in lies()]
+    for n, p in hosts.items():
+        assert "banned" not in p.log(), (n, [line for line in p.log().splitlines() if "banned" in line])
+    seen = [{e["sync"]: e["state_hash"] for e in since_start(stats(swarm, n, "expert").get("history", [])) if e.get("group") == 3} for n in hosts]
+    common = set.intersection(*map(set, seen))
+    assert len(common) >= 5 and all(len({s[k] for s in seen}) == 1 for k in common), seen
+    st = stats(swarm, "t", "trainer")
+    assert st["history"][-1]["loss"] < st["first_loss"] - 0.3, [(e["micro_batches"], round(e["loss"], 3)) for e in st["history"]]

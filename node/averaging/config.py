@@ -39,6 +39,11 @@ class AveragerConfig:
     gather_codec: str | None = None  # codec of averaged slices; None: same as `codec`, with its params (topk/powersgd: fp16)
     aggregator: str = "mean"  # mean | trimmed_mean | centered_clip
     aggregator_params: dict = field(default_factory=dict)
+    # a robust aggregator's far parts are evidence against their senders (repeated, a ban). Off
+    # where honest parts differ in size by design: in a slot's syncs each peer sends the steps it
+    # took since the last one, and trainers call a slot's fastest peer most, so its update is the
+    # far one beside partners that took few steps or none (the aggregate still clips every part)
+    accuse: bool = True
     join_timeout_s: float = 5.0  # how long a leader keeps its group open
     early_join_wait_s: float = 0.5  # a join for a key we are not averaging (yet) waits this long for us to start
     min_group_size: int = 2  # fewer survivors than this: the round aborts

@@ -433,7 +433,7 @@ class RoundDriver:
         agg = aggregators.get(self.config.aggregator)
         ours = [parts[m] for m in members]
         avg = agg(ours, w, **self.config.aggregator_params).contiguous()
-        if self.config.aggregator != "mean":  # a robust aggregate: what lies far from it is evidence
+        if self.config.aggregator != "mean" and self.config.accuse:  # a robust aggregate: what lies far from it is evidence
             rnd.evidence[j] = aggregators.far_parts(ours, avg, members)
         a, b = rnd.group.bounds[j], rnd.group.bounds[j + 1]
         if not codec.lossy:

@@ -30,12 +30,11 @@ A stage server's or an expert host's lies replace each activation or gradient it
 
 A stage server or an expert host may lie in its slot's syncs instead (`sync-` and a replica's
 kind, e.g. `sync-sign-flip`): the replica's lie, in place of the pseudo-gradient it averages
-with the slot's other peers (node/roles/slot_sync.py). Only the averaging's robust aggregator
-and its evidence stand against it, as against a lying replica: a slot needs three peers or more.
-Known not to be enough yet: trainers call a slot's fastest peer most, so its other peers sync
-updates of few or no steps, the robust aggregate sides with them, and the busy honest peer's
-update is the far one (a swarm of three expert hosts banned it). Judging slot syncs needs each
-peer's steps since the last sync.
+with the slot's other peers (node/roles/slot_sync.py). A robust aggregator (three peers of the
+slot or more) clips it, but nothing bans it: slot syncs accuse nobody, as trainers call a slot's
+fastest peer most and, beside partners that took a step or none, the busy honest peer's update
+is the far one (AveragerConfig.accuse). Judging slot syncs needs each peer's steps since the
+last sync.
 """
 
 from __future__ import annotations

@@ -46,12 +46,14 @@ CATCH_UP_S = 3.0  # ... after a failed round
 
 def sync_averager(ctx: RoleContext, run: RunConfig, namespace: str) -> Averager:
     """The averager of peers that synchronise every `stage_sync_every_s` (a stage's, an expert
-    shard's, the trainers' dense parts): the run's codec, a join window of half the period."""
+    shard's, the trainers' dense parts): the run's codec, a join window of half the period; a
+    robust aggregator clips, but accuses nobody (AveragerConfig.accuse: honest peers' updates
+    differ in size here by their steps since the last sync)."""
     c = ctx.node_config
     codec_params = run.codec_params()
     config = averager_config(
         c, swarm_id=c.swarm_id, namespace=namespace, codec=run.codec, codec_params=codec_params,
-        join_timeout_s=min(run.join_timeout_s, run.stage_sync_every_s / 2), bandwidth=c.bandwidth_mbps * 1e6 / 8,
+        join_timeout_s=min(run.join_timeout_s, run.stage_sync_every_s / 2), bandwidth=c.bandwidth_mbps * 1e6 / 8, accuse=False,
     )  # fmt: skip
     return Averager(ctx.host, ctx.transport, config)
 
@@ -159,8 +161,10 @@ class SlotSync:
             outer_hash = self.weights.outer_hash()
             pseudo = await self.weights.compute(self.weights.pseudo_gradient)
             version = self.weights.version
+        lie = {}
         if self.attack is not None:
             pseudo = self.attack.apply(pseudo)
+            lie = {"lie_norm": round(math.sqrt(sum(float(t.double().pow(2).sum()) for t in pseudo)), 4)}  # (the stats: what a test or bench checks)
         try:
             avg, report = await self.averager.average(f"sync-{n}-{outer_hash[:8]}", pseudo, weight=1.0, expected_peers=self.peers, state_key="outer")
         except AveragingFailed as e:
@@ -178,10 +182,11 @@ class SlotSync:
             dropped = self.weights.version - version  # (each step since the snapshot moved it once)
             await self.weights.compute(self.weights.apply_outer, avg)
             synced = self.weights.hash
+        size = math.sqrt(sum(float(t.double().pow(2).sum()) for t in avg))
         await self._committed(n, synced, upload=self.ctx.host.peer_id == min(report.members))
         self.ctx.activity.round("sync", "ok")
         log.info("%s: sync %d with %d peers in %.2f s, hash %s (%d steps of the round dropped)", self.what, n, len(report.members), report.seconds, synced, dropped)
-        self.report(sync=n, group=len(report.members), dropped_steps=dropped, state_hash=synced)
+        self.report(sync=n, group=len(report.members), dropped_steps=dropped, state_hash=synced, update_norm=round(size, 6), **lie)
 
     async def catch_up(self) -> bool | None:
         """After a failed sync: if the slot's other peers hold a newer state than ours (or, at
