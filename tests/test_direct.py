@@ -278,6 +278,33 @@ def test_forged_or_missing_tickets_are_closed_and_the_listener_keeps_serving(mon
 
 
 @pytest.mark.timeout(120)
+def test_a_flood_of_silent_connections_is_held_to_max_handshakes_and_an_honest_dialer_still_gets_in(monkeypatch):
+    """Slowloris on the direct plane: connections that never show a ticket. The listener holds
+    at most MAX_HANDSHAKES of them, closing the oldest for each newcomer; an honest dialer, who
+    shows its ticket at once, gets its direct pipe in the middle of the flood."""
+    monkeypatch.setattr(direct, "MAX_HANDSHAKES", 8)
+    monkeypatch.setattr(direct, "HANDSHAKE_S", 60.0)  # (none leaves by the timer in this test)
+
+    async def still_open(reader) -> bool:
+        try:
+            return not await _closed_by_peer(reader, within=0.3)
+        except TimeoutError:
+            return True
+
+    async def scenario(server, client):
+        silent = [await _raw_connect(server) for _ in range(20)]
+        await asyncio.sleep(0.2)
+        open_now = [await still_open(reader) for reader, _ in silent]
+        assert open_now == [False] * 12 + [True] * 8, open_now  # the twelve oldest closed, one for each newcomer
+        await _send(client, server)
+        assert client.stats["direct_pipes"] == 1 and server._direct.accepted == 1
+        for _, writer in silent:
+            writer.close()
+
+    run(scenario)
+
+
+@pytest.mark.timeout(120)
 def test_a_ticket_is_good_for_one_connection_and_a_tampered_stream_is_cut():
     async def scenario(server, client):
         ticket, key = os.urandom(direct.TICKET_BYTES), os.urandom(32)

@@ -39,7 +39,7 @@ TICKET_TTL_S = 30.0  # a ticket not presented by then is forgotten
 HANDSHAKE_S = 5.0  # an accepted connection must present its ticket within this
 MAX_TICKETS = 4096  # outstanding, all peers together (the oldest goes first)
 MAX_TICKETS_PER_PEER = 64
-MAX_HANDSHAKES = 256  # accepted connections that have not shown a ticket yet; more are closed at once
+MAX_HANDSHAKES = 256  # accepted connections that have not shown a ticket yet; beyond, the oldest is closed for the new one
 MAX_CONNECTIONS_PER_PEER = 16  # open direct connections from one peer (each holds ~2 MiB of buffers)
 ACCEPTED = b"\x01"  # the listener's first (sealed) byte: the ticket was good
 STREAM_LIMIT = 1 << 22  # the StreamReader's buffer limit (the frame reader takes reading over)
@@ -205,9 +205,9 @@ class _RawProtocol(asyncio.BufferedProtocol):
     TICKET_BYTES); after that, bytes land in the opener's buffer and the SealedTransport opens
     and hands them on."""
 
-    def __init__(self, on_ticket: Callable[[_RawProtocol, bytes], None] | None = None, refuse: bool = False):
+    def __init__(self, on_ticket: Callable[[_RawProtocol, bytes], None] | None = None):
         self.transport: asyncio.Transport | None = None
-        self._refuse = refuse
+        self.born = time.monotonic()
         self.sealed: SealedTransport | None = None
         self.opener: Opener | None = None
         self._on_ticket = on_ticket
@@ -220,9 +220,7 @@ class _RawProtocol(asyncio.BufferedProtocol):
         self.transport = transport
         self._sock = transport.get_extra_info("socket") if hasattr(socket, "SO_RCVLOWAT") else None
         self._lowat = 1
-        if self._refuse:
-            transport.abort()
-        elif self._on_ticket is not None:
+        if self._on_ticket is not None:
             self._timer = asyncio.get_running_loop().call_later(HANDSHAKE_S, transport.abort)
 
     def start(self, opener: Opener, sealed: SealedTransport) -> None:
@@ -339,8 +337,14 @@ class DirectListener:
             self.port = server.sockets[0].getsockname()[1]
 
     def _make_protocol(self) -> _RawProtocol:
-        waiting = sum(1 for r in self._raws if r.opener is None)
-        raw = _RawProtocol(on_ticket=self._take, refuse=waiting >= MAX_HANDSHAKES)
+        """A connection that has not shown its ticket waits at most HANDSHAKE_S; beyond
+        MAX_HANDSHAKES of them, the oldest is closed for the new one. An honest dialer writes its
+        ticket as soon as it is connected: a flood of silent connections (slowloris) pushes out
+        its own out; refusing newcomers instead would refuse every honest dialer while it lasts."""
+        waiting = [r for r in self._raws if r.opener is None and r.transport is not None and not r.transport.is_closing()]
+        if len(waiting) >= MAX_HANDSHAKES:
+            min(waiting, key=lambda r: r.born).transport.abort()
+        raw = _RawProtocol(on_ticket=self._take)
         self._raws.add(raw)
         raw.lost.add_done_callback(lambda _: self._raws.discard(raw))
         return raw
