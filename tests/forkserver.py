@@ -8,10 +8,11 @@ would. The server stays single-threaded (no lock can be held across a fork) and 
 children, reporting each exit status to the launcher, so `Forked` answers like `Popen`.
 
 Used by tests/swarm.py where `STB_FORK_DAEMONS=1` (tests/conftest.py sets it, so the benches the
-smoke tests start use it too); daemons under a prefix (`ip netns exec ...`) start as processes.
+smoke tests start use it too). A daemon that runs in a network namespace (`ip netns exec NS`)
+enters it itself, after the fork (setns: what `ip netns exec` does for a daemon's sockets).
 
 Protocol, one JSON object per line: launcher -> server `{"script", "args", "env", "cwd",
-"log"}`; server -> launcher `{"pid"}` or `{"error"}` in answer, and `{"exited", "code"}`
+"log", "netns"}`; server -> launcher `{"pid"}` or `{"error"}` in answer, and `{"exited", "code"}`
 whenever a child ends (code as `Popen.returncode`: negative for a signal).
 """
 
@@ -41,6 +42,17 @@ PRELOAD = (
 # -- the server --
 
 
+def _enter_netns(name: str) -> None:
+    import ctypes
+
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    finally:
+        os.close(fd)
+
+
 def _entry(script: str):
     (ep,) = entry_points(group="console_scripts", name=script)
     return ep.load()
@@ -58,6 +70,8 @@ def _run_child(req: dict, server_fds: list[int]) -> None:
         os.dup2(log, 2)
         for fd in (null, log, *server_fds):
             os.close(fd)
+        if req.get("netns"):
+            _enter_netns(req["netns"])
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
@@ -196,8 +210,8 @@ class ForkServer:
             self._answers.append({"error": f"the fork server exited ({self.proc.wait()})"})
             self._cond.notify_all()
 
-    def spawn(self, args: list[str], env: dict, cwd: Path, log: Path) -> Forked:
-        req = {"script": args[0], "args": args[1:], "env": env, "cwd": str(cwd), "log": str(log)}
+    def spawn(self, args: list[str], env: dict, cwd: Path, log: Path, netns: str | None = None) -> Forked:
+        req = {"script": args[0], "args": args[1:], "env": env, "cwd": str(cwd), "log": str(log), "netns": netns}
         with self._spawn_lock:
             self.proc.stdin.write(json.dumps(req).encode() + b"\n")
             self.proc.stdin.flush()

@@ -119,15 +119,16 @@ def wait_for(cond, timeout: float, what: str, interval: float = 0.1):
 class Proc:
     """One daemon process (and, through its session, everything it started)."""
 
-    def __init__(self, name: str, args: list[str], log_path: Path, env: dict | None = None, fork: bool = False):
-        """`fork`: from the fork server (tests/forkserver.py), not a new interpreter."""
+    def __init__(self, name: str, args: list[str], log_path: Path, env: dict | None = None, fork: bool = False, netns: str | None = None):
+        """`fork`: from the fork server (tests/forkserver.py), not a new interpreter; `netns`:
+        then in that network namespace (`args` without its `ip netns exec`)."""
         self.name = name
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "ab")
         env = {**os.environ, **(env or {})}
         if fork:
-            self.popen = ForkServer.get().spawn(args, env, ROOT, log_path)
+            self.popen = ForkServer.get().spawn(args[4:] if netns else args, env, ROOT, log_path, netns)
         else:
             self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT, env=env)
         self.sid = self.popen.pid  # start_new_session: the session id is the leader's pid
@@ -197,8 +198,9 @@ class Swarm:
 
     def start(self, name: str, script: str, *args: str, env: dict | None = None, prefix: Sequence[str] = ()) -> Proc:
         """`prefix`: argv the daemon runs under (e.g. `ip netns exec NS`: its own network namespace)."""
-        fork = forks_daemons() and not prefix and script in FORKABLE
-        p = Proc(name, [*prefix, self._bin(script), *args], self.tmp / f"{name}.log", env, fork)
+        netns = prefix[3] if len(prefix) == 4 and list(prefix[:3]) == ["ip", "netns", "exec"] else None  # (bench/netns.py Topology.wrap)
+        fork = forks_daemons() and script in FORKABLE and (not prefix or netns is not None)
+        p = Proc(name, [*prefix, self._bin(script), *args], self.tmp / f"{name}.log", env, fork, netns)
         self.procs.append(p)
         return p
 
