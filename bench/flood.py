@@ -9,6 +9,8 @@ it ends:
     streams    a valid call (Ping) on each stream: thousands of streams
     frames     a frame of the largest size a peer accepts, of garbage
     slowloris  a frame's prefix promising a large frame, then a byte a second
+    direct     on the direct data plane (plain TCP, the victim's --direct-port): a connection
+               that trickles its 16-byte ticket a byte a second
 
 The bench runs the swarm to its second outer step, times `--steps` outer steps without the
 flood, then as many with it, against the replica that leads (the smallest peer id), and
@@ -31,7 +33,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-KINDS = ("streams", "frames", "slowloris")
+KINDS = ("streams", "frames", "slowloris", "direct")
 
 
 # ---- the flooder (python -m bench.flood attack)
@@ -79,12 +81,44 @@ async def _one_stream(host, target: str, kind: str, going: asyncio.Event, counts
         writer.close()
 
 
-async def attack(target: str, maddrs: list[str], kind: str, seconds: float, concurrency: int) -> dict:
-    """Flood `target` for `seconds`: the counts of what its streams met."""
+async def _one_direct(address: str, going: asyncio.Event, counts: Counter) -> None:
+    """One connection of the flood on the direct plane: its ticket a byte a second, until the
+    victim closes it (the listener waits HANDSHAKE_S for a ticket, and holds MAX_HANDSHAKES)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), 10)
+    except Exception:
+        counts["open_failed"] += 1
+        await asyncio.sleep(0.05)
+        return
+    counts["opened"] += 1
+    t0 = time.monotonic()
+    try:
+        while going.is_set():
+            writer.write(b"\xc1")
+            await writer.drain()
+            try:
+                if not await asyncio.wait_for(reader.read(1), 1.0):
+                    break  # closed by the victim
+            except TimeoutError:
+                continue
+        else:
+            counts["open_at_end"] += 1
+            return
+        counts["closed_at_once" if time.monotonic() - t0 < 0.5 else "closed_later"] += 1
+    except (ConnectionError, OSError):
+        counts["closed_at_once" if time.monotonic() - t0 < 0.5 else "closed_later"] += 1
+    finally:
+        writer.close()
+
+
+async def attack(target: str, maddrs: list[str], kind: str, seconds: float, concurrency: int, direct: str = "") -> dict:
+    """Flood `target` for `seconds` (kind "direct": its direct plane at `direct`, HOST:PORT):
+    the counts of what its streams met."""
     from node.net.host import Host, HostConfig
     from protocol import SigningKey
 
-    host = await Host.start(SigningKey.generate(), HostConfig())
+    host = await Host.start(SigningKey.generate(), HostConfig()) if kind != "direct" else None
     counts: Counter = Counter()
     going = asyncio.Event()
     going.set()
@@ -92,16 +126,21 @@ async def attack(target: str, maddrs: list[str], kind: str, seconds: float, conc
     loop.add_signal_handler(signal.SIGTERM, going.clear)  # (the bench ends the flood: the counts are printed)
     loop.call_later(seconds, going.clear)
     try:
-        await host.connect(target, maddrs)
+        if host is not None:
+            await host.connect(target, maddrs)
         print("flooding", flush=True)  # (the bench times the flooded steps from here)
 
         async def streams():
             while going.is_set():
-                await _one_stream(host, target, kind, going, counts)
+                if host is None:
+                    await _one_direct(direct, going, counts)
+                else:
+                    await _one_stream(host, target, kind, going, counts)
 
         await asyncio.gather(*(streams() for _ in range(concurrency)))
     finally:
-        await host.shutdown()
+        if host is not None:
+            await host.shutdown()
     return {"kind": kind, "seconds": seconds, "concurrency": concurrency, **dict(sorted(counts.items()))}
 
 
@@ -127,7 +166,7 @@ def _peak(samples: list[dict]) -> dict:
 
 
 def run_bench(args: argparse.Namespace, work: Path) -> dict:
-    from tests.swarm import Swarm, node_peer_id, wait_for
+    from tests.swarm import Swarm, free_port, node_peer_id, wait_for
 
     sw = Swarm(work)
     try:
@@ -135,8 +174,9 @@ def run_bench(args: argparse.Namespace, work: Path) -> dict:
                "--eval-batches", "2", "--warmup-steps", "5", "--heartbeat-timeout-s", "30"]  # fmt: skip
         maddr = sw.coordinator("coordinator", None, None, *run).wait_ready(120)["maddrs"][0]
         names = [f"r{i}" for i in range(args.replicas)]
-        procs = {n: sw.node(n, [maddr], "--threads", "1", "--heartbeat-interval-s", "1", "--num-shards", str(args.replicas), "--shard-index", str(i))
-                 for i, n in enumerate(names)}  # fmt: skip
+        ports = {n: free_port() for n in names}
+        procs = {n: sw.node(n, [maddr], "--threads", "1", "--heartbeat-interval-s", "1", "--num-shards", str(args.replicas), "--shard-index", str(i),
+                            "--direct-port", str(ports[n])) for i, n in enumerate(names)}  # fmt: skip
         ids = {n: node_peer_id(p) for n, p in procs.items()}
         victim = min(names, key=lambda n: ids[n])
         others = [n for n in names if n != victim]
@@ -155,7 +195,8 @@ def run_bench(args: argparse.Namespace, work: Path) -> dict:
         clean_s, before = timed(None)
         maddrs = re.search(r"listening on (\S+)", procs[victim].log())[1]
         flooder = subprocess.Popen([sys.executable, "-m", "bench.flood", "attack", "--target", ids[victim], "--maddr", maddrs, "--kind", args.kind,
-                                    "--seconds", str(args.timeout), "--concurrency", str(args.concurrency)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+                                    "--seconds", str(args.timeout), "--concurrency", str(args.concurrency), "--direct", f"127.0.0.1:{ports[victim]}"],
+                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
             if flooder.stdout.readline().strip() != "flooding":
                 raise RuntimeError(f"the flooder did not start (exit status {flooder.wait(timeout=60)})")
@@ -192,6 +233,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.add_argument("--kind", choices=KINDS, default="slowloris")
     a.add_argument("--seconds", type=float, default=30.0)
     a.add_argument("--concurrency", type=int, default=64)
+    a.add_argument("--direct", default="", metavar="HOST:PORT", help="the target's direct plane (kind direct)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--kind", choices=KINDS, default="slowloris")
     p.add_argument("--replicas", type=int, default=3)
@@ -208,7 +250,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.command == "attack":
-        print(json.dumps(asyncio.run(attack(args.target, args.maddr, args.kind, args.seconds, args.concurrency))), flush=True)
+        print(json.dumps(asyncio.run(attack(args.target, args.maddr, args.kind, args.seconds, args.concurrency, args.direct))), flush=True)
         return 0
     signal.signal(signal.SIGINT, signal.default_int_handler)  # ctrl-c or SIGTERM, even started in the background:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # the swarm is stopped, nothing left behind
