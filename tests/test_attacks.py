@@ -87,6 +87,8 @@ def test_a_liars_part_far_from_the_robust_aggregate_is_evidence_with_its_reason(
     honest = [truth + 0.02 * torch.randn(256, generator=gen) for _ in range(6)]
     clean = centered_clip(honest + [truth + 0.02 * torch.randn(256, generator=gen) for _ in range(2)], torch.ones(8))
     assert far_parts(honest + [truth, truth], clean, names) == {}  # honest parts, however they spread: nobody
+    skewed = honest + [truth + 0.12 * torch.randn(256, generator=gen) for _ in range(2)]  # two on data of their own: six times the others' spread
+    assert far_parts(skewed, centered_clip(skewed, torch.ones(8)), names) == {}
     for kind in ("sign-flip", "scaled", "constant", "noise"):
         scale = 10.0 if kind == "noise" else 0.0  # noise at the honest norm hides; ten times it does not
         parts = honest + [Attack(kind, scale, seed=i).apply([h.clone()])[0] for i, h in enumerate(honest[:2])]
