@@ -19,6 +19,7 @@ whenever a child ends (code as `Popen.returncode`: negative for a signal).
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import selectors
@@ -53,6 +54,11 @@ def _enter_netns(name: str) -> None:
         os.close(fd)
 
 
+def _above_2(fd: int) -> int:
+    """`fd`, or (in place of a standard descriptor, which dup2 replaces anyway) a copy above 2."""
+    return fd if fd > 2 else fcntl.fcntl(fd, fcntl.F_DUPFD, 3)
+
+
 def _entry(script: str):
     (ep,) = entry_points(group="console_scripts", name=script)
     return ep.load()
@@ -63,8 +69,11 @@ def _run_child(req: dict, server_fds: list[int]) -> None:
     code = 1
     try:
         os.setsid()
-        null = os.open(os.devnull, os.O_RDONLY)
-        log = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # (above 2 before they are put there: opened into a standard descriptor the server had
+        # closed, one would be closed again below, and the daemon's output would go to whatever
+        # file it opened next)
+        null = _above_2(os.open(os.devnull, os.O_RDONLY))
+        log = _above_2(os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
         os.dup2(null, 0)  # in place of the server's pipes
         os.dup2(log, 1)
         os.dup2(log, 2)
