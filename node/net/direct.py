@@ -340,7 +340,7 @@ class DirectListener:
         """A connection that has not shown its ticket waits at most HANDSHAKE_S; beyond
         MAX_HANDSHAKES of them, the oldest is closed for the new one. An honest dialer writes its
         ticket as soon as it is connected: a flood of silent connections (slowloris) pushes out
-        its own out; refusing newcomers instead would refuse every honest dialer while it lasts."""
+        its own; refusing newcomers instead would refuse every honest dialer while it lasts."""
         waiting = [r for r in self._raws if r.opener is None and r.transport is not None and not r.transport.is_closing()]
         if len(waiting) >= MAX_HANDSHAKES:
             min(waiting, key=lambda r: r.born).transport.abort()
