@@ -157,9 +157,9 @@ AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
 # what a Byzantine peer may send (node/roles/attacks.py): a replica in place of its pseudo-gradient,
 # a stage server or an expert host in place of the activations and gradients it answers with, or
 # ("sync-" and a replica's kind) in place of its pseudo-gradient in its slot's syncs
-REPLICA_ATTACKS = ("sign-flip", "scaled", "constant", "noise", "ipm", "stale")
+REPLICA_ATTACKS = ("sign-flip", "scaled", "constant", "noise", "ipm", "stale", "alie", "other-data")
 ANSWER_ATTACKS = ("scaled", "noise", "replay", "zero")
-SYNC_ATTACKS = tuple(f"sync-{k}" for k in REPLICA_ATTACKS)
+SYNC_ATTACKS = tuple(f"sync-{k}" for k in REPLICA_ATTACKS if k != "other-data")  # a slot's peers train on the trainer's data
 ATTACKS = tuple(dict.fromkeys(REPLICA_ATTACKS + ANSWER_ATTACKS + SYNC_ATTACKS))
 GATHER_CODECS = ("none", "fp16", "int8")  # codecs that can carry averaged slices back
 

@@ -53,6 +53,43 @@ def test_a_stale_liar_sends_its_update_of_k_rounds_ago():
     assert stale.apply([torch.full((2, 2), 9.0)])[0].flatten().tolist() == [9.0] * 4
 
 
+def test_alie_moves_every_coordinate_by_z_times_the_spread_it_saw_and_hides_within_it():
+    """The attacker's spread of coordinate j: its last update's distance from that round's
+    aggregate. Its first round is honest; from then on, each coordinate z spreads against."""
+    gen = torch.Generator().manual_seed(2)
+    truth = torch.randn(256, generator=gen) * 0.05
+    rounds = [[truth + 0.02 * torch.randn(256, generator=gen) for _ in range(8)] for _ in range(2)]
+    alie = [Attack("alie", seed=i) for i in range(2)]
+    names = [f"peer{i}" for i in range(8)]
+    first = [a.apply([r.clone()])[0] for a, r in zip(alie, rounds[0][6:])]
+    assert all(torch.equal(f, r) for f, r in zip(first, rounds[0][6:]))  # nothing seen yet: honest
+    agg = centered_clip(rounds[0][:6] + first, torch.ones(8))
+    for a in alie:
+        a.observe([agg])
+    lies = [a.apply([r.clone()])[0] for a, r in zip(alie, rounds[1][6:])]
+    for lie, r, was in zip(lies, rounds[1][6:], rounds[0][6:]):
+        assert torch.allclose(lie, r - (was - agg).abs())  # z = 1 (its default)
+    parts = rounds[1][:6] + lies
+    assert far_parts(parts, centered_clip(parts, torch.ones(8)), names) == {}  # within the spread: no distance evidence
+    honest_mean = torch.stack(rounds[1][:6]).mean(0)
+    against = {name: float((centered_clip(ps, torch.ones(8)) - honest_mean < 0).float().mean()) for name, ps in (("alie", parts), ("clean", rounds[1]))}
+    assert against["alie"] > 0.7 and against["clean"] < 0.6, against  # and yet the aggregate moves against, coordinate by coordinate
+    assert Attack("alie", 2.0).apply([torch.ones(3)])[0].tolist() == [1.0, 1.0, 1.0]  # a fragment's shape not seen: honest
+
+
+def test_other_data_trains_honestly_on_every_token_mirrored():
+    from node.models.data import Batches
+
+    data = torch.arange(200, dtype=torch.int64) % 256
+    plain, mirrored = Batches(data, 0, 1, 2, 8, seed=5), Attack("other-data").data(Batches(data, 0, 1, 2, 8, seed=5), 256)
+    for _ in range(3):
+        (x, y), (mx, my) = plain.next(), mirrored.next()
+        assert torch.equal(mx, 255 - x) and torch.equal(my, 255 - y)
+    assert Attack("sign-flip").data(plain, 256) is plain  # every other lie trains on the swarm's data
+    g = update(4)
+    assert all(torch.equal(a, b) for a, b in zip(Attack("other-data").apply(g), g))  # the update itself: honest
+
+
 def test_two_liars_of_eight_derail_the_mean_not_centered_clip():
     """Per slice: eight members' parts, two of them lies; the honest mean is what training needs."""
     gen = torch.Generator().manual_seed(0)
@@ -153,5 +190,5 @@ def test_a_slot_peer_lies_either_in_its_answers_or_in_its_syncs_and_a_replica_on
     assert sync_attack(NodeConfig()) is answer_attack(NodeConfig()) is replica_attack(NodeConfig()) is None
     with pytest.raises(RoleError, match="a replica's fault_attack must be one of sign-flip, .*, got 'sync-sign-flip'"):
         replica_attack(syncs)
-    with pytest.raises(ConfigError, match="fault_attack must be one of .*sync-stale, got .sync-replay."):
+    with pytest.raises(ConfigError, match="fault_attack must be one of .*sync-alie, got .sync-replay."):
         load_config({"fault_attack": "sync-replay"}, None)  # a sync carries a pseudo-gradient: replica kinds only

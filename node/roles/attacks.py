@@ -14,9 +14,17 @@ model. The attacks are those robust distributed training is measured against:
 - `ipm` (inner product manipulation): -scale x g, with a small scale (0.1): the attacker's own
   honest update stands for the honest mean, and a small push against it hides among the honest.
 - `stale`: the update of `scale` rounds ago (the oldest kept, until that many were).
+- `alie` (a little is enough): every coordinate moved against the update by `scale` (z, default
+  1) times the honest spread, each within the spread, so that no one coordinate stands out. An
+  attacker sees no other peer's update: its own stands for the honest mean, and the spread of
+  coordinate j is its own last update's distance from that round's aggregate (`observe`). Its
+  first round, with nothing seen yet, is honest.
+- `other-data`: an honest update on data nobody else trains on: the attacker reads every token
+  as its mirror in the vocabulary (`data`), the label flip of a language model. It has no
+  strength.
 
-`Attack.apply` is pure but for what `stale` keeps (per shape of update: a fragment's rounds
-keep their own).
+`Attack.apply` is pure but for what `stale` and `alie` keep (per shape of update: a fragment's
+rounds keep their own).
 
 A stage server's or an expert host's lies replace each activation or gradient it answers with
 (each computed honestly first), well formed too; only a trainer's checks catch them
@@ -47,7 +55,7 @@ import torch
 
 from .role import RoleError
 
-DEFAULT_SCALE = {"sign-flip": 1000.0, "scaled": 1000.0, "constant": 1000.0, "noise": 1.0, "ipm": 0.1, "stale": 5.0}
+DEFAULT_SCALE = {"sign-flip": 1000.0, "scaled": 1000.0, "constant": 1000.0, "noise": 1.0, "ipm": 0.1, "stale": 5.0, "alie": 1.0, "other-data": 1.0}
 
 
 def _checked(kind: str, scale: float, defaults: dict[str, float], whose: str) -> float:
@@ -66,6 +74,8 @@ class Attack:
     seed: int = 0
     kept: dict[tuple, deque] = field(default_factory=dict)  # stale: updates of earlier rounds, per shape
     rounds: int = 0  # updates replaced so far (noise: each round its own draw)
+    honest: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)  # alie: the honest update of the round under way, per shape
+    seen: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)  # alie: per shape, |our honest update - the aggregate| of our last round
 
     def __post_init__(self):
         self.scale = _checked(self.kind, self.scale, DEFAULT_SCALE, "a replica's")
@@ -86,7 +96,31 @@ class Attack:
             noise = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype) for t in update]
             noise_norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in noise)) or 1.0
             return [t * (self.scale * norm / noise_norm) for t in noise]
+        if self.kind == "alie":
+            return self._alie(update)
+        if self.kind == "other-data":  # the lie was in the data (`data`): the update is honest
+            return [t.clone() for t in update]
         return self._stale(update)
+
+    def observe(self, aggregate: list[torch.Tensor]) -> None:
+        """The aggregate of the round this attacker just took part in (alie: the spread it
+        estimates from)."""
+        key = tuple(tuple(t.shape) for t in aggregate)
+        if self.kind == "alie" and key in self.honest:
+            self.seen[key] = [(h - a).abs() for h, a in zip(self.honest.pop(key), aggregate)]
+
+    def data(self, batches, vocab_size: int):
+        """The batches this attacker trains on (`batches`, a node/models/data.Batches):
+        other-data's mirror every token id, id -> vocab_size - 1 - id."""
+        return _Mirrored(batches, vocab_size) if self.kind == "other-data" else batches
+
+    def _alie(self, update: list[torch.Tensor]) -> list[torch.Tensor]:
+        key = tuple(tuple(t.shape) for t in update)
+        self.honest[key] = [t.clone() for t in update]
+        spread = self.seen.get(key)
+        if spread is None:  # nothing seen yet: honest, this once
+            return [t.clone() for t in update]
+        return [t - self.scale * s for t, s in zip(update, spread)]
 
     def _stale(self, update: list[torch.Tensor]) -> list[torch.Tensor]:
         key = tuple(tuple(t.shape) for t in update)
@@ -95,6 +129,17 @@ class Attack:
         while len(kept) > int(self.scale) + 1:
             kept.popleft()
         return [t.clone() for t in kept[0]]
+
+
+class _Mirrored:
+    """Batches with every token id read as vocab_size - 1 - id (other-data)."""
+
+    def __init__(self, batches, vocab_size: int):
+        self.batches, self.top = batches, vocab_size - 1
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.batches.next()
+        return self.top - x, self.top - y
 
 
 ANSWER_SCALE = {"scaled": 1000.0, "noise": 1.0, "replay": 0.0, "zero": 0.0}

@@ -197,6 +197,8 @@ class Replica(Role):
             await asyncio.sleep(1.0)
         await self._obtain_state()
         batches = Batches(self.corpus.train, shard, c.num_shards, self.train_config.batch_size, self.spec.context, self.train_config.seed + shard)
+        if self.attack is not None:  # (other-data trains on data of its own)
+            batches = self.attack.data(batches, self.corpus.vocab_size)
         # in a thread: the first AdamW of a process imports torch._dynamo, seconds of work
         self.inner = await self._compute(InnerTrainer, self.model, self.train_config, batches)
         self.inner.step_count = self.round * self.run_config.inner_steps
@@ -351,6 +353,8 @@ class Replica(Role):
             avg, report = None, e.report
         finally:
             moved_on = await _finish(watch)
+        if self.attack is not None and avg is not None:
+            self.attack.observe(avg)
         return avg, report, moved_on
 
     async def _round_failed(self, report: AverageReport, moved_on: bool, wait_s: float) -> None:

@@ -178,6 +178,8 @@ class SlotSync:
                 # enter the next round from the same hash)
                 await self._advance_alone(n)
             return
+        if self.attack is not None:
+            self.attack.observe(avg)
         async with self.weights.busy:
             dropped = self.weights.version - version  # (each step since the snapshot moved it once)
             await self.weights.compute(self.weights.apply_outer, avg)
