@@ -132,8 +132,9 @@ def test_a_liars_part_far_from_the_robust_aggregate_is_evidence_with_its_reason(
         far = far_parts(parts, centered_clip(parts, torch.ones(8)), names)
         assert set(far) == {"peer6", "peer7"} and min(far.values()) > FAR, (kind, far)
     assert far_parts(parts[:2], parts[0], names[:2]) == {}  # two parts: no majority to measure against
-    reasons = accusations("outer-7-abc", {0: {"peer6": 25.0, "me": 30.0}, 3: {"peer6": 80.5, "peer7": 5.0}}, me="me")
+    reasons = accusations("outer-7-abc", {0: {"peer6": 25.0, "me": 30.0}, 3: {"peer6": 80.5, "peer7": 5.0}}, me="me", harm={"peer5": (5, 0.12), "peer6": (6, 0.3)})
     assert reasons == {
+        "peer5": "round outer-7-abc: its parts raised the loss of its own data 5 rounds running, this one by 0.12x what the aggregate lowered it",
         "peer6": "round outer-7-abc: its part of slice 3 was 80.5x the group's spread from the robust aggregate",
         "peer7": "round outer-7-abc: its part of slice 3 was 5x the group's spread from the robust aggregate",
     }

@@ -60,7 +60,9 @@ Files:
     service.py       `AveragingService`: one per transport, owns the averaging message types
                      and routes each call to the averager of its namespace (joins name it,
                      parts / reports / queries name their round)
-    aggregators.py   mean, trimmed mean, CenteredClip: how a slice owner combines contributions
+    aggregators.py   mean, trimmed mean, CenteredClip: how a slice owner combines contributions;
+                     the evidence against a part: far from the robust aggregate, or harmful to
+                     its sender's check batch (`average(judge=...)`) where the aggregate helps
     faults.py        typed fault injection (corrupt / delay outgoing parts) for tests and drills
 
 Several averagers run in one process, one per namespace (`AveragerConfig.namespace`, e.g.

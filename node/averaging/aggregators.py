@@ -81,6 +81,52 @@ def far_parts(parts: Sequence[torch.Tensor], result: torch.Tensor, members: Sequ
     return {m: round(float(d) / spread, 1) for m, d in zip(members, dist) if float(d) > far * spread}
 
 
+# the judge by harm: a part that, applied alone in place of its slice, raises the loss of its own
+# sender's data while the robust aggregate lowers it points the wrong way, however near the
+# others it lies. A check batch is noisy (an honest part now and then raises it a little), so
+# only a run of HARM_RUN rounds each raising it by more than HARM times the aggregate's gain is
+# evidence (bench/RESULTS.md, byzantine: the judge by harm)
+HARM = 0.05
+HARM_RUN = 5
+
+
+def harm_ratios(losses: Sequence[tuple[float, float, float]], members: Sequence[str]) -> dict[str, float]:
+    """How much each member's part raised the loss of its check batch, in times what the
+    aggregate lowered it there (negative: it lowered it too). `losses`, per member: (at θ, with
+    the aggregate's slice, with its part's slice). A member is not judged where the aggregate
+    did not lower its batch's loss (nothing to measure harm against) or a loss is not a
+    number; nobody with fewer than three parts (no majority)."""
+    if len(losses) < 3:
+        return {}
+    out = {}
+    for m, (base, with_aggregate, with_part) in zip(members, losses):
+        gain = base - with_aggregate
+        if gain > 0 and math.isfinite(base) and math.isfinite(with_part):
+            out[m] = round((with_part - base) / gain, 3)
+    return out
+
+
+class HarmRuns:
+    """Each peer's run of committed rounds in which its part raised its check batch's loss (by
+    more than HARM times the aggregate's gain, in a slice we own); a round that judged it and
+    found no harm ends its run, one that did not judge it leaves the run as it was."""
+
+    def __init__(self, harm: float = HARM, run: int = HARM_RUN):
+        self.harm, self.run = harm, run
+        self.runs: dict[str, int] = {}
+
+    def add(self, judged: dict[int, dict[str, float]]) -> dict[str, tuple[int, float]]:
+        """One committed round's ratios (slice -> member -> ratio): the peers whose run reached
+        HARM_RUN rounds, each with its run and its largest ratio this round."""
+        worst: dict[str, float] = {}
+        for ratios in judged.values():
+            for m, r in ratios.items():
+                worst[m] = max(r, worst.get(m, -math.inf))
+        for m, r in worst.items():
+            self.runs[m] = self.runs.get(m, 0) + 1 if r > self.harm else 0
+        return {m: (self.runs[m], worst[m]) for m in worst if self.runs[m] >= self.run}
+
+
 def get(name: str):
     try:
         return AGGREGATORS[name]

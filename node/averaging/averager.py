@@ -17,12 +17,13 @@ from protocol import make_codec
 from .faults import Faults
 from ..net.host import Host
 from ..net.transport import NETWORK_ERRORS, Transport
+from .aggregators import HarmRuns
 from .buffers import Buffers, unflatten
 from .config import AverageReport, AveragerConfig, AveragingFailed, RoundFailed
 from .decisions import learn_bandwidth
 from .handlers import RoundHandlers
 from .matchmaking import Matchmaker
-from .round import Round, RoundDriver
+from .round import Judge, Round, RoundDriver
 from .schedule import Sender
 from .service import ROUND_KEEP_S, AveragingService
 
@@ -44,6 +45,7 @@ class Averager:
         self.handlers = RoundHandlers(self)
         self.service: AveragingService | None = None
         self._measured_bandwidth: float | None = None
+        self.harm_runs = HarmRuns()  # each peer's rounds running whose parts harmed our check batch (`average(judge=...)`)
         self.on_phase = None  # optional callable(key, phase): progress for logs and tests
         self._tasks: set[asyncio.Task] = set()
 
@@ -88,6 +90,7 @@ class Averager:
         expected_peers: int | Collection[str] | None = None,
         state_key: str | None = None,
         join_timeout_s: float | None = None,
+        judge: Judge | None = None,
     ) -> tuple[list[torch.Tensor], AverageReport]:
         """Average `tensors` with the peers averaging the same `key`. Returns new tensors and a
         report, or raises AveragingFailed (inputs and error-feedback state untouched).
@@ -95,7 +98,11 @@ class Averager:
         `join_timeout_s` overrides the config's wait for late peers for this round.
         `expected_peers`: a leader closes its group early once this many peers joined, or, given
         peer ids, once every one of them joined (a peer nobody counted on does not take the
-        place of one that is still on its way)."""
+        place of one that is still on its way). `judge(a, b, parts, aggregate, members)`: with a
+        robust aggregator that accuses, for each slice [a, b) we own, per member the loss of a
+        check batch (its own data) at θ, with the aggregate's and with its part's slice
+        (round.Judge): parts that raise it, round after round, where the aggregate lowers it
+        are evidence against their senders."""
         if self.service is None:
             raise RuntimeError("Averager.average() before start()")
         t0 = time.monotonic()
@@ -114,7 +121,7 @@ class Averager:
             group = await self.matchmaker.matchmake(key, numel, weight, expected_peers, report, window)
             report.phases["matchmaking"] = time.monotonic() - t0
             prepared = await prepare
-            result, gather_feedback = await self._run_round(group, prepared, state_key, report)
+            result, gather_feedback = await self._run_round(group, prepared, state_key, report, judge)
         except (RoundFailed, *NETWORK_ERRORS) as e:
             # the residual of earlier rounds is untouched (this round wrote into a spare)
             report.ok, report.reason = False, str(e) or type(e).__name__
@@ -152,9 +159,9 @@ class Averager:
         at once. False when the round is past that point (a group formed, or we follow)."""
         return self.matchmaker.abandon(key, why)
 
-    async def _run_round(self, group, prepared, state_key: str, report: AverageReport) -> tuple[torch.Tensor, dict]:
+    async def _run_round(self, group, prepared, state_key: str, report: AverageReport, judge: Judge | None = None) -> tuple[torch.Tensor, dict]:
         """The round's result and what its gather lost per slice we own (for the feedback)."""
-        rnd = Round(group=group, me=self.peer_id, leader=report.leader, report=report, state_key=state_key)
+        rnd = Round(group=group, me=self.peer_id, leader=report.leader, report=report, state_key=state_key, judge=judge)
         rnd.result = torch.empty_like(prepared.flat)  # gathered slices are decoded straight into it
         report.group_id, report.members, report.bounds = group.group_id, list(group.members), group.bounds
         report.slice_owners = group.slice_owners

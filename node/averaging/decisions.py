@@ -419,14 +419,19 @@ def learn_flow_rate(old: float | None, nbytes: int, took: float, paced: bool) ->
     return Learned(rate if old is None else 0.7 * old + 0.3 * rate, f"{rate / 1e6:.1f} MB/s")
 
 
-def accusations(key: str, evidence: Mapping[int, Mapping[str, float]], me: str) -> dict[str, str]:
+def accusations(key: str, evidence: Mapping[int, Mapping[str, float]], me: str, harm: Mapping[str, tuple[int, float]] | None = None) -> dict[str, str]:
     """Who this round's evidence accuses, each with the reason a ban will carry: a member whose
     part was far from the robust aggregate of any slice we own (`evidence`: slice -> member ->
-    how many times the group's spread). One accusation per member and round, naming its worst
-    slice; never ourselves."""
+    how many times the group's spread), or whose parts raised the loss of its check batch in
+    round after round where the aggregate lowered it (`harm`: member -> (rounds running, this
+    round's ratio), from aggregators.HarmRuns). One accusation per member and round (distance
+    first, naming its worst slice); never ourselves."""
+    reasons = {m: f"round {key}: its parts raised the loss of its own data {n} rounds running, this one by {r:g}x what the aggregate lowered it"
+               for m, (n, r) in (harm or {}).items() if m != me}  # fmt: skip
     worst: dict[str, tuple[float, int]] = {}
     for j, far in evidence.items():
         for m, ratio in far.items():
             if m != me and ratio > worst.get(m, (0.0, -1))[0]:
                 worst[m] = (ratio, j)
-    return {m: f"round {key}: its part of slice {j} was {ratio:g}x the group's spread from the robust aggregate" for m, (ratio, j) in sorted(worst.items())}
+    reasons.update({m: f"round {key}: its part of slice {j} was {ratio:g}x the group's spread from the robust aggregate" for m, (ratio, j) in worst.items()})
+    return dict(sorted(reasons.items()))

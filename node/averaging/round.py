@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +25,11 @@ from .buffers import Prepared, cut_from
 from .config import AverageReport, RoundFailed
 from .decisions import accusations, choose_pace, decide_commit, decide_scatter
 from .schedule import Batch, InTurn, settle
+
+# the caller's check batches (Averager.average's `judge`): for slice [a, b), the members' parts
+# of it, their aggregate and the members, per member the loss of its check batch at θ, with the
+# aggregate's slice, with its part's slice
+Judge = Callable[[int, int, Sequence[torch.Tensor], torch.Tensor, Sequence[str]], list[tuple[float, float, float]]]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,8 @@ class Round:
     done: bool = False  # returned or failed: parts that still arrive are refused, never written
     gather_residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # owned slice -> this round's gather error
     evidence: dict[int, dict[str, float]] = field(default_factory=dict)  # owned slice -> members whose part was far from the robust aggregate
+    judge: Judge | None = None  # the caller's check batches: per member, losses with its part of a slice we own applied alone
+    harm: dict[int, dict[str, float]] = field(default_factory=dict)  # owned slice -> member -> its part's harm to the check batch (aggregators.harm_ratios)
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -146,7 +153,8 @@ class RoundDriver:
         """Score down the members whose parts this committed round found far from the robust
         aggregate of a slice we own: repeated, the evidence bans them (with its reason) here."""
         now = time.monotonic()
-        for peer, why in accusations(self.rnd.report.key, self.rnd.evidence, self.rnd.me).items():
+        harm = self.avg.harm_runs.add(self.rnd.harm) if self.rnd.harm else {}
+        for peer, why in accusations(self.rnd.report.key, self.rnd.evidence, self.rnd.me, harm).items():
             log.info("round %s: %s: %s", self.rnd.group.group_id, peer[-8:], why)
             self.avg.transport.scores.penalize(peer, EVIDENCE_PENALTY, now, why)
 
@@ -433,9 +441,11 @@ class RoundDriver:
         agg = aggregators.get(self.config.aggregator)
         ours = [parts[m] for m in members]
         avg = agg(ours, w, **self.config.aggregator_params).contiguous()
+        a, b = rnd.group.bounds[j], rnd.group.bounds[j + 1]
         if self.config.aggregator != "mean" and self.config.accuse:  # a robust aggregate: what lies far from it is evidence
             rnd.evidence[j] = aggregators.far_parts(ours, avg, members)
-        a, b = rnd.group.bounds[j], rnd.group.bounds[j + 1]
+            if rnd.judge is not None:  # and what harms where the aggregate helps
+                rnd.harm[j] = self.judged(j, a, b, ours, avg, members)  # (judged once the round commits: accuse)
         if not codec.lossy:
             enc, decoded = codec.encode(avg), avg
         elif not self.config.gather_feedback:
@@ -446,6 +456,17 @@ class RoundDriver:
             return codec.encode_with_feedback(avg, carry, out=rnd.gather_residuals[j], decoded=rnd.result[a:b])[0]
         rnd.result[a:b] = decoded
         return enc
+
+    def judged(self, j: int, a: int, b: int, parts: list[torch.Tensor], avg: torch.Tensor, members: Sequence[str]) -> dict[str, float]:
+        """How much each member's part of slice j harms its check batch (the caller's judge
+        measures, aggregators.harm_ratios compares). A judge that fails judges nobody: the round
+        goes on."""
+        try:
+            losses = self.rnd.judge(a, b, parts, avg, members)
+        except Exception as e:  # noqa: BLE001 (a check of ours must never fail the round)
+            log.warning("round %s: the check of slice %d failed: %s", self.rnd.group.group_id, j, e)
+            return {}
+        return aggregators.harm_ratios(losses, members)
 
     # ---- commit ----
 
