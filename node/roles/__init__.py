@@ -55,6 +55,8 @@ Files:
                          Hugging Face Mixtral fetched by pin): layout, shards, dense parts, forward
     replica.py           `Replica`: the DiLoCo round, state taken from peers or the coordinator
     replica_peers.py     `ReplicaPeers`: the other replicas, as a replica sees them, and their states
+    check_batch.py       `CheckBatch`: a replica's judge of the parts it aggregates, by the loss of
+                         each sender's own data with its part applied alone
     attacks.py           `Attack`: what a Byzantine replica sends in place of its pseudo-gradient;
                          `AnswerAttack`: what a Byzantine stage server or expert host answers with
                          (node settings fault_attack, fault_attack_scale: tests, drills, benches)
