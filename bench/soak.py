@@ -24,7 +24,9 @@ compared with the clean one's at equal samples.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -45,7 +47,14 @@ STOP = threading.Event()  # set on ctrl-c or SIGTERM: every arm's loop ends and 
 
 
 def _disk_mib(path: Path) -> float:
-    return round(sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / (1 << 20), 1) if path.exists() else 0.0
+    """MiB of the files under `path` now. The node prunes old checkpoints while we count: a file
+    or folder gone on the way counts as gone (it crashed a two-hour soak after 35 minutes)."""
+    total = 0
+    for folder, _, files in os.walk(path):  # (a folder that vanished is skipped by os.walk)
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(folder, f), follow_symlinks=False).st_size
+    return round(total / (1 << 20), 1)
 
 
 def _p2pd(pids: list[int]) -> list[int]:
