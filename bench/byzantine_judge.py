@@ -40,6 +40,7 @@ def _ids(seed: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # (small tensors; beside a busy machine, more threads only wait on each other)
     corpus, mc, cfg = load_corpus(), PRESETS["tiny"], TrainConfig(seed=args.seed)
     ids = _ids(args.seed)
     base = GPT(mc)
