@@ -9,10 +9,7 @@ Arms, each its own swarm, the same outer steps (so the honest replicas train equ
     clean     M honest replicas, the robust aggregator (--aggregator, default centered_clip)
     attacked  M - N honest, N liars, the robust aggregator
     mean      M - N honest, N liars, the plain mean
-Each replica reads the data shard its peer id picks, as in a real swarm (the judge by harm judges
-each part on its sender's shard: node/roles/check_batch.py); two may share one. The peer ids
-come from the seed: the same in every arm. Each arm reports
-the honest replicas' validation loss at the last outer step, who banned whom
+Each arm reports the honest replicas' validation loss at the last outer step, who banned whom
 (from the honest replicas' logs), and the bans' precision and recall against the liars: a liar
 counts as caught when a majority of the honest replicas banned it. An arm whose honest loss
 goes past DERAILED times where it started, or stops being a number, is stopped there and
@@ -22,7 +19,6 @@ reported derailed (the plain mean's arm, mostly: its rounds then take the join t
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import re
@@ -33,7 +29,6 @@ import time
 from pathlib import Path
 
 from node.config import ANSWER_ATTACKS, REPLICA_ATTACKS
-from protocol import SigningKey
 from tests.swarm import Swarm, node_peer_id, wait_for
 
 from .byzantine_slots import SLOT_ARMS, run_slot_arm, slot_result
@@ -78,16 +73,6 @@ def ban_scores(bans: dict[str, set[str]], liars: set[str], honest: set[str]) -> 
     }
 
 
-def identity(work: Path, seed: int, i: int) -> Path:
-    """Replica i's key file, the same in every arm of a seed (so its peer id, and the data shard
-    that picks, is too)."""
-    path = work / "keys" / f"r{i}.pem"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        SigningKey.from_seed(hashlib.sha256(f"byzantine-{seed}-{i}".encode()).digest()).save(path)
-    return path
-
-
 def run_arm(arm: str, args: argparse.Namespace, work: Path) -> dict:
     """One swarm to its last outer step: the honest replicas' loss there, and the bans."""
     work.mkdir(parents=True)
@@ -104,7 +89,7 @@ def run_arm(arm: str, args: argparse.Namespace, work: Path) -> dict:
         names = [f"r{i}" for i in range(args.replicas)]
         attack = ["--fault-attack", args.attack] + (["--fault-attack-scale", str(args.scale)] if args.scale else [])
         node = ["--threads", "1", "--bandwidth-mbps", "1000", "--heartbeat-interval-s", "1", "--num-shards", str(args.replicas), "--aggregator", aggregator]
-        procs = {n: sw.node(n, [maddr], *node, "--identity", str(identity(work.parent, args.seed, i)), *(attack if i >= args.replicas - liars else [])) for i, n in enumerate(names)}
+        procs = {n: sw.node(n, [maddr], *node, "--shard-index", str(i), *(attack if i >= args.replicas - liars else [])) for i, n in enumerate(names)}
         ids = {n: node_peer_id(p) for n, p in procs.items()}
         honest = names[: args.replicas - liars]
         wait_for(lambda: min(_step(work, n) for n in honest) >= args.outer_steps or _derailed(work, honest), args.timeout,

@@ -55,8 +55,9 @@ Files:
                          Hugging Face Mixtral fetched by pin): layout, shards, dense parts, forward
     replica.py           `Replica`: the DiLoCo round, state taken from peers or the coordinator
     replica_peers.py     `ReplicaPeers`: the other replicas, as a replica sees them, and their states
-    check_batch.py       `CheckBatch`: a replica's judge of the parts it aggregates, by the loss of
-                         each sender's own data with its part applied alone
+    check_batch.py       `CheckBatch`: a judge of the parts a replica aggregates, by the loss of each
+                         sender's own data with its part applied alone (bench/byzantine_judge.py;
+                         not yet a replica's: its bans must first agree, see its docstring)
     attacks.py           `Attack`: what a Byzantine replica sends in place of its pseudo-gradient;
                          `AnswerAttack`: what a Byzantine stage server or expert host answers with
                          (node settings fault_attack, fault_attack_scale: tests, drills, benches)

@@ -12,7 +12,16 @@ aggregate lowers it points the wrong way, however near the others it lies
 not do: an honest replica whose shard is unlike it raises its loss, round after round.
 
 The judge needs shards from peer ids (node setting shard_index -1, the default): a replica told
-its shard (tests, benches) cannot know the others', and judges nobody by harm.
+its shard (tests, benches) cannot know the others'.
+
+Not yet a replica's. Each owner judges only its own slices, so owners reach a run of harm at
+different rounds; in a swarm test of five (three honest, a sign-flipper, an IPM liar), two honest
+replicas banned the IPM liar while the third went on averaging with it: the swarm split in two,
+the third alone with the liars, and the coordinator banned an honest replica of the group that
+fell behind for uploading an older checkpoint. Distance evidence does not split (every owner sees
+a loud liar far at once). The judge waits for bans that the honest members agree on (e.g. a
+round's leader leaving out a peer that a majority of owners accused). bench/byzantine_judge.py
+measures it meanwhile.
 
 The copy costs the model's memory once; each slice judged costs three forwards per member's
 shard (one batch per shard and round), on the averaging's worker thread, one slice at a time.

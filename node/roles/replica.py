@@ -51,7 +51,6 @@ from ..state.checkpoint_client import fetch_manifest, upload_checkpoint
 from ..state.checkpoint_dir import CheckpointDirError
 from .attacks import replica_attack
 from .budget import MedianWatch, keep_stepping
-from .check_batch import CheckBatch
 from .pause import PauseWatch
 from .role import Role, RoleContext, RoleError
 from .run_model import RunModel, model_meta, run_model
@@ -142,7 +141,6 @@ class Replica(Role):
         self._inner_threads = self.threads
         self.slowdown = c.fault_slowdown
         self.attack = replica_attack(c)  # a Byzantine replica (tests, drills, benches)
-        self.check: CheckBatch | None = None  # with a robust aggregator: the parts of our slices judged by their harm to their senders' data
         self._out_of_step = False  # the last round failed: we may have been left behind
         self._lone = False  # the last round found us the swarm's only replica (logged when that changes)
         self.streaming: Streaming | None = None  # the outer step in fragments (run.fragments > 1), made with the model
@@ -201,9 +199,6 @@ class Replica(Role):
         batches = Batches(self.corpus.train, shard, c.num_shards, self.train_config.batch_size, self.spec.context, self.train_config.seed + shard)
         if self.attack is not None:  # (other-data trains on data of its own)
             batches = self.attack.data(batches, self.corpus.vocab_size)
-        if self.averager.config.aggregator != "mean" and self.averager.config.accuse and c.shard_index < 0:  # (others' shards known: check_batch.py)
-            tc = self.train_config
-            self.check = await self._compute(CheckBatch, self.model, self.corpus.train, c.num_shards, tc.batch_size, self.spec.context, tc.outer_lr, EVAL_SEED + 1 + shard)
         # in a thread: the first AdamW of a process imports torch._dynamo, seconds of work
         self.inner = await self._compute(InnerTrainer, self.model, self.train_config, batches)
         self.inner.step_count = self.round * self.run_config.inner_steps
@@ -352,12 +347,8 @@ class Replica(Role):
         watch = asyncio.create_task(self._watch_swarm(key)) if self._out_of_step else None
         if self.attack is not None:
             pseudo = self.attack.apply(pseudo)
-        judge = None
-        if self.check is not None:  # the tensors averaged: the whole model's, or fragment f's ("outer-f<f>")
-            part = range(len(self.outer.params)) if state_key == "outer" else self.streaming.parts[int(state_key.removeprefix("outer-f"))]
-            judge = self.check.judge(self.outer.params, part)
         try:
-            avg, report = await self.averager.average(key, pseudo, weight=weight, expected_peers=expected, state_key=state_key, join_timeout_s=window, judge=judge)
+            avg, report = await self.averager.average(key, pseudo, weight=weight, expected_peers=expected, state_key=state_key, join_timeout_s=window)
         except AveragingFailed as e:
             avg, report = None, e.report
         finally:
