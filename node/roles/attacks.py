@@ -105,7 +105,7 @@ class Attack:
     def observe(self, aggregate: list[torch.Tensor]) -> None:
         """The aggregate of the round this attacker just took part in (alie: the spread it
         estimates from)."""
-        key = tuple(tuple(t.shape) for t in aggregate)
+        key = _shapes(aggregate)
         if self.kind == "alie" and key in self.honest:
             self.seen[key] = [(h - a).abs() for h, a in zip(self.honest.pop(key), aggregate)]
 
@@ -115,7 +115,7 @@ class Attack:
         return _Mirrored(batches, vocab_size) if self.kind == "other-data" else batches
 
     def _alie(self, update: list[torch.Tensor]) -> list[torch.Tensor]:
-        key = tuple(tuple(t.shape) for t in update)
+        key = _shapes(update)
         self.honest[key] = [t.clone() for t in update]
         spread = self.seen.get(key)
         if spread is None:  # nothing seen yet: honest, this once
@@ -123,12 +123,18 @@ class Attack:
         return [t - self.scale * s for t, s in zip(update, spread)]
 
     def _stale(self, update: list[torch.Tensor]) -> list[torch.Tensor]:
-        key = tuple(tuple(t.shape) for t in update)
+        key = _shapes(update)
         kept = self.kept.setdefault(key, deque())
         kept.append([t.clone() for t in update])
         while len(kept) > int(self.scale) + 1:
             kept.popleft()
         return [t.clone() for t in kept[0]]
+
+
+def _shapes(update: list[torch.Tensor]) -> tuple:
+    """What `stale` and `alie` keep their rounds under: the update's shapes (a fragment's rounds
+    keep their own)."""
+    return tuple(tuple(t.shape) for t in update)
 
 
 class _Mirrored:
